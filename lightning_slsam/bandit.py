@@ -1,0 +1,344 @@
+"""EXP3-style layer sampler of SL-SAM (the paper's Algorithm 2, "Update Distribution").
+
+SL-SAM keeps one probability ``p_l`` per layer (``N`` layers), with ``sum(p) = s`` where
+``s = layer_ratio * N`` is the expected number of active layers per step. Each step:
+
+1. :meth:`LayerBandit.sample` draws layer ``l`` independently with probability ``p_l``
+   (redrawing the whole vector if nothing was drawn, as the released code does).
+2. The optimizer runs sparse SAM on the active layers and measures ``r_l``, the L2 norm of
+   each active layer's first (unperturbed) gradient.
+3. :meth:`LayerBandit.update` turns the norms into a loss ``k_l`` (``0`` for inactive
+   layers), forms ``u_l = p_l * exp(-alpha_p * k_l / p_l)`` and sets the new ``p`` to the KL
+   projection of ``u`` onto ``{q : sum(q) = s, p_min <= q_l <= 1}`` (:func:`kl_projection`).
+
+Two loss forms are offered:
+
+* ``"paper"``: Algorithm 2 literally, ``k_l = G**2 / p_min**2 - r_l**2 / p_l**2`` with
+  ``G = max_{j active} r_j``.
+* ``"shifted"`` (default): ``k_l = max_{j active} (r_j / p_j)**2 - (r_l / p_l)**2``, the form
+  in the authors' released code. The literal form charges every sampled layer the constant
+  ``G**2 / p_min**2`` that unsampled layers (``k = 0``) do not pay; with the paper's constants
+  (``p_min = alpha_p = 1e-3``) and unit norms, ``alpha_p * k_l / p_l ~ 1e3 / p_l`` (5000 at
+  ``p_l = 0.2``), so one step drives every sampled layer to the floor whatever its norm. The
+  shift (best active layer has loss 0) keeps only the differences between layers.
+
+Unlike the released code (which only clips at 1e-8), the lower bound ``p_min`` is enforced
+exactly, so every layer keeps at least a ``p_min`` chance of being sampled. ``u`` is formed
+in log space (float64), so it never under- or overflows.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["LayerBandit", "kl_projection"]
+
+# Largest |log-weight| used; beyond it the weights are clipped (still ordered, still finite).
+_LOG_CLAMP = 1e300
+# Relative slack when comparing the budget with N * bound (float sums of equal parts).
+_REL_TOL = 1e-12
+_LOSSES = ("shifted", "paper")
+
+
+def kl_projection(
+    log_u: torch.Tensor, budget: float, lower: float, upper: float = 1.0
+) -> torch.Tensor:
+    """Exact KL projection of positive weights ``u = exp(log_u)`` onto a capped simplex.
+
+    Returns the minimiser of ``KL(q || u) = sum(q * log(q / u) - q + u)`` over
+    ``{q : sum(q) = budget, lower <= q_l <= upper}``, which is ``q_l = clip(c * u_l, lower,
+    upper)`` for the scalar ``c > 0`` making the sum equal ``budget``.
+
+    Args:
+        log_u: ``[N]`` log-weights, any float dtype/device. NaN and ``+inf`` raise; very
+            negative values and ``-inf`` mean "(almost) zero weight".
+        budget: Required sum, in ``[N * lower, N * upper]`` (else ValueError).
+        lower: Lower bound of every entry, ``> 0``.
+        upper: Upper bound of every entry, ``>= lower``; default 1.0.
+
+    Returns:
+        ``[N]`` float64 tensor on ``log_u``'s device.
+
+    The scalar is found exactly, not iteratively: with ``t = log(c)``, ``h(t) = sum(clip(
+    exp(t + log_u), lower, upper))`` is piecewise with breakpoints where an entry leaves
+    ``lower`` or reaches ``upper``. ``h`` is evaluated at all ``2N`` breakpoints with suffix
+    log-sum-exps (O(N log N)), and on the segment where it crosses ``budget`` the free entries
+    share the remaining budget in proportion to ``u``.
+    """
+    x = torch.as_tensor(log_u).detach().to(dtype=torch.float64).reshape(-1)
+    n = x.numel()
+    lower, upper, budget = float(lower), float(upper), float(budget)
+    if n == 0:
+        raise ValueError("log_u must have at least one entry.")
+    if not (math.isfinite(upper) and 0.0 < lower <= upper):
+        raise ValueError(f"Need 0 < lower <= upper < inf, got lower={lower}, upper={upper}.")
+    lo_sum, hi_sum = n * lower, n * upper
+    if not lo_sum - _REL_TOL * hi_sum <= budget <= hi_sum * (1.0 + _REL_TOL):
+        raise ValueError(
+            f"budget={budget} is infeasible for {n} entries in [{lower}, {upper}]: "
+            f"it must lie in [{lo_sum}, {hi_sum}]."
+        )
+    if not bool((x < math.inf).all()):
+        raise ValueError("log_u contains NaN or +inf; pass finite log-weights (or -inf).")
+    if budget >= hi_sum:
+        return torch.full_like(x, upper)
+    if budget <= lo_sum:
+        return torch.full_like(x, lower)
+
+    # Clamp finite weights to +-1e300 and send -inf (u == 0) strictly below all of them, so the
+    # max-shift below can neither overflow nor produce inf - inf.
+    x = torch.where(x == -math.inf, -3 * _LOG_CLAMP, x.clamp(-_LOG_CLAMP, _LOG_CLAMP))
+    xs, order = torch.sort(x - x.max(), descending=True)
+    log_a, width = math.log(lower), math.log(upper) - math.log(lower)
+    idx = torch.arange(n, device=x.device)
+    # A gap wider than log(upper/lower) splits the sorted weights into clusters: while any entry
+    # of a cluster is inside the box, all higher clusters sit at `upper` and all lower ones at
+    # `lower`. So only the cluster where the budget runs out is solved, in coordinates relative
+    # to its own top; this keeps the breakpoint arithmetic exact whatever the spread of log_u.
+    starts = torch.cat([torch.ones(1, dtype=torch.bool, device=x.device), xs[:-1] - xs[1:] > width])
+    fill = upper * idx.double() + lower * (n - idx).double()  # entries before idx at `upper`
+    first = torch.where(starts & (fill <= budget), idx, 0).max()
+    last = torch.where(starts & (idx > first), idx, n).min() - 1
+    top, bottom = xs[first], xs[last]
+    low = bottom - top - width - 1.0  # always at `lower` on the solved cluster's range of t
+    xs = torch.where(idx < first, width, torch.where(idx <= last, xs - top, low))
+    ta = log_a - xs  # ascending: the t at which each entry rises above `lower`
+    tb = log_a + width - xs  # ascending: the t at which each entry reaches `upper`
+    # Suffix log-sums: the free entries at any t are a contiguous run of the sorted order, and
+    # a suffix difference never cancels badly (the tail below the run is at most N times it).
+    lse = torch.cat([torch.logcumsumexp(xs.flip(0), 0).flip(0), xs.new_full((1,), -math.inf)])
+
+    # Count, at every breakpoint, the entries already capped / above `lower` by merging both
+    # breakpoint lists with one sort (torch.searchsorted would spawn intra-op threads for a few
+    # hundred values, which costs milliseconds when the cores are busy). Equal breakpoints give
+    # equal h whatever the partial counts (the entries in transition sit exactly on a bound),
+    # and the last of them, which has the full counts, is the one picked below.
+    t, perm = torch.sort(torch.cat([ta, tb]))
+    n_hi = torch.cat([torch.zeros_like(xs), torch.ones_like(xs)])[perm].cumsum(0)  # capped
+    pos = torch.arange(2 * n, device=x.device)
+    n_up = (pos + 1).double() - n_hi  # above `lower`
+    i_hi, i_up = n_hi.long(), n_up.long()
+    gap = (lse[i_up] - lse[i_hi]).clamp_max(0.0)
+    free = torch.exp(t + lse[i_hi] + torch.log1p(-torch.exp(gap)))
+    h = upper * n_hi + lower * (n - n_up) + torch.where(i_up > i_hi, free, 0.0)
+    # h at the first breakpoint is n * lower <= budget; the floor at 0 only guards rounding.
+    k = torch.where(h <= budget, pos, 0).max()
+    n_hi, n_up = n_hi[k], n_up[k]
+    is_hi, is_free = idx < n_hi, (idx >= n_hi) & (idx < n_up)
+    rest = budget - upper * n_hi - lower * (n - n_up)
+    # Shift by the largest free weight so no share underflows.
+    w = torch.where(is_free, torch.exp(xs - xs[n_hi.long().clamp_max(n - 1)]), 0.0)
+    q = torch.where(is_hi, upper, torch.where(is_free, rest * w / w.sum().clamp_min(1.0), lower))
+
+    # Rounding at a near-tie may leave one entry a hair outside the box; clip and give the
+    # difference back to the free entries so the sum stays exact.
+    q = q.clamp(lower, upper)
+    free_mask = (q > lower) & (q < upper)
+    free_sum = torch.where(free_mask, q, 0.0).sum()
+    fix = (budget - torch.where(free_mask, 0.0, q).sum()) / free_sum
+    q = torch.where(free_mask & (free_sum > 0), q * fix, q).clamp(lower, upper)
+    return torch.empty_like(q).scatter_(0, order, q)
+
+
+def _param(name: str, value: object, ok: Callable[[float], bool], hint: str) -> float:
+    """Return ``value`` as a finite float passing ``ok``, else raise a ValueError naming it."""
+    try:
+        v = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        v = math.nan
+    if not (math.isfinite(v) and ok(v)):
+        raise ValueError(f"{name}={value!r} is invalid: {hint}")
+    return v
+
+
+def _validated(
+    num_layers: int, layer_ratio: float, p_min: float, alpha_p: float, loss: str
+) -> tuple[int, float, float, float, str]:
+    """Check the bandit's hyper-parameters; raise ValueError naming the bad one and the fix."""
+    integral = isinstance(num_layers, numbers.Integral) and not isinstance(num_layers, bool)
+    if not integral or num_layers < 1:
+        raise ValueError(f"num_layers={num_layers!r} is invalid: pass an int >= 1.")
+    n = int(num_layers)
+    ratio = _param("layer_ratio", layer_ratio, lambda v: 0 < v <= 1, "use a value in (0, 1].")
+    floor = _param("p_min", p_min, lambda v: 0 < v < 1, "use a value in (0, 1), e.g. 1e-3.")
+    if floor * n > ratio * n * (1.0 + _REL_TOL):
+        raise ValueError(
+            f"p_min={p_min!r} is too large for {n} layers at layer_ratio={ratio}: the floors "
+            f"alone exceed the budget s={ratio * n:g}; use p_min <= s/N = {ratio:g}."
+        )
+    step = _param("alpha_p", alpha_p, lambda v: v >= 0, "use a finite value >= 0, e.g. 1e-3.")
+    if loss not in _LOSSES:
+        raise ValueError(f"loss={loss!r} is invalid: use one of {_LOSSES}.")
+    return n, ratio, floor, step, loss
+
+
+class LayerBandit:
+    """EXP3 sampler of active layers with a KL-projected, floor-bounded distribution.
+
+    Args:
+        num_layers: Number of layers ``N`` (int, ``>= 1``).
+        layer_ratio: Expected fraction of active layers, in ``(0, 1]``; the budget is
+            ``s = layer_ratio * N`` expected active layers. Default 0.2 (the paper's ``s/N``).
+        p_min: Floor of every probability, in ``(0, 1)`` with ``p_min <= s / N``. Default
+            1e-3 (the paper's value).
+        alpha_p: Step size of the exponential update, ``>= 0`` (0 freezes the distribution).
+            Its effect scales with the squared gradient norms, which are not normalised.
+            Default 1e-3 (the paper's value).
+        loss: ``"shifted"`` (default, the released code's loss) or ``"paper"`` (Algorithm 2
+            literally); see the module docstring.
+        generator: CPU ``torch.Generator`` used only by :meth:`sample`. If None, a private one
+            is seeded with ``torch.initial_seed()``, so a global seed (e.g. Lightning's
+            ``seed_everything``) makes sampling reproducible without consuming the global
+            RNG stream.
+
+    Attributes:
+        num_samples: Masks returned by :meth:`sample`.
+        num_redraws: Empty draws that were discarded and redrawn.
+        num_updates: Updates applied. ``num_skipped``: updates skipped for bad norms.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        layer_ratio: float = 0.2,
+        p_min: float = 1e-3,
+        alpha_p: float = 1e-3,
+        loss: str = "shifted",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        cfg = _validated(num_layers, layer_ratio, p_min, alpha_p, loss)
+        self._n, self._ratio, self._p_min, self._alpha, self._loss = cfg
+        self._budget = self._ratio * self._n
+        if generator is None:
+            generator = torch.Generator()
+            generator.manual_seed(torch.initial_seed())
+        elif generator.device.type != "cpu":
+            raise ValueError(f"generator must be a CPU torch.Generator, got {generator.device}.")
+        self._gen = generator
+        self._probs = torch.full((self._n,), self._budget / self._n, dtype=torch.float64)
+        self.num_samples = self.num_redraws = self.num_updates = self.num_skipped = 0
+
+    @property
+    def probs(self) -> torch.Tensor:
+        """Copy of the sampling probabilities: float64 CPU ``[N]``, summing to :attr:`budget`."""
+        return self._probs.clone()
+
+    @property
+    def budget(self) -> float:
+        """Expected number of active layers per step, ``s = layer_ratio * N``."""
+        return self._budget
+
+    def sample(self) -> torch.Tensor:
+        """Draw the active set: bool ``[N]``, layer ``l`` True with probability ``p_l``.
+
+        Draws are independent Bernoulli trials from the bandit's own generator; an all-False
+        draw is discarded and redrawn (counted in ``num_redraws``), so at least one layer is
+        always active and the marginals are ``p_l / (1 - prod(1 - p))``.
+        """
+        mask = torch.rand(self._n, generator=self._gen, dtype=torch.float64) < self._probs
+        while not bool(mask.any()):
+            self.num_redraws += 1
+            mask = torch.rand(self._n, generator=self._gen, dtype=torch.float64) < self._probs
+        self.num_samples += 1
+        return mask
+
+    def update(self, active: torch.Tensor, norms: torch.Tensor) -> bool:
+        """Apply one step of Algorithm 2 from the active layers' gradient norms.
+
+        Args:
+            active: bool ``[N]``, the mask the norms were measured on.
+            norms: ``[N]`` float L2 norms of each layer's unperturbed gradient (any device or
+                dtype); entries of inactive layers are ignored and may hold anything.
+
+        Returns:
+            True if the distribution was updated; False if no layer was active, or (with a
+            RuntimeWarning) if an active norm was NaN, infinite or negative.
+        """
+        active = torch.as_tensor(active).detach().to("cpu", torch.bool).reshape(-1)
+        r = torch.as_tensor(norms).detach().to("cpu", torch.float64).reshape(-1)
+        if active.numel() != self._n or r.numel() != self._n:
+            raise ValueError(
+                f"active and norms must have {self._n} entries (num_layers), got "
+                f"{active.numel()} and {r.numel()}."
+            )
+        bad = active & ~((r >= 0.0) & (r < math.inf))  # both comparisons are False for NaN
+        n_active, n_bad = torch.stack([active.sum(), bad.sum()]).tolist()
+        if n_active == 0:
+            return False
+        if n_bad:
+            layers = torch.nonzero(bad).flatten()[:5].tolist()
+            warnings.warn(
+                f"LayerBandit.update skipped: {n_bad} active layer(s) had a NaN, infinite or "
+                f"negative gradient norm (first: {layers}); the sampling probabilities are "
+                "unchanged. Check for overflow in the loss or gradients.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self.num_skipped += 1
+            return False
+
+        p = self._probs
+        r = torch.where(active, r, 0.0)
+        # Work with r / G so squares cannot overflow; G**2 is folded back in at the end.
+        g = r.max()
+        z = r / torch.where(g > 0, g, 1.0) / p
+        z_ref = z.max() if self._loss == "shifted" else (z.max() > 0).double() / self._p_min
+        k = torch.where(active, (z_ref - z) * (z_ref + z), 0.0)  # difference of squares
+        # Gate on k > 0 so an overflowing G**2 cannot turn 0 * inf into NaN.
+        expo = torch.where(k > 0, self._alpha * k / p * g * g, 0.0)
+        new = kl_projection(torch.log(p) - expo, self._budget, self._p_min, 1.0)
+        if not bool(torch.isfinite(new).all()):  # defensive: never store a broken state
+            warnings.warn("LayerBandit.update skipped: projection failed.", RuntimeWarning, 2)
+            self.num_skipped += 1
+            return False
+        self._probs = new
+        self.num_updates += 1
+        return True
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume bit-identically, including the generator state."""
+        return {
+            "probs": self._probs.clone(),
+            "generator": self._gen.get_state(),
+            "num_layers": self._n,
+            "layer_ratio": self._ratio,
+            "p_min": self._p_min,
+            "alpha_p": self._alpha,
+            "loss": self._loss,
+            "num_updates": self.num_updates,
+            "num_samples": self.num_samples,
+            "num_redraws": self.num_redraws,
+            "num_skipped": self.num_skipped,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output; ``num_layers`` must match this bandit's."""
+        if int(state["num_layers"]) != self._n:
+            raise ValueError(
+                f"Bandit state is for num_layers={state['num_layers']} but this bandit has "
+                f"num_layers={self._n}; the model's layer list changed since the checkpoint."
+            )
+        cfg = _validated(
+            self._n, state["layer_ratio"], state["p_min"], state["alpha_p"], state["loss"]
+        )
+        budget = cfg[1] * self._n
+        probs = torch.as_tensor(state["probs"]).detach().to("cpu", torch.float64).reshape(-1)
+        if probs.numel() != self._n or not (
+            bool(((probs >= cfg[2]) & (probs <= 1.0)).all())
+            and abs(probs.sum().item() - budget) <= 1e-9 * budget
+        ):
+            raise ValueError(
+                f"state['probs'] must be {self._n} values in [p_min={cfg[2]}, 1] summing to "
+                f"s={budget:g}; the checkpoint is corrupt or from another bandit."
+            )
+        self._n, self._ratio, self._p_min, self._alpha, self._loss = cfg
+        self._budget = budget
+        self._gen.set_state(state["generator"])
+        self._probs = probs.clone()
+        for key in ("num_updates", "num_samples", "num_redraws", "num_skipped"):
+            setattr(self, key, int(state[key]))
