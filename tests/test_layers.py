@@ -1,0 +1,114 @@
+"""Layer partition: groupings, exclusions, the user's frozen tensors, tied weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import LitModel, Snapshots, loader, make_data, make_mlp, trainer
+from torch import nn
+
+from lightning_slsam import SparseLayerSAM, build_partition
+
+
+def _block_model() -> nn.Module:
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.Linear(4, 4)
+            self.norm = nn.LayerNorm(4)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.blocks = nn.ModuleList([Block(), Block()])
+            self.head = nn.Linear(4, 2)
+            self.head.weight = nn.Parameter(torch.randn(2, 4))
+
+    return Net()
+
+
+def test_default_is_one_layer_per_trainable_tensor():
+    net = _block_model()
+    part = build_partition(net)
+    assert part.names == [n for n, _ in net.named_parameters()]
+    assert part.num_layers == 11
+    assert part.numel == [p.numel() for p in net.parameters()]
+
+
+def test_module_grouping():
+    part = build_partition(_block_model(), layers="module")
+    assert part.names == [
+        "embed", "blocks.0.attn", "blocks.0.norm", "blocks.1.attn", "blocks.1.norm", "head",
+    ]  # fmt: skip
+    assert part.param_names[1] == ["blocks.0.attn.weight", "blocks.0.attn.bias"]
+
+
+def test_regex_grouping_by_match_and_capture():
+    part = build_partition(_block_model(), layers=[r"blocks\.\d+"])
+    assert part.names == ["embed.weight", "blocks.0", "blocks.1", "head.weight", "head.bias"]
+    assert len(part.params[1]) == 4
+    part = build_partition(_block_model(), layers=[r"blocks\.\d+\.(\w+)"])
+    assert part.names[1:3] == ["attn", "norm"]  # capture group: same kind across blocks
+    assert len(part.params[1]) == 4
+
+
+def test_callable_grouping():
+    part = build_partition(
+        _block_model(), layers=lambda name, p: "bias" if name.endswith("bias") else None
+    )
+    assert "bias" in part.names
+    assert len(part.params[part.names.index("bias")]) == 5
+
+
+def test_users_frozen_and_tied_parameters():
+    net = _block_model()
+    net.embed.weight.requires_grad_(False)
+    tied = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    tied[1].weight = tied[0].weight
+    assert build_partition(net).names[0] == "blocks.0.attn.weight"
+    assert build_partition(tied).num_layers == 1
+
+
+def test_always_active_and_always_frozen_in_training():
+    model = LitModel(make_mlp(), weight_decay=0.0)
+    model.net[2].weight.requires_grad_(False)  # the user's own frozen LayerNorm weight
+    snaps = Snapshots()
+    cb = SparseLayerSAM(
+        layer_ratio=0.3, always_active=[r"^net\.5\."], always_frozen=[r"^net\.0\.bias$"], seed=2
+    )
+    trainer(callbacks=[cb, snaps], max_epochs=2).fit(model, loader(make_data(64), 16))
+    assert "net.5.weight" not in cb.layer_names and "net.0.bias" not in cb.layer_names
+    assert "net.2.weight" not in cb.layer_names
+    previous = snaps.before
+    for after in snaps.after:
+        assert not torch.equal(after["net.5.weight"], previous["net.5.weight"])
+        assert not torch.equal(after["net.5.bias"], previous["net.5.bias"])
+        assert torch.equal(after["net.0.bias"], previous["net.0.bias"])
+        assert torch.equal(after["net.2.weight"], previous["net.2.weight"])
+        previous = after
+    assert model.net[2].weight.requires_grad is False  # still frozen after fit
+    assert model.net[0].bias.requires_grad is True  # ours again after fit
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"layers": "block"}, "`layers`"),
+        ({"layers": 3}, "`layers`"),
+        ({"layers": ["("]}, "invalid regular expression"),
+        ({"always_active": "head"}, "Wrap it in a list"),
+        ({"always_active": ["nothing_matches"]}, "match no trainable parameter"),
+        ({"always_active": ["head"], "always_frozen": ["head.bias"]}, "both `always_active`"),
+        ({"always_frozen": ["."]}, "no layer is left to sample"),
+    ],
+)
+def test_partition_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        build_partition(_block_model(), **kwargs)
+
+
+def test_no_trainable_parameters():
+    net = make_mlp().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        build_partition(net)
