@@ -1,0 +1,30 @@
+import os
+
+# Tests use only models and data that ship inside installed packages.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+import warnings
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(autouse=True)
+def _quiet_lightning():
+    # Lightning's advice for tiny test loaders (few workers, log interval) is noise here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        warnings.filterwarnings("ignore", ".*log_every_n_steps.*")
+        warnings.filterwarnings("ignore", ".*LeafSpec.*")
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_dir(tmp_path, monkeypatch):
+    # Trainers without a logger write their records to the working directory.
+    monkeypatch.chdir(tmp_path)

@@ -1,0 +1,152 @@
+"""Small models, data and an independent SAM reference loop shared by the tests."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_slsam import SAMMixin
+
+
+def make_data(n: int = 64, dim: int = 8, classes: int = 3, seed: int = 0) -> TensorDataset:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=gen)
+    y = (x[:, :classes].argmax(dim=1)).long()
+    return TensorDataset(x, y)
+
+
+def loader(dataset: TensorDataset, batch_size: int = 16) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False)
+
+
+def make_mlp(dim: int = 8, hidden: int = 16, classes: int = 3, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(dim, hidden),
+        nn.Tanh(),
+        nn.LayerNorm(hidden),
+        nn.Linear(hidden, hidden),
+        nn.Tanh(),
+        nn.Linear(hidden, classes),
+    )
+
+
+class LitModel(SAMMixin, L.LightningModule):
+    """A classifier around any ``net``; optimizer and scheduler are configurable."""
+
+    def __init__(
+        self,
+        net: nn.Module,
+        lr: float = 1e-2,
+        weight_decay: float = 0.01,
+        scheduler: Callable | None = None,
+        scheduler_config: dict | None = None,
+    ) -> None:
+        super().__init__()
+        self.net = net
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.scheduler = scheduler
+        self.scheduler_config = scheduler_config or {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        if self.scheduler is None:
+            return opt
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {"scheduler": self.scheduler(opt), **self.scheduler_config},
+        }
+
+
+def trainer(callbacks=(), **kwargs) -> L.Trainer:
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+        num_sanity_val_steps=0,
+    )
+    defaults.update(kwargs)
+    return L.Trainer(callbacks=list(callbacks), **defaults)
+
+
+class Snapshots(L.Callback):
+    """Records every parameter after each training batch (and before the first)."""
+
+    def __init__(self) -> None:
+        self.before: dict[str, torch.Tensor] | None = None
+        self.after: list[dict[str, torch.Tensor]] = []
+        self.masks: list[torch.Tensor | None] = []
+
+    @staticmethod
+    def _state(module: nn.Module) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.before = self._state(pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.after.append(self._state(pl_module))
+        sam = [cb for cb in trainer.callbacks if hasattr(cb, "active_mask")]
+        mask = sam[0].active_mask if sam else None
+        self.masks.append(None if mask is None else mask.clone())
+
+
+def _cross_entropy(net: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(net(x), y)
+
+
+def reference_sam_adamw(
+    net: nn.Module,
+    batches: list,
+    rho: float,
+    lr: float,
+    weight_decay: float,
+    eps: float = 1e-12,
+    loss_fn: Callable = _cross_entropy,
+) -> list[dict[str, torch.Tensor]]:
+    """Plain SAM + AdamW, written from the SAM paper without any project code."""
+    net = copy.deepcopy(net)
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    history = []
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        loss_fn(net, batch).backward()
+        with torch.no_grad():
+            norm = torch.sqrt(sum(p.grad.norm() ** 2 for p in params))
+            old = [p.clone() for p in params]
+            for p in params:
+                p.add_(p.grad * (rho / (norm + eps)))
+        opt.zero_grad(set_to_none=True)
+        loss_fn(net, batch).backward()
+        with torch.no_grad():
+            for p, o in zip(params, old):
+                p.copy_(o)
+        opt.step()
+        history.append({n: p.detach().clone() for n, p in net.named_parameters()})
+    return history

@@ -1,0 +1,161 @@
+"""Bad input fails at construction or setup with a message naming the fix, losing nothing."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import LitModel, loader, make_data, make_mlp, trainer
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_slsam import SparseLayerSAM
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"rho": 0.0}, "`rho`"),
+        ({"rho": -0.1}, "`rho`"),
+        ({"rho": float("nan")}, "`rho`"),
+        ({"layer_ratio": 0.0}, "layer_ratio"),
+        ({"layer_ratio": 1.5}, "layer_ratio"),
+        ({"p_min": 0.0}, "p_min"),
+        ({"p_min": 1.0}, "p_min"),
+        # p_min * N > s = layer_ratio * N for every N: refused before any model is seen.
+        ({"p_min": 0.5, "layer_ratio": 0.2}, "p_min=0.5 is too large"),
+        ({"alpha_p": -1.0}, "alpha_p"),
+        ({"bandit_loss": "kl"}, "bandit_loss"),
+        ({"perturbation_norm": "tensor"}, "perturbation_norm"),
+        ({"gradient_clip_val": -1.0}, "gradient_clip_val"),
+        ({"gradient_clip_algorithm": "l2"}, "gradient_clip_algorithm"),
+        ({"accumulate_grad_batches": 0}, "accumulate_grad_batches"),
+        ({"layers": "blocks"}, "`layers`"),
+        ({"seed": "a"}, "`seed`"),
+    ],
+)
+def test_constructor_rejects(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SparseLayerSAM(**kwargs)
+
+
+def _fit_fails(model, cb, match, **trainer_kwargs):
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(MisconfigurationException, match=match):
+        trainer(callbacks=[cb], max_steps=2, **trainer_kwargs).fit(model, loader(make_data(32), 16))
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]), f"{name} changed by a failed setup"
+
+
+def test_callback_without_mixin():
+    class Plain(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = make_mlp()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters())
+
+    _fit_fails(Plain(), SparseLayerSAM(), r"inherit SAMMixin.*class Plain\(SAMMixin")
+
+
+def test_trainer_gradient_clip_and_accumulation_point_to_the_plugin_options():
+    _fit_fails(
+        LitModel(make_mlp()),
+        SparseLayerSAM(),
+        r"SparseLayerSAM\(gradient_clip_val=0.5",
+        gradient_clip_val=0.5,
+    )
+    _fit_fails(
+        LitModel(make_mlp()),
+        SparseLayerSAM(),
+        r"SparseLayerSAM\(accumulate_grad_batches=2\)",
+        accumulate_grad_batches=2,
+    )
+
+
+def test_no_trainable_parameters():
+    model = LitModel(make_mlp())
+    model.requires_grad_(False)
+
+    class Opt(LitModel):
+        def configure_optimizers(self):
+            return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+    model = Opt(make_mlp())
+    model.net.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        trainer(callbacks=[SparseLayerSAM()], max_steps=1).fit(model, loader(make_data(16), 16))
+
+
+def test_two_optimizers_refused():
+    class Two(LitModel):
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.net[0].parameters(), lr=0.1),
+                    torch.optim.SGD(self.net[3].parameters(), lr=0.1)]  # fmt: skip
+
+    _fit_fails(Two(make_mlp()), SparseLayerSAM(), "one optimizer")
+
+
+def test_training_step_without_loss():
+    class NoLoss(LitModel):
+        def training_step(self, batch, batch_idx):
+            super().training_step(batch, batch_idx)
+            return None
+
+    with pytest.raises(MisconfigurationException, match="must return the loss"):
+        trainer(callbacks=[SparseLayerSAM()], max_steps=1).fit(
+            NoLoss(make_mlp()), loader(make_data(16), 16)
+        )
+
+
+def test_setting_automatic_optimization_is_refused():
+    class Manual(LitModel):
+        def __init__(self):
+            super().__init__(make_mlp())
+            self.automatic_optimization = False
+
+    with pytest.raises(AttributeError, match="chooses the optimization mode itself"):
+        Manual()
+
+
+def test_non_finite_loss_in_training_skips_with_warning():
+    class Spiky(LitModel):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * float("inf") if batch_idx == 1 else loss
+
+    model = Spiky(make_mlp())
+    cb = SparseLayerSAM(layer_ratio=0.5)
+    snapshots = []
+
+    class Watch(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            snapshots.append(
+                (
+                    [p.detach().clone() for p in pl_module.parameters()],
+                    cb.probs.clone(),
+                    {
+                        k: v.clone()
+                        for k, v in trainer.optimizers[0]
+                        .state[next(iter(pl_module.parameters()))]
+                        .items()
+                    }
+                    if trainer.optimizers[0].state
+                    else {},
+                )
+            )
+
+    with pytest.warns(RuntimeWarning, match="skipped step 1"):
+        t = trainer(callbacks=[cb, Watch()], max_steps=3)
+        t.fit(model, loader(make_data(48), 16))
+    assert t.global_step == 3  # a skipped step still counts, as under automatic AMP
+    assert cb.engine.num_skipped == 1
+    (w0, p0, _), (w1, p1, _) = snapshots[0], snapshots[1]
+    assert all(torch.equal(a, b) for a, b in zip(w0, w1))
+    assert torch.equal(p0, p1)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
