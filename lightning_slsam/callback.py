@@ -220,6 +220,19 @@ class SparseLayerSAM(Callback):
         warnings.filterwarnings(
             "ignore", message="The lr scheduler dict contains the key", category=RuntimeWarning
         )
+        if trainer.world_size > 1:
+            raise MisconfigurationException(
+                f"SparseLayerSAM runs on one process for now, but the Trainer uses"
+                f" {trainer.world_size} ({type(trainer.strategy).__name__}). Multi-process"
+                " strategies need rank-consistent layer sampling and gradient sync that are"
+                " not validated yet: train on one device (devices=1)."
+            )
+        if str(trainer.precision) in ("16-mixed", "16", "16-true") and _has_scaler(trainer):
+            raise MisconfigurationException(
+                f"SparseLayerSAM does not support precision={trainer.precision!r} (a gradient"
+                " scaler) yet: its first-pass gradients are scaled and an overflow must back"
+                " the scaler off. Use precision='bf16-mixed' or '32-true'."
+            )
         others = [cb for cb in trainer.callbacks if isinstance(cb, SparseLayerSAM)]
         if len(others) > 1:
             raise MisconfigurationException(
@@ -439,6 +452,10 @@ class SparseLayerSAM(Callback):
         budget = self.layer_ratio * probs.numel()
         adopted["probs"] = kl_projection(probs.log(), budget, self.p_min, 1.0)
         return adopted
+
+
+def _has_scaler(trainer: pl.Trainer) -> bool:
+    return getattr(trainer.precision_plugin, "scaler", None) is not None
 
 
 def _is_ratio(value: Any) -> bool:

@@ -203,7 +203,7 @@ class SparseSAMEngine:
         result.loss = loss
         result.num_backward = 1
         params, grads, layer_index = self._with_grad(active)
-        norms = tensor_norms(grads).to(loss.device) if grads else loss.new_zeros(0)
+        norms = tensor_norms(grads, loss.device)
         layer_norms = self._layer_norms(norms, layer_index, loss.device)
 
         group_norms = None
@@ -225,7 +225,7 @@ class SparseSAMEngine:
             self.perturbation.restore_(params, backup)
         del backup
         _, grads2, _ = self._with_grad(active)
-        second = tensor_norms(grads2).to(loss.device).sum() if grads2 else loss.new_zeros(())
+        second = tensor_norms(grads2, loss.device).sum()
         # The one host transfer of the step: both losses, the second pass's gradient
         # magnitude and the first pass's per-layer norms travel together.
         host = torch.cat(
@@ -266,7 +266,7 @@ class SparseSAMEngine:
     def _layer_norms(self, norms: Tensor, slots: Tensor, device: torch.device) -> Tensor:
         """Per-layer L2 norms (``[num_layers]``; 0 for a layer without gradient)."""
         n = self.partition.num_layers
-        squares = torch.zeros(n + 1, device=device)
+        squares = torch.zeros(n + 1, device=device, dtype=torch.float32)
         if norms.numel():
             squares.index_add_(0, slots.to(device, non_blocking=True), norms.square())
         return squares[:n].sqrt()

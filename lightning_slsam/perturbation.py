@@ -24,11 +24,16 @@ __all__ = ["PERTURBATION_NORMS", "SAMPerturbation", "tensor_norms"]
 PERTURBATION_NORMS = ("global", "layer")
 
 
-def tensor_norms(grads: list[Tensor]) -> Tensor:
-    """L2 norm of each tensor in ``grads`` as one float32 vector on their device."""
+def tensor_norms(grads: list[Tensor], device: torch.device | None = None) -> Tensor:
+    """L2 norm of each tensor in ``grads`` as one float32 vector (on ``device`` if given).
+
+    Float32 whatever the gradients' dtype: the norms feed the bandit and the perturbation
+    scale, and low-precision or float64 models must not change their bookkeeping dtype.
+    """
     if not grads:
-        return torch.zeros(0)
-    return torch.stack(torch._foreach_norm(grads)).float()
+        return torch.zeros(0, dtype=torch.float32, device=device)
+    norms = torch.stack(torch._foreach_norm(grads)).float()
+    return norms if device is None else norms.to(device)
 
 
 class SAMPerturbation:

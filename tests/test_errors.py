@@ -159,3 +159,18 @@ def test_non_finite_loss_in_training_skips_with_warning():
     assert all(torch.equal(a, b) for a, b in zip(w0, w1))
     assert torch.equal(p0, p1)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_gradient_scaler_precision_refused_until_supported():
+    from lightning.pytorch.plugins import MixedPrecision
+
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    _fit_fails(LitModel(make_mlp()), SparseLayerSAM(), "gradient scaler", plugins=[plugin])
+
+
+def test_multi_process_strategy_refused_until_supported():
+    from types import SimpleNamespace
+
+    stub = SimpleNamespace(world_size=2, strategy=object(), callbacks=[], precision="32-true")
+    with pytest.raises(MisconfigurationException, match=r"one process.*devices=1"):
+        SparseLayerSAM().setup(stub, LitModel(make_mlp()), "fit")

@@ -282,3 +282,20 @@ def test_resume_with_changed_options_keeps_distribution_and_applies_new_options(
     assert not torch.allclose(learned, torch.full_like(learned, 0.3))
     assert probs.max() < 1
     torch.testing.assert_close(probs, learned * (4.0 / learned.sum()))
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", "64-true"])
+def test_precisions_keep_the_contract(precision):
+    model = LitModel(make_mlp())
+    snaps = Snapshots()
+    cb = SparseLayerSAM(layer_ratio=0.4, seed=0)
+    trainer(callbacks=[cb, snaps], max_steps=6, precision=precision).fit(
+        model, loader(make_data(96), 16)
+    )
+    previous = snaps.before
+    for after, mask in zip(snaps.after, snaps.masks):
+        assert [not torch.equal(after[n], previous[n]) for n in cb.layer_names] == mask.tolist()
+        previous = after
+    assert cb.engine.num_skipped == 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert float(cb.engine.selection.probs.sum()) == pytest.approx(0.4 * 8)
