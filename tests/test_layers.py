@@ -112,3 +112,33 @@ def test_no_trainable_parameters():
     net = make_mlp().requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameters"):
         build_partition(net)
+
+
+def test_default_layer_counts_match_the_papers_models():
+    """The paper's models, at their real depth but tiny width: 200, 201 and 254 layers."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        RobertaConfig,
+        RobertaForSequenceClassification,
+        ViTConfig,
+        ViTForImageClassification,
+    )
+
+    small = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2)
+    deit_small = ViTForImageClassification(ViTConfig(num_hidden_layers=12, **small))
+    roberta_base = RobertaForSequenceClassification(
+        RobertaConfig(num_hidden_layers=12, vocab_size=100, **small)
+    )
+    llama_3b = LlamaForCausalLM(
+        LlamaConfig(
+            num_hidden_layers=28,
+            num_key_value_heads=1,
+            vocab_size=100,
+            tie_word_embeddings=True,
+            **small,
+        )  # fmt: skip
+    )
+    assert build_partition(deit_small).num_layers == 200
+    assert build_partition(roberta_base).num_layers == 201
+    assert build_partition(llama_3b).num_layers == 254  # the tied lm_head counted once
