@@ -30,7 +30,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from lightning_slsam import LayerBandit, SAMPerturbation, SparseSAMEngine, build_partition
 
@@ -229,12 +228,12 @@ def render(result: dict) -> str:
         f"Machine: {m['platform']}, {m['processor']}, {m['cpu_threads']} threads,"
         f" torch {m['torch']}, GPU: {m['cuda'] or 'none'}. Date: {result['date']}.",
         "",
-        "| method | median step (s) | min–max (s) | time / SAM | time / AdamW |",
+        "| method | median step (s) | min-max (s) | time / SAM | time / AdamW |",
         "|---|---:|---:|---:|---:|",
     ]
     for name, row in result["methods"].items():
         lines.append(
-            f"| {name} | {row['median_s']:.3f} | {row['min_s']:.3f}–{row['max_s']:.3f}"
+            f"| {name} | {row['median_s']:.3f} | {row['min_s']:.3f}-{row['max_s']:.3f}"
             f" | {row['ratio_to_sam']:.3f} | {row['ratio_to_adamw']:.3f} |"
         )
     lines += [

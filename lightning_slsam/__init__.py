@@ -6,7 +6,7 @@ Trainer's callbacks; the pure-PyTorch parts (:class:`LayerBandit`,
 """
 
 from lightning_slsam.bandit import LayerBandit, kl_projection
-from lightning_slsam.callback import SparseLayerSAM
+from lightning_slsam.callback import SparseLayerSAM, estimated_stepping_batches
 from lightning_slsam.engine import SparseSAMEngine, StepResult
 from lightning_slsam.layers import LayerPartition, build_partition
 from lightning_slsam.mixin import SAMMixin
@@ -24,5 +24,6 @@ __all__ = [
     "StepResult",
     "__version__",
     "build_partition",
+    "estimated_stepping_batches",
     "kl_projection",
 ]

@@ -46,7 +46,7 @@ from lightning_slsam.metrics import (
 from lightning_slsam.mixin import SAMMixin, scheduler_configs
 from lightning_slsam.perturbation import SAMPerturbation
 
-__all__ = ["SparseLayerSAM"]
+__all__ = ["SparseLayerSAM", "estimated_stepping_batches"]
 
 BANDIT_LOSSES = ("shifted", "paper")
 _CLIP_ALGORITHMS = ("norm", "value")
@@ -452,6 +452,27 @@ class SparseLayerSAM(Callback):
         budget = self.layer_ratio * probs.numel()
         adopted["probs"] = kl_projection(probs.log(), budget, self.p_min, 1.0)
         return adopted
+
+
+def estimated_stepping_batches(trainer: pl.Trainer) -> float:
+    """``trainer.estimated_stepping_batches``, counting SparseLayerSAM's own accumulation.
+
+    Lightning's estimate divides by ``Trainer(accumulate_grad_batches)``, which must stay 1
+    with a SAM callback; the callback's ``accumulate_grad_batches`` also merges micro-batches
+    into one optimizer step. Use this to size step-based LR schedules
+    (``math.inf`` when the run has no finite length).
+    """
+    total = trainer.estimated_stepping_batches  # also sets up the train dataloader
+    sam = next((cb for cb in trainer.callbacks if isinstance(cb, SparseLayerSAM)), None)
+    k = sam.accumulate_grad_batches if sam is not None else 1
+    if k == 1 or not math.isfinite(total):
+        return total
+    batches = trainer.num_training_batches
+    if not math.isfinite(batches):
+        return total if trainer.max_steps != -1 else math.inf
+    per_epoch = math.ceil(batches / k)  # the epoch's last batch closes a partial group
+    steps = per_epoch * max(trainer.max_epochs or 1, 1)
+    return min(steps, trainer.max_steps) if trainer.max_steps != -1 else steps
 
 
 def _has_scaler(trainer: pl.Trainer) -> bool:

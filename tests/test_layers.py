@@ -137,7 +137,7 @@ def test_default_layer_counts_match_the_papers_models():
             vocab_size=100,
             tie_word_embeddings=True,
             **small,
-        )  # fmt: skip
+        )
     )
     assert build_partition(deit_small).num_layers == 200
     assert build_partition(roberta_base).num_layers == 201

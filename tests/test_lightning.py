@@ -299,3 +299,21 @@ def test_precisions_keep_the_contract(precision):
     assert cb.engine.num_skipped == 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert float(cb.engine.selection.probs.sum()) == pytest.approx(0.4 * 8)
+
+
+@pytest.mark.parametrize(("max_epochs", "max_steps", "expected"), [(2, -1, 6), (2, 5, 5)])
+def test_estimated_stepping_batches_counts_the_plugins_accumulation(
+    max_epochs, max_steps, expected
+):
+    from lightning_slsam import estimated_stepping_batches
+
+    seen = {}
+
+    class Probe(L.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            seen["estimate"] = estimated_stepping_batches(trainer)
+
+    cb = SparseLayerSAM(layer_ratio=0.5, accumulate_grad_batches=4)
+    t = trainer(callbacks=[cb, Probe()], max_epochs=max_epochs, max_steps=max_steps)
+    t.fit(LitModel(make_mlp()), loader(make_data(80), 8))  # 10 batches: groups of 4, 4, 2
+    assert seen["estimate"] == expected == t.global_step

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler
 from torchmetrics.classification import Accuracy
 
-from lightning_slsam.callback import SparseLayerSAM
+from lightning_slsam.callback import estimated_stepping_batches
 from lightning_slsam.mixin import SAMMixin
 
 __all__ = ["RottenTomatoesDataModule", "TextClassifier", "default_csv_path", "default_model_path"]
@@ -353,18 +353,12 @@ class TextClassifier(SAMMixin, L.LightningModule):
         }
 
     def _total_steps(self) -> int:
-        trainer = self.trainer
-        total = trainer.estimated_stepping_batches
+        total = estimated_stepping_batches(self.trainer)
         if not math.isfinite(total):
             raise ValueError(
                 "`warmup_ratio` > 0 needs a finite training length: set `max_steps` or"
                 " `max_epochs` on the Trainer."
             )
-        # SparseLayerSAM accumulates micro-batches itself, unknown to Lightning's estimate;
-        # a max_steps bound already counts optimizer steps.
-        sam = next((c for c in trainer.callbacks if isinstance(c, SparseLayerSAM)), None)
-        if sam is not None and sam.accumulate_grad_batches > 1 and total != trainer.max_steps:
-            total = math.ceil(total / sam.accumulate_grad_batches)
         return max(1, int(total))
 
 
