@@ -112,23 +112,9 @@ def make_engine(model, lr, rho, layer_ratio, seed=0):
         partition.num_layers, layer_ratio, generator=torch.Generator().manual_seed(seed)
     )
     engine = SparseSAMEngine(partition, bandit, SAMPerturbation(rho))
-    current = {}
-
-    def forward_backward():
-        loss = model(**current["batch"]).loss
-        if loss.requires_grad:
-            loss.backward()
-        return loss.detach()
-
-    def zero_grad():
-        opt.zero_grad(set_to_none=True)
-
-    def optimizer_step(skip):
-        opt.step()
 
     def step(batch):
-        current["batch"] = batch
-        engine.step(forward_backward, zero_grad, optimizer_step)
+        engine.train_step(lambda: model(**batch).loss, opt)
 
     step.engine = engine  # type: ignore[attr-defined]
     return step

@@ -190,6 +190,32 @@ class SparseSAMEngine:
         self.last_result = result
         return result
 
+    def train_step(
+        self, compute_loss: Callable[[], Tensor], optimizer: torch.optim.Optimizer
+    ) -> StepResult:
+        """One step in a plain PyTorch loop.
+
+        Args:
+            compute_loss: runs the forward pass on the current batch and returns the loss
+                (called once per gradient pass; back-propagation is done here).
+            optimizer: the base optimizer (any ``torch.optim`` optimizer); it is not
+                stepped at all when the step is skipped.
+        """
+
+        def forward_backward() -> Tensor:
+            loss = compute_loss()
+            if loss.requires_grad:  # False when no active layer reaches the loss
+                loss.backward()
+            return loss.detach()
+
+        def optimizer_step(skip: bool) -> None:
+            if not skip:
+                optimizer.step()
+
+        return self.step(
+            forward_backward, lambda: optimizer.zero_grad(set_to_none=True), optimizer_step
+        )
+
     def _run(
         self,
         result: StepResult,

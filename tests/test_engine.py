@@ -44,24 +44,15 @@ class FixedSelection:
         pass
 
 
-def _plain_loop(net, opt, x, y, observe=None):
-    """Callables for SparseSAMEngine.step around a plain model and optimizer."""
+def _loss(net, x, y, observe=None):
+    """The forward pass for SparseSAMEngine.train_step, optionally watching the model."""
 
-    def forward_backward():
+    def compute_loss():
         if observe is not None:
             observe(net)
-        loss = F.cross_entropy(net(x), y)
-        if loss.requires_grad:
-            loss.backward()
-        return loss.detach()
+        return F.cross_entropy(net(x), y)
 
-    def zero_grad():
-        opt.zero_grad(set_to_none=True)
-
-    def optimizer_step(skip):
-        opt.step()
-
-    return forward_backward, zero_grad, optimizer_step
+    return compute_loss
 
 
 def _engine(net, mask, rho=0.05, norm="global"):
@@ -78,10 +69,9 @@ def test_inactive_layers_frozen_before_forward_and_bandit_gets_first_pass_norms(
     engine = _engine(net, mask)
     expected = copy.deepcopy(net)
     F.cross_entropy(expected(x), y).backward()
-    engine.step(
-        *_plain_loop(
-            net, opt, x, y, observe=lambda m: seen.append([p.requires_grad for p in m.parameters()])
-        )
+    engine.train_step(
+        _loss(net, x, y, observe=lambda m: seen.append([p.requires_grad for p in m.parameters()])),
+        opt,
     )
     assert seen == [mask, mask]  # both forwards ran with exactly the sampled set trainable
     assert all(p.requires_grad for p in net.parameters())  # released after the step
@@ -109,7 +99,7 @@ def test_perturbation_has_radius_rho_and_restore_is_exact(norm):
         net.parameters(), lr=0.0
     )  # lr 0: the step must leave weights as they were
     engine = _engine(net, mask, rho=0.1, norm=norm)
-    engine.step(*_plain_loop(net, opt, x, y, observe=observe))
+    engine.train_step(_loss(net, x, y, observe=observe), opt)
 
     first, second = offsets
     assert all(float(o.abs().max()) == 0 for o in first)
@@ -155,7 +145,7 @@ def test_unused_sampled_tensor_counts_as_zero_norm():
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     unused_before = [p.detach().clone() for p in net.unused.parameters()]
     engine = _engine(net, [True, False, True, True])
-    result = engine.step(*_plain_loop(net, opt, x, y))
+    result = engine.train_step(_loss(net, x, y), opt)
     assert not result.skipped
     ((_, norms),) = engine.selection.updates
     assert norms[2].item() == 0 and norms[3].item() == 0
@@ -165,7 +155,7 @@ def test_unused_sampled_tensor_counts_as_zero_norm():
     # Only unused tensors active: the loss has no graph; the step is a no-op, not a crash.
     only_unused = _engine(net, [False, False, True, False])
     before = [p.detach().clone() for p in net.parameters()]
-    result = only_unused.step(*_plain_loop(net, opt, x, y))
+    result = only_unused.train_step(_loss(net, x, y), opt)
     assert not result.skipped and result.num_backward == 2
     assert all(torch.equal(a, b) for a, b in zip(net.parameters(), before))
 
@@ -179,22 +169,26 @@ def test_non_finite_pass_skips_the_step_untouched(bad_pass):
     partition = build_partition(net)
     bandit = LayerBandit(partition.num_layers, layer_ratio=0.5, alpha_p=0.1)
     engine = SparseSAMEngine(partition, bandit, SAMPerturbation(0.05))
-    engine.step(*_plain_loop(net, opt, x, y))
+    engine.train_step(_loss(net, x, y), opt)
     weights = [p.detach().clone() for p in net.parameters()]
     opt_state = copy.deepcopy(opt.state_dict())
     probs = bandit.probs.clone()
 
     calls = [0]
-    fb, zg, _ = _plain_loop(net, opt, x, y)
 
-    def poisoned():
+    def poisoned():  # the low-level protocol: forward, backward, detached loss
         calls[0] += 1
-        loss = fb()
-        return loss * float("nan") if calls[0] == bad_pass else loss
+        loss = F.cross_entropy(net(x), y)
+        if calls[0] == bad_pass:
+            loss = loss * float("nan")
+        loss.backward()
+        return loss.detach()
 
     stepped = []
     with pytest.warns(RuntimeWarning, match="skipped"):
-        result = engine.step(poisoned, zg, lambda skip: stepped.append(skip))
+        result = engine.step(
+            poisoned, lambda: opt.zero_grad(set_to_none=True), lambda skip: stepped.append(skip)
+        )
     assert result.skipped and stepped == [True]
     assert f"{'first' if bad_pass == 1 else 'second'} pass" in result.skip_reason
     assert all(torch.equal(a, b) for a, b in zip(net.parameters(), weights))
@@ -220,7 +214,7 @@ def test_engine_in_a_plain_loop_learns():
     first = F.cross_entropy(net(x), y).item()
     active = 0
     for _ in range(60):
-        active += int(engine.step(*_plain_loop(net, opt, x, y)).active_mask.sum())
+        active += int(engine.train_step(_loss(net, x, y), opt).active_mask.sum())
     assert F.cross_entropy(net(x), y).item() < 0.5 * first
     assert engine.counts.sum().item() == active
     assert (engine.counts > 0).all()
