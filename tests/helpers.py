@@ -150,3 +150,26 @@ def reference_sam_adamw(
         opt.step()
         history.append({n: p.detach().clone() for n, p in net.named_parameters()})
     return history
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader that Lightning can resume mid-epoch (it skips the batches already seen)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._skip = 0
+        self._seen = 0
+
+    def __iter__(self):
+        skip, self._skip = self._skip, 0
+        self._seen = skip
+        for i, batch in enumerate(super().__iter__()):
+            if i >= skip:
+                self._seen += 1
+                yield batch
+
+    def state_dict(self) -> dict:
+        return {"seen": self._seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._skip = state["seen"]

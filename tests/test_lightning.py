@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import (
     LitModel,
+    ResumableLoader,
     Snapshots,
     loader,
     make_data,
@@ -191,6 +192,28 @@ def test_resume_equals_uninterrupted(tmp_path):
     state = torch.load(ckpt, weights_only=False)["callbacks"]
     (key,) = [k for k in state if "SparseLayerSAM" in k]
     assert state[key]["layer_names"] == full_cb.layer_names
+
+
+def test_mid_epoch_resume_equals_uninterrupted(tmp_path):
+    """From a step checkpoint mid-epoch; the loader must be resumable (Lightning's rule)."""
+    data = make_data(96)  # 6 batches per epoch
+    net = make_mlp(seed=5)
+
+    def run(max_epochs, ckpt_path=None, callbacks=()):
+        L.seed_everything(7)
+        model = LitModel(copy.deepcopy(net))
+        cb = SparseLayerSAM(layer_ratio=0.3, alpha_p=0.05)
+        t = trainer(callbacks=[cb, *callbacks], max_epochs=max_epochs, enable_checkpointing=True)
+        t.fit(model, ResumableLoader(data, batch_size=16), ckpt_path=ckpt_path)
+        return model, cb
+
+    full_model, full_cb = run(2)
+    run(1, callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)])
+    resumed_model, resumed_cb = run(2, ckpt_path=str(tmp_path / "epoch=0-step=3.ckpt"))
+    for a, b in zip(full_model.parameters(), resumed_model.parameters()):
+        assert torch.equal(a, b)
+    assert torch.equal(full_cb.probs, resumed_cb.probs)
+    assert resumed_cb.engine.num_steps == 12
 
 
 def test_metrics_logged_every_step_and_frequency_record(tmp_path):
