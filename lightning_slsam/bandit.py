@@ -36,6 +36,8 @@ from collections.abc import Callable
 
 import torch
 
+from lightning_slsam.selection import LayerSelection
+
 __all__ = ["LayerBandit", "kl_projection"]
 
 # Largest |log-weight| used; beyond it the weights are clipped (still ordered, still finite).
@@ -177,7 +179,7 @@ def _validated(
     return n, ratio, floor, step, loss
 
 
-class LayerBandit:
+class LayerBandit(LayerSelection):
     """EXP3 sampler of active layers with a KL-projected, floor-bounded distribution.
 
     Args:
@@ -222,6 +224,11 @@ class LayerBandit:
         self._gen = generator
         self._probs = torch.full((self._n,), self._budget / self._n, dtype=torch.float64)
         self.num_samples = self.num_redraws = self.num_updates = self.num_skipped = 0
+
+    @property
+    def num_layers(self) -> int:  # type: ignore[override]
+        """Number of layers ``N``."""
+        return self._n
 
     @property
     def probs(self) -> torch.Tensor:

@@ -1,23 +1,10 @@
-"""``SparseLayerSAM``: the Lightning callback that turns a SAMMixin module into SL-SAM.
+"""``SAMCallback``: what every SAM method of the plugin shares on the Lightning side.
 
-.. code-block:: python
-
-    import lightning as L
-    from lightning_slsam import SAMMixin, SparseLayerSAM
-
-    trainer = L.Trainer(max_epochs=3, callbacks=[SparseLayerSAM(rho=0.01, layer_ratio=0.2)])
-    trainer.fit(model)  # model: class Model(SAMMixin, L.LightningModule)
-
-In a LightningCLI YAML::
-
-    trainer:
-      callbacks:
-        - class_path: lightning_slsam.SparseLayerSAM
-          init_args: {rho: 0.01, layer_ratio: 0.2}
-
-The callback owns the selection state: the layer partition, the EXP3 bandit of the
-SL-SAM paper (Algorithm 2), its checkpointed state, and what is logged. The mixin owns
-the training step itself.
+Each method (:mod:`lightning_slsam.methods`: SL-SAM, SAM, RST, ESAM, ...) is a subclass
+that chooses its layer selection, perturbation and schedule; this base class owns the
+rest: the layer partition, the engine, gradient accumulation and clipping, what is logged,
+the end-of-fit record and the checkpointed state. The :class:`~lightning_slsam.SAMMixin`
+on the module runs the training step through it.
 """
 
 from __future__ import annotations
@@ -26,16 +13,15 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
-from lightning_slsam.bandit import LayerBandit, kl_projection
 from lightning_slsam.engine import SparseSAMEngine, StepResult
 from lightning_slsam.layers import LayerPartition, LayerSpec, build_partition, validate_layer_spec
 from lightning_slsam.metrics import (
@@ -45,10 +31,18 @@ from lightning_slsam.metrics import (
 )
 from lightning_slsam.mixin import SAMMixin, scheduler_configs
 from lightning_slsam.perturbation import SAMPerturbation
+from lightning_slsam.schedules import (
+    EveryStep,
+    IntervalSchedule,
+    RandomSchedule,
+    Schedule,
+    SingleStepSchedule,
+)
+from lightning_slsam.selection import AllLayers, LayerSelection
 
-__all__ = ["SparseLayerSAM", "estimated_stepping_batches"]
+__all__ = ["SCHEDULES", "SAMCallback", "estimated_stepping_batches"]
 
-BANDIT_LOSSES = ("shifted", "paper")
+SCHEDULES = ("every_step", "random", "interval", "single")
 _CLIP_ALGORITHMS = ("norm", "value")
 _PROGRESS_BAR = {
     "sl_layers": "slsam/active_layers",
@@ -57,62 +51,66 @@ _PROGRESS_BAR = {
 }
 
 
-class SparseLayerSAM(Callback):
-    """Sparse Layer SAM (SL-SAM): SAM on a bandit-sampled subset of layers each step.
+class SAMCallback(Callback):
+    """Base of the plugin's SAM methods; use a method class such as ``SparseLayerSAM``.
 
-    Each training step samples the active layers (independent Bernoulli draws with the
-    bandit's probabilities), freezes the rest, runs SAM's two passes on the active
-    layers only, steps the module's optimizer on the second-pass gradients, and feeds
-    the first-pass per-layer gradient norms back to the bandit.
+    Options shared by every method:
 
     Args:
-        rho: SAM perturbation radius (> 0). Paper: 0.01.
-        layer_ratio: expected fraction of layers active per step, ``s/N`` in (0, 1].
-            Paper: 0.2 (0.25 on RTE). ``1.0`` makes every layer active: vanilla SAM.
-        p_min: lower bound of every layer's probability, in (0, 1), at most
-            ``layer_ratio``. Paper: 1e-3.
-        alpha_p: bandit step size (>= 0). Paper: 1e-3.
-        bandit_loss: ``"shifted"`` (default; the authors' released code) or ``"paper"``
-            (Algorithm 2 literally, which with the paper's constants pushes every
-            sampled layer to ``p_min``). See :class:`~lightning_slsam.LayerBandit`.
-        perturbation_norm: ``"global"`` (default; one norm over all active tensors, as
-            SAM and the released code) or ``"layer"`` (per layer, as Algorithm 1 reads).
-        layers: what a layer is: ``"tensor"`` (default, paper), ``"module"``, a list
-            of regular expressions (one group per distinct match) or a callable
+        rho: SAM perturbation radius (> 0). The SL-SAM paper uses 0.01 for all methods.
+        adaptive: ASAM's weight-scaled perturbation ``rho * w^2 g / || |w| g ||``
+            (Kwon et al., 2021); default ``False``.
+        perturbation_norm: ``"global"`` (default; one norm over all perturbed tensors,
+            as SAM) or ``"layer"`` (one norm per layer, as SL-SAM's Algorithm 1 reads).
+        layers: what a layer is: ``"tensor"`` (default, paper), ``"module"``, a list of
+            regular expressions (one group per distinct match) or a callable
             ``(name, param) -> key | None``.
         always_active: regular expressions of parameter names trained every step.
         always_frozen: regular expressions of parameter names never trained.
-        seed: seed of the bandit's own generator; ``None`` uses ``torch.initial_seed()``
-            (set by ``seed_everything``), so runs are reproducible without consuming
-            the global random stream.
-        gradient_clip_val: clip the update (second-pass) gradient at this value after
-            unscaling; ``None`` or 0 disables. Use this instead of the Trainer flag.
+        schedule: the iteration axis: ``"every_step"`` (SAM every step, default),
+            ``"random"`` (RST's coin, ``sam_probability``), ``"interval"`` (LookSAM:
+            SAM every ``sam_interval`` steps, the stored SAM component reused in
+            between with weight ``looksam_alpha``) or ``"single"`` (single-step SAM:
+            perturb along the previous step's gradient, one pass per step).
+        sam_probability: with ``schedule="random"``, chance of a SAM step (RST: 0.5).
+        sam_interval: with ``schedule="interval"``, steps between SAM steps (LookSAM: 5).
+        looksam_alpha: with ``schedule="interval"``, weight of the reused component
+            (LookSAM: 0.7; 0 makes the steps in between plain steps).
+        seed: seed of the method's own generators (layer sampling, RST's coin); ``None``
+            uses ``torch.initial_seed()``, set by ``seed_everything``.
+        gradient_clip_val: clip the update gradient at this value after unscaling;
+            ``None`` or 0 disables. Use this instead of the Trainer flag.
         gradient_clip_algorithm: ``"norm"`` (default) or ``"value"``.
         accumulate_grad_batches: micro-batches per optimizer step (>= 1). Use this
-            instead of the Trainer flag: the perturbation comes from the gradient of all
-            micro-batches, then a second pass runs over all of them.
+            instead of the Trainer flag: every pass runs over all micro-batches.
         plot: write the per-layer activation chart (PNG) at the end of fit.
 
     Attributes:
-        layer_names: names of the sampled layers, in model order (after setup).
-        probs: the bandit's current probabilities (float64, sums to ``layer_ratio * N``).
-        active_mask: bool mask of the layers active in the last step.
+        layer_names: names of the layers, in model order (after setup).
+        probs: the selection's current probabilities (float64).
+        active_mask: bool mask of the layers updated in the last step.
         mean_active_ratio: mean over steps of the parameter fraction with a gradient,
-            summed over both passes (the paper's "Active Ratio"; SAM is 2.0).
+            summed over the passes (the paper's "Active Ratio": AdamW 1.0, SAM 2.0).
         frequency_csv_path, frequency_plot_path: where the end-of-fit record went.
     """
+
+    #: Short name of the method (registry key, logs).
+    method: ClassVar[str] = "sam"
+    #: Whether ``schedule`` may be chosen (single-step methods fix it).
+    _schedule_option: ClassVar[bool] = True
 
     def __init__(
         self,
         rho: float = 0.01,
-        layer_ratio: float = 0.2,
-        p_min: float = 1e-3,
-        alpha_p: float = 1e-3,
-        bandit_loss: str = "shifted",
+        adaptive: bool = False,
         perturbation_norm: str = "global",
         layers: LayerSpec = "tensor",
         always_active: Sequence[str] = (),
         always_frozen: Sequence[str] = (),
+        schedule: str = "every_step",
+        sam_probability: float = 0.5,
+        sam_interval: int = 5,
+        looksam_alpha: float = 0.7,
         seed: int | None = None,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str = "norm",
@@ -120,16 +118,12 @@ class SparseLayerSAM(Callback):
         plot: bool = True,
     ) -> None:
         super().__init__()
-        self.perturbation = SAMPerturbation(rho, norm=perturbation_norm)
-        if bandit_loss not in BANDIT_LOSSES:
-            raise ValueError(
-                f"`bandit_loss` must be one of {BANDIT_LOSSES}, got {bandit_loss!r}: 'shifted' is"
-                " the released code's loss (default), 'paper' Algorithm 2 literally."
-            )
-        # A throw-away bandit validates the other bandit options now rather than at setup.
-        probe_layers = max(1, math.ceil(1.0 / layer_ratio)) if _is_ratio(layer_ratio) else 1
-        LayerBandit(probe_layers, layer_ratio, p_min, alpha_p, bandit_loss)
+        self.perturbation = SAMPerturbation(rho, norm=perturbation_norm, adaptive=adaptive)
         validate_layer_spec(layers)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"`schedule` must be one of {SCHEDULES}, got {schedule!r}.")
+        # Validates the schedule's own options now rather than at setup.
+        _make_schedule(schedule, sam_probability, sam_interval, looksam_alpha, None)
         if gradient_clip_val is not None and not (
             isinstance(gradient_clip_val, (int, float)) and gradient_clip_val >= 0
         ):
@@ -149,14 +143,15 @@ class SparseLayerSAM(Callback):
         if seed is not None and not isinstance(seed, int):
             raise ValueError(f"`seed` must be an integer or None, got {seed!r}.")
         self.rho = float(rho)
-        self.layer_ratio = float(layer_ratio)
-        self.p_min = float(p_min)
-        self.alpha_p = float(alpha_p)
-        self.bandit_loss = bandit_loss
+        self.adaptive = adaptive
         self.perturbation_norm = perturbation_norm
         self.layers = layers
         self.always_active = list(always_active)
         self.always_frozen = list(always_frozen)
+        self.schedule = schedule
+        self.sam_probability = float(sam_probability)
+        self.sam_interval = sam_interval
+        self.looksam_alpha = float(looksam_alpha)
         self.seed = seed
         self.gradient_clip_val = gradient_clip_val
         self.gradient_clip_algorithm = gradient_clip_algorithm
@@ -171,27 +166,44 @@ class SparseLayerSAM(Callback):
         self._buffer: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         self._fresh: StepResult | None = None
 
+    # -- what each method chooses ---------------------------------------------------------
+    def _selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
+        """The layer-selection rule (default: every layer)."""
+        return AllLayers(num_layers)
+
+    def _engine_options(self) -> dict[str, Any]:
+        """Extra engine options (ESAM's ``data_ratio``, SSAM-F's ``fisher``)."""
+        return {}
+
+    def _hyperparameters(self) -> dict[str, Any]:
+        """The method's own options, saved with its state."""
+        return {"rho": self.rho, "schedule": self.schedule}
+
+    def _adopt_selection_state(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """Adapt a checkpoint's selection state to the current options (default: as is)."""
+        return saved
+
     # -- public views -------------------------------------------------------------------
     @property
     def layer_names(self) -> list[str]:
-        """Names of the sampled layers (empty before setup)."""
+        """Names of the layers (empty before setup)."""
         return list(self.partition.names) if self.partition is not None else []
 
     @property
-    def bandit(self) -> LayerBandit:
-        """The layer-selection bandit (available after setup)."""
+    def selection(self) -> LayerSelection:
+        """The layer-selection rule (available after setup)."""
         if self.engine is None:
-            raise RuntimeError("SparseLayerSAM is not set up yet: call trainer.fit first.")
-        return self.engine.selection  # type: ignore[return-value]
+            raise RuntimeError(f"{type(self).__name__} is not set up yet: call trainer.fit first.")
+        return self.engine.selection
 
     @property
     def probs(self) -> Tensor:
         """Current selection probabilities (float64, one per layer)."""
-        return self.bandit.probs
+        return self.selection.probs
 
     @property
     def active_mask(self) -> Tensor | None:
-        """Bool mask of the layers active in the last training step."""
+        """Bool mask of the layers updated in the last training step."""
         result = self.engine.last_result if self.engine is not None else None
         return result.active_mask if result is not None else None
 
@@ -202,47 +214,48 @@ class SparseLayerSAM(Callback):
 
     # -- setup --------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        name = type(self).__name__
         if not isinstance(pl_module, SAMMixin):
             raise MisconfigurationException(
-                f"SparseLayerSAM needs the LightningModule to inherit SAMMixin, but"
+                f"{name} needs the LightningModule to inherit SAMMixin, but"
                 f" {type(pl_module).__name__} does not. Declare it as"
                 f" `class {type(pl_module).__name__}(SAMMixin, L.LightningModule)`"
                 " (`from lightning_slsam import SAMMixin`)."
             )
-        # ModelCheckpoint warns that step checkpoints under manual optimization hold the
-        # post-step weights. That is what automatic optimization saves too, and since the
-        # mixin restores the unperturbed weights before stepping, it is the right state.
-        warnings.filterwarnings(
-            "ignore", message="Using ModelCheckpoint with manual optimization", category=UserWarning
-        )
-        # Lightning warns that scheduler `monitor`/`strict` keys are ignored under manual
-        # optimization; the mixin honours them, so the warning would mislead.
-        warnings.filterwarnings(
-            "ignore", message="The lr scheduler dict contains the key", category=RuntimeWarning
-        )
         if trainer.world_size > 1:
             raise MisconfigurationException(
-                f"SparseLayerSAM runs on one process for now, but the Trainer uses"
+                f"{name} runs on one process for now, but the Trainer uses"
                 f" {trainer.world_size} ({type(trainer.strategy).__name__}). Multi-process"
                 " strategies need rank-consistent layer sampling and gradient sync that are"
                 " not validated yet: train on one device (devices=1)."
             )
         if str(trainer.precision) in ("16-mixed", "16", "16-true") and _has_scaler(trainer):
             raise MisconfigurationException(
-                f"SparseLayerSAM does not support precision={trainer.precision!r} (a gradient"
-                " scaler) yet: its first-pass gradients are scaled and an overflow must back"
-                " the scaler off. Use precision='bf16-mixed' or '32-true'."
+                f"{name} does not support precision={trainer.precision!r} (a gradient scaler)"
+                " yet: its first-pass gradients are scaled and an overflow must back the"
+                " scaler off. Use precision='bf16-mixed' or '32-true'."
             )
-        others = [cb for cb in trainer.callbacks if isinstance(cb, SparseLayerSAM)]
+        # ModelCheckpoint warns that step checkpoints under manual optimization hold the
+        # post-step weights: that is what automatic optimization saves too, and the mixin
+        # restores the unperturbed weights before stepping. Lightning also warns that
+        # scheduler `monitor`/`strict` keys are ignored; the mixin honours them.
+        warnings.filterwarnings(
+            "ignore", message="Using ModelCheckpoint with manual optimization", category=UserWarning
+        )
+        warnings.filterwarnings(
+            "ignore", message="The lr scheduler dict contains the key", category=RuntimeWarning
+        )
+        others = [cb for cb in trainer.callbacks if isinstance(cb, SAMCallback)]
         if len(others) > 1:
             raise MisconfigurationException(
-                f"{len(others)} SAM callbacks are attached to the Trainer; keep exactly one."
+                f"{len(others)} SAM callbacks are attached to the Trainer"
+                f" ({', '.join(type(cb).__name__ for cb in others)}); keep exactly one."
             )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if len(trainer.optimizers) != 1:
             raise MisconfigurationException(
-                f"SparseLayerSAM steps one optimizer, but configure_optimizers returned"
+                f"{type(self).__name__} steps one optimizer, but configure_optimizers returned"
                 f" {len(trainer.optimizers)}. Put all parameters in one optimizer (use"
                 " parameter groups for different learning rates)."
             )
@@ -263,22 +276,22 @@ class SparseLayerSAM(Callback):
         self._buffer = []
 
     def _build_engine(self, partition: LayerPartition) -> SparseSAMEngine:
-        generator = torch.Generator()
-        generator.manual_seed(self.seed if self.seed is not None else torch.initial_seed())
+        seed = self.seed if self.seed is not None else torch.initial_seed()
+        selection_gen = torch.Generator().manual_seed(seed)
+        schedule_gen = torch.Generator().manual_seed(seed + 1)
         try:
-            bandit = LayerBandit(
-                partition.num_layers,
-                layer_ratio=self.layer_ratio,
-                p_min=self.p_min,
-                alpha_p=self.alpha_p,
-                loss=self.bandit_loss,
-                generator=generator,
-            )
+            selection = self._selection(partition.num_layers, selection_gen)
         except ValueError as err:
             raise MisconfigurationException(
                 f"{err} (the model has {partition.num_layers} layers with layers={self.layers!r})"
             ) from None
-        return SparseSAMEngine(partition, bandit, self.perturbation)
+        schedule = _make_schedule(
+            self.schedule, self.sam_probability, self.sam_interval, self.looksam_alpha,
+            schedule_gen,
+        )  # fmt: skip
+        return SparseSAMEngine(
+            partition, selection, self.perturbation, schedule, **self._engine_options()
+        )
 
     # -- the step (called by SAMMixin) ------------------------------------------------------
     def _accumulate(
@@ -298,12 +311,12 @@ class SparseLayerSAM(Callback):
     def _run_step(
         self,
         pl_module: pl.LightningModule,
-        forward_backward: Callable[[], Tensor],
+        forward_backward: Callable[..., Any],
         zero_grad: Callable[[], None],
         optimizer_step: Callable[[bool], None],
     ) -> StepResult:
         if self.engine is None:
-            raise RuntimeError("SparseLayerSAM ran a step before on_fit_start.")
+            raise RuntimeError(f"{type(self).__name__} ran a step before on_fit_start.")
         result = self.engine.step(forward_backward, zero_grad, optimizer_step)
         self._fresh = result
         return result
@@ -331,14 +344,16 @@ class SparseLayerSAM(Callback):
         result, self._fresh = self._fresh, None
         if result is None or self.engine is None:
             return
-        per_pass = result.active_ratio_per_pass
+        per_pass = [*result.active_ratio_per_pass, 0.0, 0.0]
         metrics = {
             "slsam/active_layers": float(result.active_mask.sum()),
             "slsam/active_ratio": result.active_ratio,
-            "slsam/active_ratio_pass1": per_pass,
-            "slsam/active_ratio_pass2": per_pass if result.num_backward >= 2 else 0.0,
+            "slsam/active_ratio_pass1": per_pass[0],
+            "slsam/active_ratio_pass2": per_pass[1],
             "slsam/backward_passes": float(result.num_backward),
+            "slsam/sam_step": float(result.kind in ("sam", "single")),
             "slsam/entropy": normalized_entropy(self.engine.selection.probs),
+            "slsam/never_selected": float(self.engine.never_selected()),
             "slsam/skipped_steps": float(self.engine.num_skipped),
         }
         for name, value in metrics.items():
@@ -352,11 +367,12 @@ class SparseLayerSAM(Callback):
             return
         if trainer.is_global_zero:
             self._write_record(trainer)
-        ratio = self.mean_active_ratio
+        engine = self.engine
         message = (
-            f"SL-SAM: mean active ratio {ratio:.3f}x over both passes (SAM: 2.0x, AdamW: 1.0x),"
-            f" {self.partition.num_layers} layers at layer_ratio={self.layer_ratio:g},"
-            f" {self.engine.num_skipped} skipped steps."
+            f"{type(self).__name__}: mean active ratio {self.mean_active_ratio:.3f}x over the"
+            " passes (SAM: 2.0x, AdamW: 1.0x),"
+            f" {self.partition.num_layers} layers, {engine.never_selected()} never"
+            f" selected, {engine.num_skipped} skipped steps."
         )
         if self.frequency_plot_path:
             message += f" Per-layer activation chart: {self.frequency_plot_path}"
@@ -382,7 +398,8 @@ class SparseLayerSAM(Callback):
                 self.engine.counts,
                 steps,
                 probs,
-                self.layer_ratio,
+                float(probs.mean()),
+                title=f"{type(self).__name__}: how often each layer was trained",
             )
 
     # -- checkpoint state ---------------------------------------------------------------
@@ -390,16 +407,11 @@ class SparseLayerSAM(Callback):
         if self.engine is None or self.partition is None:
             return dict(self._pending_state or {})
         return {
+            "method": self.method,
             "engine": self.engine.state_dict(),
             "layer_names": self.partition.names,
             "layer_tensors": self.partition.signature(),
-            "config": {
-                "rho": self.rho,
-                "layer_ratio": self.layer_ratio,
-                "p_min": self.p_min,
-                "alpha_p": self.alpha_p,
-                "bandit_loss": self.bandit_loss,
-            },
+            "config": self._hyperparameters(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -416,46 +428,34 @@ class SparseLayerSAM(Callback):
         current = self.partition.signature()
         if saved is not None and saved != current:
             raise MisconfigurationException(
-                "The checkpoint's SL-SAM state does not match this model's layers: "
-                + _describe_mismatch(saved, current)
-                + ". Resume with the same model and `layers` / `always_active` /"
-                " `always_frozen` options, or start the SL-SAM state afresh by resuming"
-                " without it."
+                f"The checkpoint's {type(self).__name__} state does not match this model's"
+                f" layers: {_describe_mismatch(saved, current)}. Resume with the same model"
+                " and `layers` / `always_active` / `always_frozen` options, or start the SAM"
+                " state afresh by resuming without it."
             )
         engine_state = dict(state["engine"])
-        engine_state["selection"] = self._adopt_hyperparameters(engine_state["selection"])
+        engine_state["selection"] = self._adopt_selection_state(engine_state["selection"])
         self.engine.load_state_dict(engine_state)
 
-    def _adopt_hyperparameters(self, saved: dict[str, Any]) -> dict[str, Any]:
-        """The constructor's bandit options win over the checkpoint's.
 
-        The learned distribution carries over; when ``layer_ratio`` or ``p_min`` changed it
-        is KL-projected onto the new constraint set, exactly as an update would be.
-        """
-        wanted = {
-            "layer_ratio": self.layer_ratio,
-            "p_min": self.p_min,
-            "alpha_p": self.alpha_p,
-            "loss": self.bandit_loss,
-        }
-        changed = {k: (saved[k], v) for k, v in wanted.items() if saved.get(k) != v}
-        if not changed:
-            return saved
-        rank_zero_warn(
-            "Resuming SL-SAM with options that differ from the checkpoint's: "
-            + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
-            + ". The new options apply from now on; the learned layer distribution is kept"
-            " (projected onto the new budget where needed)."
-        )
-        adopted = {**saved, **wanted}
-        probs = saved["probs"].double()
-        budget = self.layer_ratio * probs.numel()
-        adopted["probs"] = kl_projection(probs.log(), budget, self.p_min, 1.0)
-        return adopted
+def _make_schedule(
+    name: str,
+    probability: float,
+    interval: int,
+    alpha: float,
+    generator: torch.Generator | None,
+) -> Schedule:
+    if name == "random":
+        return RandomSchedule(probability, generator)
+    if name == "interval":
+        return IntervalSchedule(interval, alpha)
+    if name == "single":
+        return SingleStepSchedule()
+    return EveryStep()
 
 
 def estimated_stepping_batches(trainer: pl.Trainer) -> float:
-    """``trainer.estimated_stepping_batches``, counting SparseLayerSAM's own accumulation.
+    """``trainer.estimated_stepping_batches``, counting the SAM callback's accumulation.
 
     Lightning's estimate divides by ``Trainer(accumulate_grad_batches)``, which must stay 1
     with a SAM callback; the callback's ``accumulate_grad_batches`` also merges micro-batches
@@ -463,7 +463,7 @@ def estimated_stepping_batches(trainer: pl.Trainer) -> float:
     (``math.inf`` when the run has no finite length).
     """
     total = trainer.estimated_stepping_batches  # also sets up the train dataloader
-    sam = next((cb for cb in trainer.callbacks if isinstance(cb, SparseLayerSAM)), None)
+    sam = next((cb for cb in trainer.callbacks if isinstance(cb, SAMCallback)), None)
     k = sam.accumulate_grad_batches if sam is not None else 1
     if k == 1 or not math.isfinite(total):
         return total
@@ -477,10 +477,6 @@ def estimated_stepping_batches(trainer: pl.Trainer) -> float:
 
 def _has_scaler(trainer: pl.Trainer) -> bool:
     return getattr(trainer.precision_plugin, "scaler", None) is not None
-
-
-def _is_ratio(value: Any) -> bool:
-    return isinstance(value, (int, float)) and 0 < value <= 1
 
 
 def _describe_mismatch(saved: list[list[str]], current: list[list[str]]) -> str:

@@ -9,9 +9,10 @@
 
 Model and datamodule are given by ``class_path`` (any ``LightningModule`` /
 ``LightningDataModule``); SL-SAM is switched on by listing
-``lightning_slsam.SparseLayerSAM`` in ``trainer.callbacks``, with a model that inherits
-:class:`~lightning_slsam.SAMMixin`. After ``fit`` a short summary is printed: the final
-validation accuracy, SL-SAM's mean active ratio and per-layer chart, and the log folder.
+``lightning_slsam.SparseLayerSAM`` (or another method) in ``trainer.callbacks``, with a
+model that inherits :class:`~lightning_slsam.SAMMixin`. After ``fit`` a short summary is
+printed: the final validation accuracy, the method's mean active ratio and per-layer
+chart, and the log folder.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from importlib import resources
 from jsonargparse import Namespace
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
-from lightning_slsam.callback import SparseLayerSAM
+from lightning_slsam.callback import SAMCallback
 
 __all__ = ["SLSAMCLI", "demo_config_path", "main"]
 
@@ -58,13 +59,13 @@ class SLSAMCLI(LightningCLI):
             lines.append("  final val_acc: n/a (no validation ran)")
         else:
             lines.append(f"  final val_acc: {float(acc):.4f} (after {trainer.global_step} steps)")
-        sam = next((cb for cb in trainer.callbacks if isinstance(cb, SparseLayerSAM)), None)
+        sam = next((cb for cb in trainer.callbacks if isinstance(cb, SAMCallback)), None)
         if sam is None:
-            lines.append("  SL-SAM: off (no SparseLayerSAM in trainer.callbacks)")
+            lines.append("  method: AdamW (no SAM callback in trainer.callbacks)")
         else:
             lines.append(
-                f"  SL-SAM mean active ratio: {sam.mean_active_ratio:.3f}x over both passes"
-                " (SAM: 2.0x, AdamW: 1.0x)"
+                f"  {type(sam).__name__} mean active ratio: {sam.mean_active_ratio:.3f}x over the"
+                " passes (SAM: 2.0x, AdamW: 1.0x)"
             )
             lines.append(f"  per-layer chart: {sam.frequency_plot_path or 'not written'}")
         lines.append(f"  log dir: {trainer.log_dir or trainer.default_root_dir}")

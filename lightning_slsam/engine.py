@@ -1,32 +1,33 @@
-"""One SL-SAM training step in plain PyTorch (Algorithm 1 of the SL-SAM paper).
+"""One training step of any SAM method of the plugin, in plain PyTorch.
 
-:class:`SparseSAMEngine` knows nothing of Lightning: it is given three callables and
-runs the step around them, so the same code serves the Lightning mixin, a hand-written
-loop and the benchmarks.
+:class:`SparseSAMEngine` knows nothing of Lightning. A method is three parts:
 
-* ``forward_backward()`` computes the loss on the current batch, back-propagates it
-  (when it requires grad) and returns it detached;
+* a **selection** (:mod:`lightning_slsam.selection`): which layers the first pass
+  computes, which the second pass computes and the optimizer updates;
+* a **perturbation** (:mod:`lightning_slsam.perturbation`): the ascent on those layers;
+* a **schedule** (:mod:`lightning_slsam.schedules`): what kind each step is (SAM, plain,
+  LookSAM reuse, single-step).
+
+Optionally ESAM's sharpness-sensitive data selection (``data_ratio < 1``) and SSAM-F's
+Fisher mask (``fisher``). The engine is given callables and runs the step around them:
+
+* ``forward_backward(subsets=None, backward=True)`` computes the loss on the current
+  batch (each micro-batch ``i`` restricted to the sample indices ``subsets[i]`` when
+  given, skipped when that index tensor is empty), back-propagates it when ``backward``
+  and returns it detached -- as a tensor, or as a :class:`PassOutput` carrying per-sample
+  losses (needed by ESAM's data selection). Methods that address single samples (ESAM,
+  SSAM-F) also read its ``batch_sizes`` attribute. Simple callables without arguments
+  serve every other method;
 * ``zero_grad()`` sets every gradient to ``None``;
 * ``optimizer_step(skip)`` steps the base optimizer (``skip=True``: every gradient is
-  ``None`` and nothing may change, but step counters that must advance once per
-  training step -- Lightning's ``global_step`` -- still do).
+  ``None`` and nothing may change, but per-step counters such as Lightning's
+  ``global_step`` still advance).
 
-One step:
-
-1. sample the active layers and freeze the others (``requires_grad=False``) *before*
-   the first forward, so autograd builds no weight-gradient work for them;
-2. first pass; per-layer gradient norms, kept on the device;
-3. SAM ascent on the active tensors (:class:`~lightning_slsam.perturbation.SAMPerturbation`);
-4. second pass at the perturbed point; exact restore of the active tensors;
-5. base-optimizer step on the second-pass gradients (frozen tensors have ``grad=None``,
-   so AdamW gives them no update, no weight decay and no state advance);
-6. selection update with the first-pass norms; every tensor trainable again.
-
-The step synchronises with the host once, after the second pass: both losses, a
-finiteness probe of the second-pass gradients and the per-layer norm vector travel in
-one transfer. A non-finite loss or gradient in either pass then skips the step
-(weights restored exactly, optimizer and selection untouched); skips are counted and
-reported.
+Layers outside the active set get ``requires_grad=False`` before each forward, so autograd
+builds no weight-gradient work for them, their ``.grad`` stays ``None`` and the optimizer
+leaves them (and their state) untouched. Every step synchronises with the host once, at
+its end: losses, a finiteness probe and the per-layer norms travel together; a non-finite
+value skips the step with the weights restored exactly and nothing else changed.
 """
 
 from __future__ import annotations
@@ -34,31 +35,31 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_slsam.layers import LayerPartition
-from lightning_slsam.perturbation import SAMPerturbation, tensor_norms
+from lightning_slsam.perturbation import FisherMask, SAMPerturbation, group_norms, tensor_norms
+from lightning_slsam.schedules import EveryStep, IntervalSchedule, Schedule
+from lightning_slsam.selection import LayerSelection
 
-__all__ = ["LayerSelection", "SparseSAMEngine", "StepResult"]
+__all__ = ["PassOutput", "SparseSAMEngine", "StepResult"]
 
 
-class LayerSelection(Protocol):
-    """What the engine needs from a layer-selection rule (e.g. :class:`LayerBandit`)."""
+@dataclass
+class PassOutput:
+    """What ``forward_backward`` returns when it has more than the loss to report.
 
-    @property
-    def probs(self) -> Tensor: ...
+    Attributes:
+        loss: the detached (scalar) loss of the pass.
+        per_sample: detached per-sample losses, one tensor per micro-batch, if known.
+    """
 
-    def sample(self) -> Tensor: ...
-
-    def update(self, active: Tensor, norms: Tensor) -> bool: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    loss: Tensor
+    per_sample: list[Tensor | None] | None = None
 
 
 @dataclass
@@ -66,49 +67,59 @@ class StepResult:
     """What happened in one step.
 
     Attributes:
-        loss: first-pass loss, detached (``None`` if nothing was computed).
-        active_mask: bool ``[num_layers]`` CPU mask of the sampled layers.
-        active_numel: parameters that took part in each gradient pass (sampled layers
-            plus always-active tensors).
-        trainable_numel: parameters that could take part (the ratio's denominator).
-        num_backward: backward passes run.
-        skipped: whether the update was skipped.
-        skip_reason: why, when skipped.
+        loss: first-pass loss, detached.
+        active_mask: bool ``[num_layers]`` CPU mask of the layers the optimizer updated.
+        pass_numel: parameters with a gradient in each training backward pass.
+        trainable_numel: parameters that could take part (the ratios' denominator).
+        kind: ``"sam"``, ``"plain"``, ``"reuse"`` or ``"single"``.
+        extra_backward: backward passes outside the training passes (SSAM-F's Fisher).
+        skipped: whether the update was skipped; ``skip_reason`` says why.
     """
 
     loss: Tensor | None
     active_mask: Tensor
-    active_numel: int
     trainable_numel: int
-    num_backward: int
+    kind: str
+    pass_numel: list[int] = field(default_factory=list)
+    extra_backward: int = 0
     skipped: bool = False
     skip_reason: str | None = None
 
     @property
-    def active_ratio_per_pass(self) -> float:
-        """Fraction of trainable parameters with a gradient in each pass."""
-        return self.active_numel / max(self.trainable_numel, 1)
+    def num_backward(self) -> int:
+        """Backward passes run, extra ones included."""
+        return len(self.pass_numel) + self.extra_backward
+
+    @property
+    def active_ratio_per_pass(self) -> list[float]:
+        """Fraction of trainable parameters with a gradient, per training pass."""
+        return [n / max(self.trainable_numel, 1) for n in self.pass_numel]
 
     @property
     def active_ratio(self) -> float:
-        """The SL-SAM paper's "Active Ratio": parameter fraction summed over the passes
+        """The SL-SAM paper's "Active Ratio": that fraction summed over the training passes
         (plain AdamW 1.0, SAM 2.0)."""
-        return self.active_ratio_per_pass * self.num_backward
+        return sum(self.active_ratio_per_pass)
 
 
 class SparseSAMEngine:
-    """Runs SL-SAM steps over a :class:`LayerPartition` (pure PyTorch).
+    """Runs SAM-method steps over a :class:`LayerPartition` (pure PyTorch).
 
     Args:
         partition: the layers, from :func:`~lightning_slsam.layers.build_partition`.
-        selection: samples the active layers and learns from their norms; a
-            :class:`~lightning_slsam.bandit.LayerBandit` for SL-SAM.
-        perturbation: the SAM ascent applied to the active tensors.
+        selection: the layer-selection rule (a :class:`~lightning_slsam.LayerBandit` for
+            SL-SAM).
+        perturbation: the ascent applied to the perturbed tensors.
+        schedule: the kind of each step (default: SAM on every step).
+        data_ratio: ESAM's sharpness-sensitive data selection: the second pass runs on
+            this fraction of each batch, the samples whose loss rose most under the
+            perturbation (1.0, the default, disables it).
+        fisher: SSAM-F's coordinate mask, refreshed on its own schedule.
 
     Attributes:
-        counts: how many steps each layer was active (int64, CPU).
-        num_steps: steps run, skipped ones included.
-        num_skipped: steps skipped for a non-finite loss or gradient.
+        counts: steps in which each layer was updated (int64, CPU).
+        num_steps: steps run, skipped ones included; ``num_skipped``: skipped ones.
+        kind_counts: steps of each kind (skipped ones excluded).
         active_ratio_sum: sum over non-skipped steps of :attr:`StepResult.active_ratio`.
         last_result: the latest :class:`StepResult`.
     """
@@ -118,19 +129,35 @@ class SparseSAMEngine:
         partition: LayerPartition,
         selection: LayerSelection,
         perturbation: SAMPerturbation,
+        schedule: Schedule | None = None,
+        data_ratio: float = 1.0,
+        fisher: FisherMask | None = None,
     ) -> None:
+        if not (isinstance(data_ratio, (int, float)) and 0 < data_ratio <= 1):
+            raise ValueError(f"`data_ratio` must be in (0, 1], got {data_ratio!r}.")
         self.partition = partition
         self.selection = selection
         self.perturbation = perturbation
-        self.counts = torch.zeros(partition.num_layers, dtype=torch.int64)
+        self.schedule = schedule if schedule is not None else EveryStep()
+        self.data_ratio = float(data_ratio)
+        self.fisher = fisher
+        n = partition.num_layers
+        self.counts = torch.zeros(n, dtype=torch.int64)
         self.num_steps = 0
         self.num_skipped = 0
+        self.kind_counts: dict[str, int] = {}
         self.active_ratio_sum = 0.0
         self.last_result: StepResult | None = None
+        # Single-step SAM: each tensor's last gradient; LookSAM: its stored g_v.
+        self.last_grad: dict[int, Tensor] = {}
+        self.vertical: dict[int, Tensor] = {}
         self._layer_numel = torch.tensor(partition.numel, dtype=torch.int64)
         self._always_numel = sum(p.numel() for p in partition.always_active)
-        # Layer slot of every sampled tensor; always-active tensors use slot num_layers.
+        # Normalisation groups: one per layer, then one per always-active tensor.
         self._slot = {id(p): i for i, group in enumerate(partition.params) for p in group}
+        self._slot.update({id(p): n + j for j, p in enumerate(partition.always_active)})
+        self._num_groups = n + len(partition.always_active)
+        self._all = torch.ones(n, dtype=torch.bool)
 
     # -- freezing -------------------------------------------------------------------
     def activate(self, mask: Tensor) -> list[Tensor]:
@@ -159,54 +186,71 @@ class SparseSAMEngine:
         for param in self.partition.always_frozen:
             param.requires_grad_(True)
 
-    # -- the step -------------------------------------------------------------------
+    def _numel(self, mask: Tensor) -> int:
+        return int(self._layer_numel[mask].sum()) + self._always_numel
+
+    # -- the step ---------------------------------------------------------------------
     def step(
         self,
-        forward_backward: Callable[[], Tensor],
+        forward_backward: Callable[..., Tensor | PassOutput],
         zero_grad: Callable[[], None],
         optimizer_step: Callable[[bool], None],
     ) -> StepResult:
-        """Run one SL-SAM step; see the module docstring for the sequence."""
-        mask = self.selection.sample()
-        active = self.activate(mask)
-        active_numel = int(self._layer_numel[mask].sum()) + self._always_numel
-        result = StepResult(
-            loss=None,
-            active_mask=mask,
-            active_numel=active_numel,
-            trainable_numel=self.partition.trainable_numel,
-            num_backward=0,
-        )
+        """Run one training step of the configured method."""
+        kind = self.schedule.kind(self.num_steps)
+        if kind == "single" and not self.last_grad:
+            kind, mask = "plain", self._all.clone()  # no previous gradient yet: all layers
+        else:
+            mask = self.selection.sample()
+        result = StepResult(None, mask, self.partition.trainable_numel, kind)
         try:
-            self._run(result, active, forward_backward, zero_grad, optimizer_step)
+            if self.fisher is not None and self.fisher.due(self.num_steps):
+                self._refresh_fisher(forward_backward, zero_grad, result)
+            run = {"sam": self._sam, "single": self._single}.get(kind, self._one_pass)
+            run(result, forward_backward, zero_grad, optimizer_step)
         finally:
             self.release()
         self.num_steps += 1
         if result.skipped:
             self.num_skipped += 1
         else:
-            self.counts += mask.to(torch.int64)
+            self.counts += result.active_mask.to(torch.int64)
             self.active_ratio_sum += result.active_ratio
+            self.kind_counts[result.kind] = self.kind_counts.get(result.kind, 0) + 1
         self.last_result = result
         return result
 
     def train_step(
-        self, compute_loss: Callable[[], Tensor], optimizer: torch.optim.Optimizer
+        self,
+        compute_loss: Callable[..., Tensor],
+        optimizer: torch.optim.Optimizer,
+        batch_size: int | None = None,
     ) -> StepResult:
         """One step in a plain PyTorch loop.
 
         Args:
             compute_loss: runs the forward pass on the current batch and returns the loss
-                (called once per gradient pass; back-propagation is done here).
-            optimizer: the base optimizer (any ``torch.optim`` optimizer); it is not
-                stepped at all when the step is skipped.
+                (called once per pass; back-propagation is done here). Methods that
+                address single samples (ESAM's data selection, SSAM-F) call it as
+                ``compute_loss(index)`` with a tensor of sample indices, and ESAM needs it
+                to return per-sample losses (a 1-D tensor; it is averaged for the update).
+            optimizer: the base optimizer; not stepped at all when the step is skipped.
+            batch_size: samples in the batch (needed by ESAM and SSAM-F).
         """
 
-        def forward_backward() -> Tensor:
-            loss = compute_loss()
-            if loss.requires_grad:  # False when no active layer reaches the loss
+        def forward_backward(subsets: list[Tensor] | None = None, backward: bool = True):
+            index = subsets[0] if subsets else None
+            if index is not None and index.numel() == 0:
+                return PassOutput(torch.zeros(()), [None])
+            with torch.set_grad_enabled(backward and torch.is_grad_enabled()):
+                loss = compute_loss() if index is None else compute_loss(index)
+            per_sample = loss.detach() if loss.dim() == 1 else None
+            loss = loss.mean() if loss.dim() == 1 else loss
+            if backward and loss.requires_grad:  # False when no active layer reaches it
                 loss.backward()
-            return loss.detach()
+            return PassOutput(loss.detach(), [per_sample])
+
+        forward_backward.batch_sizes = [batch_size] if batch_size else []  # type: ignore[attr-defined]
 
         def optimizer_step(skip: bool) -> None:
             if not skip:
@@ -216,97 +260,219 @@ class SparseSAMEngine:
             forward_backward, lambda: optimizer.zero_grad(set_to_none=True), optimizer_step
         )
 
-    def _run(
-        self,
-        result: StepResult,
-        active: list[Tensor],
-        forward_backward: Callable[[], Tensor],
-        zero_grad: Callable[[], None],
-        optimizer_step: Callable[[bool], None],
-    ) -> None:
+    # -- step kinds ------------------------------------------------------------------------
+    def _sam(self, result, forward_backward, zero_grad, optimizer_step) -> None:
+        mask1 = result.active_mask
+        active1 = self.activate(mask1)
         zero_grad()
-        loss = forward_backward()
-        result.loss = loss
-        result.num_backward = 1
-        params, grads, layer_index = self._with_grad(active)
-        norms = tensor_norms(grads, loss.device)
-        layer_norms = self._layer_norms(norms, layer_index, loss.device)
+        first = _as_output(forward_backward())
+        result.loss = first.loss
+        result.pass_numel.append(self._numel(mask1))
+        params, grads, slots = self._with_grad(active1)
+        norms = tensor_norms(grads, first.loss.device)
+        layer_norms = self._layer_norms(norms, slots)
 
-        group_norms = None
-        if self.perturbation.norm == "layer":
-            # Each sampled tensor is scaled by its layer's norm, an always-active one by its own.
-            padded = torch.cat([layer_norms, layer_norms.new_zeros(1)])
-            index = layer_index.to(norms.device)
-            group_norms = torch.where(index == len(layer_norms), norms, padded[index])
-        # A non-finite first pass is only detected after the second one: checking here would
-        # cost a second host synchronisation every step, and the exact restore below undoes
-        # whatever a NaN perturbation did.
-        backup = self.perturbation.perturb_(params, grads, norms, group_norms)
+        refine_norms = layer_norms.double().cpu() if self.selection.refine_uses_norms else None
+        mask2 = self.selection.refine(mask1, refine_norms)
+        active2 = active1 if mask2 is mask1 else self.activate(mask2)
+        result.active_mask = mask2
+        keep = {id(p) for p in active2}
+        chosen = [i for i, p in enumerate(params) if id(p) in keep]
+        pp = [params[i] for i in chosen]
+        pg = [grads[i] for i in chosen]
+        looksam = isinstance(self.schedule, IntervalSchedule) and self.schedule.alpha > 0
+        masks = self.fisher.masks_for(pp) if self.fisher is not None else None
+        # A non-finite first pass is only detected at the end of the step: checking here
+        # would cost a second host synchronisation every step, and the exact restore
+        # undoes whatever a NaN perturbation did.
+        backup = self.perturbation.perturb_(
+            pp, pg, norms[chosen] if chosen else norms[:0], slots[chosen], self._num_groups,
+            inplace=not looksam, masks=masks,
+        )  # fmt: skip
         del grads
         zero_grad()  # frees the first-pass gradients before the second forward
         try:
-            loss2 = forward_backward()
-            result.num_backward = 2
+            if self.data_ratio < 1:
+                subsets = self._sharpest_samples(first, forward_backward)
+                second = _as_output(forward_backward(subsets=subsets))
+            else:
+                second = _as_output(forward_backward())
         finally:
-            self.perturbation.restore_(params, backup)
+            self.perturbation.restore_(pp, backup)
         del backup
-        _, grads2, _ = self._with_grad(active)
-        second = tensor_norms(grads2, loss.device).sum()
-        # The one host transfer of the step: both losses, the second pass's gradient
-        # magnitude and the first pass's per-layer norms travel together.
-        host = torch.cat(
-            [
-                loss.detach().reshape(1).float(),
-                loss2.detach().reshape(1).float().to(loss.device),
-                second.reshape(1).float(),
-                layer_norms.float(),
-            ]
-        ).cpu()
+        result.pass_numel.append(self._numel(mask2))
+        params2, grads2, _ = self._with_grad(active2)
+        if looksam:
+            self._store_vertical(pp, pg, params2, grads2)
+        probe2 = tensor_norms(grads2, first.loss.device).sum()
+        self._finish(result, [first.loss, norms.sum()], [second.loss, probe2], layer_norms,
+                     mask1, zero_grad, optimizer_step)  # fmt: skip
+
+    def _one_pass(self, result, forward_backward, zero_grad, optimizer_step) -> None:
+        mask = result.active_mask
+        active = self.activate(mask)
+        zero_grad()
+        out = _as_output(forward_backward())
+        result.loss = out.loss
+        result.pass_numel.append(self._numel(mask))
+        params, grads, slots = self._with_grad(active)
+        norms = tensor_norms(grads, out.loss.device)
+        layer_norms = self._layer_norms(norms, slots)
+        if result.kind == "reuse":
+            self._add_vertical(params, grads)
+        self._finish(result, [out.loss, norms.sum()], [], layer_norms, mask, zero_grad,
+                     optimizer_step)  # fmt: skip
+
+    def _single(self, result, forward_backward, zero_grad, optimizer_step) -> None:
+        mask = result.active_mask
+        active = self.activate(mask)
+        pp = [p for p in active if id(p) in self.last_grad]
+        pg = [self.last_grad[id(p)] for p in pp]
+        slots = torch.tensor([self._slot[id(p)] for p in pp], dtype=torch.long)
+        device = pp[0].device if pp else None
+        backup = self.perturbation.perturb_(
+            pp, pg, tensor_norms(pg, device), slots, self._num_groups, inplace=False
+        )
+        zero_grad()
+        try:
+            out = _as_output(forward_backward())
+        finally:
+            self.perturbation.restore_(pp, backup)
+        del backup
+        result.loss = out.loss
+        result.pass_numel.append(self._numel(mask))
+        params, grads, slots = self._with_grad(active)
+        norms = tensor_norms(grads, out.loss.device)
+        layer_norms = self._layer_norms(norms, slots)
+        if self._finish(result, [out.loss, norms.sum()], [], layer_norms, mask, zero_grad,
+                        optimizer_step):  # fmt: skip
+            # The gradient tensors themselves (after the optimizer's unscaling/clipping):
+            # zero_grad(set_to_none=True) detaches them from .grad, no copy is made.
+            for param, grad in zip(params, grads):
+                self.last_grad[id(param)] = grad
+
+    # -- pieces ------------------------------------------------------------------------------
+    def _finish(
+        self, result, first, second, layer_norms, update_mask, zero_grad, optimizer_step
+    ) -> bool:
+        """The step's one host transfer, then either the update or a skip.
+
+        ``first`` / ``second``: scalars (loss, gradient-norm probe) of each pass.
+        """
+        device = layer_norms.device
+        scalars = [s.detach().float().reshape(()).to(device) for s in (*first, *second)]
+        host = torch.cat([torch.stack(scalars), layer_norms.float()]).cpu()
         finite = torch.isfinite(host)
-        if not bool(finite[0]) or not bool(finite[3:].all()):
-            reason = "non-finite loss or gradient in the first pass"
-        elif not bool(finite[1:3].all()):
+        k1, k = len(first), len(scalars)
+        where = " in the first pass" if second else ""
+        if not bool(finite[:k1].all()) or not bool(finite[k:].all()):
+            reason = f"non-finite loss or gradient{where}"
+        elif not bool(finite[k1:k].all()):
             reason = "non-finite loss or gradient in the second pass"
         else:
             optimizer_step(False)
-            self.selection.update(result.active_mask, host[3:].double())
-            return
-        self._skip(result, reason, zero_grad)
-        optimizer_step(True)
-
-    def _with_grad(self, active: list[Tensor]) -> tuple[list[Tensor], list[Tensor], Tensor]:
-        """Active tensors that received a gradient, their grads and layer indices.
-
-        A sampled tensor the forward did not use has ``grad=None``: it counts as norm 0.
-        The slot of an always-active tensor is ``num_layers`` (it is not a bandit arm).
-        """
-        params, grads, slots = [], [], []
-        other = self.partition.num_layers
-        for param in active:
-            if param.grad is not None:
-                params.append(param)
-                grads.append(param.grad)
-                slots.append(self._slot.get(id(param), other))
-        return params, grads, torch.tensor(slots, dtype=torch.long)
-
-    def _layer_norms(self, norms: Tensor, slots: Tensor, device: torch.device) -> Tensor:
-        """Per-layer L2 norms (``[num_layers]``; 0 for a layer without gradient)."""
-        n = self.partition.num_layers
-        squares = torch.zeros(n + 1, device=device, dtype=torch.float32)
-        if norms.numel():
-            squares.index_add_(0, slots.to(device, non_blocking=True), norms.square())
-        return squares[:n].sqrt()
-
-    def _skip(self, result: StepResult, reason: str, zero_grad: Callable[[], None]) -> None:
+            self.selection.update(update_mask, host[k:].double())
+            return True
         result.skipped = True
         result.skip_reason = reason
         zero_grad()
         warnings.warn(
             f"SL-SAM skipped step {self.num_steps}: {reason}. Weights, optimizer state and"
-            " layer probabilities are unchanged.",
+            " layer selection are unchanged.",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
+        optimizer_step(True)
+        return False
+
+    def _with_grad(self, active: list[Tensor]) -> tuple[list[Tensor], list[Tensor], Tensor]:
+        """Active tensors that received a gradient, their grads and group slots.
+
+        A sampled tensor the forward did not use has ``grad=None``: it counts as norm 0.
+        """
+        params, grads = [], []
+        for param in active:
+            if param.grad is not None:
+                params.append(param)
+                grads.append(param.grad)
+        slots = torch.tensor([self._slot[id(p)] for p in params], dtype=torch.long)
+        return params, grads, slots
+
+    def _layer_norms(self, norms: Tensor, slots: Tensor) -> Tensor:
+        """Per-layer L2 norms (``[num_layers]``; 0 for a layer without gradient)."""
+        return group_norms(norms, slots, self._num_groups)[: self.partition.num_layers]
+
+    def _sharpest_samples(self, first: PassOutput, forward_backward) -> list[Tensor]:
+        """ESAM's data selection: per micro-batch, the samples whose loss rose most."""
+        before = first.per_sample
+        if not before or any(b is None for b in before):
+            raise ValueError(
+                "ESAM's data selection (data_ratio < 1) needs per-sample losses: return"
+                " them from training_step as a 1-D tensor (e.g. cross_entropy(...,"
+                " reduction='none')), or as {'loss': ..., 'per_sample_loss': ...}; or set"
+                " data_ratio=1.0 to disable it."
+            )
+        with torch.no_grad():
+            after = _as_output(forward_backward(backward=False)).per_sample
+        subsets = []
+        for b, a in zip(before, after or []):
+            k = max(1, round(self.data_ratio * b.numel()))
+            sharpness = a.to(b.device).float() - b.float()
+            subsets.append(torch.topk(sharpness, k, sorted=False).indices.sort().values)
+        return subsets
+
+    def _refresh_fisher(self, forward_backward, zero_grad, result: StepResult) -> None:
+        """SSAM-F: Fisher information from per-sample gradients of the current batch."""
+        assert self.fisher is not None
+        sizes = list(getattr(forward_backward, "batch_sizes", []) or [])
+        if not sizes:
+            raise ValueError(
+                "SSAM-F's Fisher mask needs the batch size: the forward_backward callable"
+                " must have a `batch_sizes` attribute (train_step(..., batch_size=...))."
+            )
+        active = self.activate(self._all)
+        fisher = [torch.zeros_like(p, dtype=torch.float32) for p in active]
+        empty = torch.zeros(0, dtype=torch.long)
+        for i in range(min(self.fisher.fisher_samples, sizes[0])):
+            zero_grad()
+            forward_backward(subsets=[torch.tensor([i])] + [empty] * (len(sizes) - 1))
+            for acc, param in zip(fisher, active):
+                if param.grad is not None:
+                    acc.add_(param.grad.float().square())
+            result.extra_backward += 1
+        zero_grad()
+        self.fisher.set_fisher(active, fisher)
+
+    @torch.no_grad()
+    def _store_vertical(self, pp, pg, params2, grads2) -> None:
+        """LookSAM: keep g_v = g_s - <g, g_s>/||g||^2 g, the part of the SAM gradient g_s
+        orthogonal to the plain gradient g, for every perturbed tensor."""
+        g_s = {id(p): g for p, g in zip(params2, grads2)}
+        pairs = [(p, g, g_s[id(p)]) for p, g in zip(pp, pg) if id(p) in g_s]
+        if not pairs:
+            return
+        g = [x[1] for x in pairs]
+        gs = [x[2] for x in pairs]
+        inner = torch.stack([(a.float() * b.float()).sum() for a, b in zip(g, gs)]).sum()
+        g_sq = tensor_norms(g).square().sum()
+        coeff = inner / (g_sq + self.perturbation.eps)
+        vertical = torch._foreach_sub(gs, torch._foreach_mul(g, coeff.to(g[0].dtype)))
+        for (param, _, _), v in zip(pairs, vertical):
+            self.vertical[id(param)] = v
+
+    @torch.no_grad()
+    def _add_vertical(self, params: list[Tensor], grads: list[Tensor]) -> None:
+        """LookSAM reuse step: g <- g + alpha * ||g|| / ||g_v|| * g_v (tensors with a g_v)."""
+        assert isinstance(self.schedule, IntervalSchedule)
+        pairs = [(g, self.vertical[id(p)]) for p, g in zip(params, grads) if id(p) in self.vertical]
+        if not pairs or self.schedule.alpha == 0:
+            return
+        g = [x[0] for x in pairs]
+        v = [x[1] for x in pairs]
+        ratio = tensor_norms(g).square().sum().sqrt() / (
+            tensor_norms(v).square().sum().sqrt() + self.perturbation.eps
+        )
+        torch._foreach_add_(g, torch._foreach_mul(v, (self.schedule.alpha * ratio).to(g[0].dtype)))
 
     # -- statistics and state ----------------------------------------------------------
     @property
@@ -316,18 +482,32 @@ class SparseSAMEngine:
         return self.active_ratio_sum / done if done else math.nan
 
     def frequencies(self) -> Tensor:
-        """Fraction of non-skipped steps each layer was active (float64)."""
+        """Fraction of non-skipped steps each layer was updated (float64)."""
         done = max(self.num_steps - self.num_skipped, 1)
         return self.counts.double() / done
 
+    def never_selected(self) -> int:
+        """Layers not updated in any step so far."""
+        return int((self.counts == 0).sum())
+
     def state_dict(self) -> dict[str, Any]:
-        """Selection state and counters (everything needed to continue identically)."""
+        """Everything needed to continue identically: selection and schedule state,
+        counters, and the per-tensor stores of single-step SAM, LookSAM and SSAM-F
+        (indexed by the tensor's position in the partition)."""
+        index = self._tensor_index()
         return {
             "selection": self.selection.state_dict(),
+            "schedule": self.schedule.state_dict(),
             "counts": self.counts.clone(),
             "num_steps": self.num_steps,
             "num_skipped": self.num_skipped,
+            "kind_counts": dict(self.kind_counts),
             "active_ratio_sum": self.active_ratio_sum,
+            "last_grad": {index[k]: v for k, v in self.last_grad.items()},
+            "vertical": {index[k]: v for k, v in self.vertical.items()},
+            "fisher_masks": (
+                {index[k]: v for k, v in self.fisher.masks.items()} if self.fisher else {}
+            ),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -339,7 +519,28 @@ class SparseSAMEngine:
                 f" {self.partition.num_layers}."
             )
         self.selection.load_state_dict(state["selection"])
+        self.schedule.load_state_dict(state.get("schedule", {}))
         self.counts = counts.clone().to(torch.int64)
         self.num_steps = int(state["num_steps"])
         self.num_skipped = int(state["num_skipped"])
+        self.kind_counts = dict(state.get("kind_counts", {}))
         self.active_ratio_sum = float(state["active_ratio_sum"])
+        tensors = self._tensors()
+
+        def restore(saved: dict[int, Tensor]) -> dict[int, Tensor]:
+            return {id(tensors[i]): v.to(tensors[i].device) for i, v in saved.items()}
+
+        self.last_grad = restore(state.get("last_grad", {}))
+        self.vertical = restore(state.get("vertical", {}))
+        if self.fisher is not None and state.get("fisher_masks"):
+            self.fisher.masks = restore(state["fisher_masks"])
+
+    def _tensors(self) -> list[Tensor]:
+        return list(self.partition.always_active) + list(self.partition.flat_params)
+
+    def _tensor_index(self) -> dict[int, int]:
+        return {id(t): i for i, t in enumerate(self._tensors())}
+
+
+def _as_output(value: Tensor | PassOutput) -> PassOutput:
+    return value if isinstance(value, PassOutput) else PassOutput(value, None)

@@ -26,26 +26,26 @@ automatic optimization), and steps LR schedulers honouring ``interval`` and
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from lightning_slsam.callback import SparseLayerSAM
+    from lightning_slsam.callback import SAMCallback
 
 __all__ = ["SAMMixin"]
 
 
-def _sam_controller(module: Any) -> SparseLayerSAM | None:
+def _sam_controller(module: Any) -> SAMCallback | None:
     """The SAM callback attached to ``module``'s Trainer, if any."""
-    from lightning_slsam.callback import SparseLayerSAM
+    from lightning_slsam.callback import SAMCallback
 
     trainer = getattr(module, "_trainer", None)
     if trainer is None:
         return None
-    found = [cb for cb in trainer.callbacks if isinstance(cb, SparseLayerSAM)]
+    found = [cb for cb in trainer.callbacks if isinstance(cb, SAMCallback)]
     return found[0] if found else None
 
 
@@ -103,16 +103,108 @@ def scheduler_configs(module: Any, trainer: Any) -> list[Any]:
     return rebuilt if same else current
 
 
-def _loss_of(output: Any) -> Tensor:
-    loss = output.get("loss") if isinstance(output, dict) else output
+def _loss_of(output: Any) -> tuple[Tensor, Tensor | None]:
+    """The scalar loss of a ``training_step`` output and its per-sample losses, if given.
+
+    A 1-D tensor is a vector of per-sample losses (averaged for the update); a dict may
+    carry ``"per_sample_loss"`` next to ``"loss"``.
+    """
+    per_sample = output.get("per_sample_loss") if isinstance(output, Mapping) else None
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if isinstance(loss, Tensor) and loss.dim() == 1 and per_sample is None:
+        per_sample, loss = loss, loss.mean()
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         raise MisconfigurationException(
-            "With a SAM callback, `training_step` must return the loss: a scalar tensor or a"
-            f" dict with key 'loss'. It returned {type(output).__name__}"
+            "With a SAM callback, `training_step` must return the loss: a scalar tensor, a"
+            " 1-D tensor of per-sample losses, or a dict with key 'loss'. It returned"
+            f" {type(output).__name__}"
             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else "")
             + ". The mixin re-runs training_step for each gradient pass and needs that loss."
         )
-    return loss.reshape(())
+    return loss.reshape(()), (per_sample.detach().reshape(-1) if per_sample is not None else None)
+
+
+def _first_tensor(batch: Any) -> Tensor | None:
+    if isinstance(batch, Tensor):
+        return batch
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    if isinstance(values, (list, tuple)) or isinstance(batch, Mapping):
+        for value in values:
+            found = _first_tensor(value)
+            if found is not None:
+                return found
+    return None
+
+
+def _subset(batch: Any, index: Tensor, size: int) -> Any:
+    if isinstance(batch, Tensor):
+        return batch[index.to(batch.device)] if batch.dim() and batch.shape[0] == size else batch
+    if isinstance(batch, Mapping):
+        items = {k: _subset(v, index, size) for k, v in batch.items()}
+        try:
+            return type(batch)(items)
+        except TypeError:
+            return items
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(_subset(v, index, size) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_subset(v, index, size) for v in batch)
+    return batch
+
+
+class _Passes:
+    """The ``forward_backward`` callable of one training step (the engine's protocol).
+
+    ``subsets[i]`` restricts micro-batch ``i`` to those sample indices (an empty tensor
+    skips it); ``backward=False`` runs the forward only. The first full backward pass is
+    pass 1 for ``SAMMixin.sam_pass``; every other call (second pass, ESAM's selection
+    forward, SSAM-F's per-sample passes) is pass 2, whose logging is dropped.
+    """
+
+    def __init__(self, module: SAMMixin, user_step, micro_batches, scale: float) -> None:
+        self.module, self.user_step = module, user_step
+        self.micro_batches, self.scale = micro_batches, scale
+        self.first_output: Any = None
+        self._full_passes = 0
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return [self.module.sam_batch_size(args[0]) for args, _ in self.micro_batches]
+
+    def __call__(self, subsets: list[Tensor] | None = None, backward: bool = True) -> Any:
+        from lightning_slsam.engine import PassOutput
+
+        module = self.module
+        first = subsets is None and backward and self._full_passes == 0
+        self._full_passes += int(subsets is None and backward)
+        module._slsam_pass = 1 if first else 2
+        try:
+            total: Tensor | None = None
+            per_sample: list[Tensor | None] = []
+            for i, (args, kwargs) in enumerate(self.micro_batches):
+                index = subsets[i] if subsets is not None else None
+                if index is not None and index.numel() == 0:
+                    per_sample.append(None)
+                    continue
+                if index is not None:
+                    size = module.sam_batch_size(args[0])
+                    args = (module.sam_subset_batch(args[0], index, size), *args[1:])
+                output = self.user_step(module, *args, **kwargs)
+                loss, samples = _loss_of(output)
+                if first and self.first_output is None:
+                    self.first_output = output
+                per_sample.append(samples)
+                if self.scale != 1.0:
+                    loss = loss * self.scale
+                # No active tensor reached the loss: nothing to back-propagate (norm 0).
+                if backward and loss.requires_grad:
+                    module.manual_backward(loss)  # type: ignore[attr-defined]
+                loss = loss.detach()
+                total = loss if total is None else total + loss
+            assert total is not None, "every micro-batch of a pass was skipped"
+            return PassOutput(total, per_sample)
+        finally:
+            module._slsam_pass = 0
 
 
 class SAMMixin:
@@ -161,6 +253,29 @@ class SAMMixin:
         """Gradient pass of the running SAM step: 1 or 2, and 0 outside a SAM step."""
         return self._slsam_pass
 
+    def sam_batch_size(self, batch: Any) -> int:
+        """Samples in ``batch``: the first dimension of its first tensor.
+
+        Used by methods that address single samples (ESAM's data selection, SSAM-F's
+        Fisher). Override it for a batch whose first tensor is not batch-major.
+        """
+        tensor = _first_tensor(batch)
+        if tensor is None or tensor.dim() == 0:
+            raise MisconfigurationException(
+                f"Cannot tell the batch size of a {type(batch).__name__} batch: override"
+                " `sam_batch_size(batch)` (and `sam_subset_batch`) on the module."
+            )
+        return int(tensor.shape[0])
+
+    def sam_subset_batch(self, batch: Any, index: Tensor, batch_size: int) -> Any:
+        """``batch`` restricted to the samples ``index`` (a 1-D index tensor).
+
+        Every tensor whose first dimension is ``batch_size`` is indexed along it, inside
+        dicts (Hugging Face batches included), lists, tuples and namedtuples; everything
+        else is kept as is. Override it for other batch types.
+        """
+        return _subset(batch, index, batch_size)
+
     def log(self, *args: Any, **kwargs: Any) -> None:
         """``LightningModule.log``, except that calls from SAM's second pass are dropped."""
         if self._slsam_pass >= 2:
@@ -195,7 +310,7 @@ class SAMMixin:
     # -- the SAM training step -------------------------------------------------------
     def _slsam_training_step(
         self,
-        controller: SparseLayerSAM,
+        controller: SAMCallback,
         user_step: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
@@ -209,30 +324,7 @@ class SAMMixin:
             return None  # buffered for gradient accumulation; the step comes later
         scale = 1.0 / controller.accumulate_grad_batches
         optimizer = self.optimizers()  # type: ignore[attr-defined]
-        first_output: list[Any] = []
-        passes_done = [0]
-
-        def forward_backward() -> Tensor:
-            passes_done[0] += 1
-            self._slsam_pass = passes_done[0]
-            try:
-                total: Tensor | None = None
-                for mb_args, mb_kwargs in micro_batches:
-                    output = user_step(self, *mb_args, **mb_kwargs)
-                    loss = _loss_of(output)
-                    if passes_done[0] == 1 and not first_output:
-                        first_output.append(output)
-                    if scale != 1.0:
-                        loss = loss * scale
-                    # No active tensor reached the loss: nothing to back-propagate (norm 0).
-                    if loss.requires_grad:
-                        self.manual_backward(loss)  # type: ignore[attr-defined]
-                    loss = loss.detach()
-                    total = loss if total is None else total + loss
-                assert total is not None
-                return total
-            finally:
-                self._slsam_pass = 0
+        passes = _Passes(self, user_step, micro_batches, scale)
 
         def zero_grad() -> None:
             optimizer.zero_grad(set_to_none=True)
@@ -240,12 +332,12 @@ class SAMMixin:
         def optimizer_step(skip: bool) -> None:
             optimizer.step()
 
-        controller._run_step(self, forward_backward, zero_grad, optimizer_step)
+        controller._run_step(self, passes, zero_grad, optimizer_step)
         self._slsam_step_schedulers(trainer, batch_idx)
-        output = first_output[0] if first_output else None
-        if isinstance(output, dict):
-            return {**output, "loss": output["loss"].detach()}
-        return output.detach() if isinstance(output, Tensor) else output
+        output = passes.first_output
+        if isinstance(output, Mapping):
+            return {**output, "loss": _loss_of(output)[0].detach()}
+        return _loss_of(output)[0].detach() if isinstance(output, Tensor) else output
 
     # -- LR schedulers (Lightning steps them only under automatic optimization) ----------
     def _slsam_step_schedulers(self, trainer: Any, batch_idx: int) -> None:

@@ -1,17 +1,18 @@
 """SAM's ascent step and its exact undo, on the active tensors only.
 
 The ascent is ``e = rho * g / ||g||`` (Foret et al., 2021). By default ``||g||`` is
-one norm over every active tensor together, as SAM and the SL-SAM reference code
+one norm over every perturbed tensor together, as SAM and the SL-SAM reference code
 compute it; ``norm="layer"`` normalises each layer separately, as Algorithm 1 of the
-SL-SAM paper is written (then the total perturbation has norm ``rho * sqrt(#active)``).
+SL-SAM paper is written (then the total perturbation has norm ``rho * sqrt(#layers)``).
+``adaptive=True`` is ASAM (Kwon et al., 2021): ``e = rho * w^2 g / || |w| g ||``, a
+perturbation that scales with the weights. A coordinate mask (SSAM-F) zeroes the ascent
+outside the mask after normalisation, as the SSAM reference does.
 
-Restoring uses a copy of the active tensors taken before the ascent: subtracting ``e``
+Restoring uses a copy of the perturbed tensors taken before the ascent: subtracting ``e``
 again is not exact in floating point, and the base optimizer must step from exactly
-the weights it would have seen without SAM. Only active tensors are copied, so the
-backup costs ``active ratio x`` one weight copy instead of a full one.
+the weights it would have seen without SAM. Only perturbed tensors are copied.
 
-Everything here stays on the tensors' device (``torch._foreach_*`` kernels, no
-``.item()``): the hot path never waits for the host.
+Everything stays on the tensors' device (``torch._foreach_*`` kernels, no ``.item()``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["PERTURBATION_NORMS", "SAMPerturbation", "tensor_norms"]
+__all__ = ["PERTURBATION_NORMS", "FisherMask", "SAMPerturbation", "group_norms", "tensor_norms"]
 
 PERTURBATION_NORMS = ("global", "layer")
 
@@ -36,28 +37,42 @@ def tensor_norms(grads: list[Tensor], device: torch.device | None = None) -> Ten
     return norms if device is None else norms.to(device)
 
 
+def group_norms(norms: Tensor, slots: Tensor, num_groups: int) -> Tensor:
+    """L2 norm of each group from per-tensor norms (``slots[i]`` is tensor i's group)."""
+    squares = torch.zeros(num_groups, device=norms.device, dtype=torch.float32)
+    if norms.numel():
+        squares.index_add_(0, slots.to(norms.device, non_blocking=True), norms.square())
+    return squares.sqrt()
+
+
 class SAMPerturbation:
-    """SAM's ascent ``w <- w + rho * g / (||g|| + eps)`` with an exact restore.
+    """SAM's ascent ``w <- w + e`` with an exact restore.
 
     Args:
-        rho: perturbation radius (> 0). Paper default 0.01 for fine-tuning.
-        norm: ``"global"`` (default; one norm over all active tensors, as SAM) or
+        rho: perturbation radius (> 0). The SL-SAM paper uses 0.01 for every SAM method.
+        norm: ``"global"`` (default; one norm over all perturbed tensors, as SAM) or
             ``"layer"`` (one norm per layer, as Algorithm 1 of the SL-SAM paper reads).
+        adaptive: ASAM's weight-scaled perturbation (default ``False``).
         eps: added to the norm so a zero gradient gives a zero perturbation.
     """
 
-    def __init__(self, rho: float, norm: str = "global", eps: float = 1e-12) -> None:
+    def __init__(
+        self, rho: float, norm: str = "global", adaptive: bool = False, eps: float = 1e-12
+    ) -> None:
         if not (isinstance(rho, (int, float)) and rho > 0 and rho == rho and rho != float("inf")):
             raise ValueError(
                 f"`rho` must be a finite number > 0 (the SAM perturbation radius), got {rho!r}."
-                " The paper uses rho=0.01 for fine-tuning."
+                " The SL-SAM paper uses rho=0.01 for fine-tuning."
             )
         if norm not in PERTURBATION_NORMS:
             raise ValueError(
                 f"`perturbation_norm` must be one of {PERTURBATION_NORMS}, got {norm!r}."
             )
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"`adaptive` must be True or False, got {adaptive!r}.")
         self.rho = float(rho)
         self.norm = norm
+        self.adaptive = adaptive
         self.eps = float(eps)
 
     @torch.no_grad()
@@ -66,31 +81,50 @@ class SAMPerturbation:
         params: list[Tensor],
         grads: list[Tensor],
         norms: Tensor,
-        group_norms: Tensor | None = None,
+        slots: Tensor | None = None,
+        num_groups: int | None = None,
+        inplace: bool = True,
+        masks: list[Tensor] | None = None,
     ) -> list[Tensor]:
         """Move ``params`` along ``grads`` in place; return the backup for :meth:`restore_`.
 
         Args:
-            params: the active tensors that received a gradient.
-            grads: their first-pass gradients (same order); overwritten with the ascent step.
-            norms: per-tensor gradient norms, as from :func:`tensor_norms`.
-            group_norms: for ``norm="layer"``, the norm each tensor is normalised by
-                (its layer's norm), one entry per tensor.
+            params: the tensors to perturb.
+            grads: their ascent directions (same order).
+            norms: per-tensor norms of ``grads``, as from :func:`tensor_norms`.
+            slots: each tensor's layer (group) index, for ``norm="layer"`` (default: every
+                tensor its own group).
+            num_groups: number of groups ``slots`` indexes into.
+            inplace: scale ``grads`` into the ascent step (they are discarded by the
+                caller); ``False`` leaves them intact.
+            masks: per-tensor coordinate masks (SSAM-F), applied after normalisation.
         """
         backup = [p.detach().clone() for p in params]
         if not params:
             return backup
-        # The gradients are scaled in place into the ascent step: the caller discards them
-        # right after, and this saves allocating a second active-sized buffer.
+        if self.adaptive:
+            weights = torch._foreach_abs(params)
+            step = torch._foreach_mul(grads, weights)  # |w| g
+            norms = tensor_norms(step, norms.device)
+        else:
+            weights = None
+            step = grads if inplace else torch._foreach_mul(grads, 1.0)
+        dtype = step[0].dtype
         if self.norm == "global":
             scale = self.rho / (norms.square().sum().sqrt() + self.eps)
-            torch._foreach_mul_(grads, scale.to(grads[0].dtype))
+            torch._foreach_mul_(step, scale.to(dtype))
         else:
-            if group_norms is None:
-                raise ValueError("norm='layer' needs `group_norms`.")
-            scales = self.rho / (group_norms + self.eps)
-            torch._foreach_mul_(grads, list(scales.to(grads[0].dtype).unbind()))
-        torch._foreach_add_(params, grads)
+            if slots is None:
+                slots, num_groups = torch.arange(len(params)), len(params)
+            per_tensor = group_norms(norms, slots, num_groups or len(params))[
+                slots.to(norms.device)
+            ]
+            torch._foreach_mul_(step, list((self.rho / (per_tensor + self.eps)).to(dtype).unbind()))
+        if weights is not None:
+            torch._foreach_mul_(step, weights)  # rho * w^2 g / || |w| g ||
+        if masks is not None:
+            torch._foreach_mul_(step, masks)
+        torch._foreach_add_(params, step)
         return backup
 
     @staticmethod
@@ -99,3 +133,63 @@ class SAMPerturbation:
         """Copy the pre-ascent values back, bit for bit."""
         if params:
             torch._foreach_copy_(params, backup)
+
+
+class FisherMask:
+    """SSAM-F's sparse perturbation mask (Mi et al., 2022, "Make Sharpness-Aware
+    Minimization Stronger: A Sparsified Perturbation Approach").
+
+    The mask keeps the ``1 - sparsity`` fraction of all coordinates with the largest
+    empirical Fisher information, the sum of squared per-sample gradients over
+    ``fisher_samples`` training samples; it is recomputed every ``mask_interval``
+    optimizer steps (the first step included).
+
+    Args:
+        sparsity: fraction of coordinates NOT perturbed, in [0, 1) (paper: 0.5).
+        fisher_samples: per-sample gradients used for the Fisher estimate, >= 1. They are
+            taken from the current training batch (at most its size).
+        mask_interval: optimizer steps between mask refreshes, >= 1.
+    """
+
+    def __init__(self, sparsity: float = 0.5, fisher_samples: int = 16, mask_interval: int = 100):
+        if not (isinstance(sparsity, (int, float)) and 0 <= sparsity < 1):
+            raise ValueError(f"`sparsity` must be in [0, 1), got {sparsity!r}.")
+        if not (isinstance(fisher_samples, int) and fisher_samples >= 1):
+            raise ValueError(f"`fisher_samples` must be an integer >= 1, got {fisher_samples!r}.")
+        if not (isinstance(mask_interval, int) and mask_interval >= 1):
+            raise ValueError(f"`mask_interval` must be an integer >= 1, got {mask_interval!r}.")
+        self.sparsity = float(sparsity)
+        self.fisher_samples = fisher_samples
+        self.mask_interval = mask_interval
+        self.masks: dict[int, Tensor] = {}
+        self.num_refreshes = 0
+
+    def due(self, step: int) -> bool:
+        """Whether the mask must be recomputed before optimizer step ``step``."""
+        return not self.masks or step % self.mask_interval == 0
+
+    @torch.no_grad()
+    def set_fisher(self, params: list[Tensor], fisher: list[Tensor]) -> None:
+        """Keep the top ``1 - sparsity`` coordinates of ``fisher`` over all ``params``."""
+        flat = torch.cat([f.reshape(-1).float() for f in fisher])
+        keep = round(flat.numel() * (1.0 - self.sparsity))
+        chosen = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
+        if keep > 0:
+            chosen[torch.topk(flat, keep, sorted=False).indices] = True
+        self.masks = {}
+        offset = 0
+        for param in params:
+            n = param.numel()
+            self.masks[id(param)] = chosen[offset : offset + n].view_as(param).to(param.dtype)
+            offset += n
+        self.num_refreshes += 1
+
+    def masks_for(self, params: list[Tensor]) -> list[Tensor]:
+        """The masks of ``params`` (all ones for a tensor the Fisher pass did not see)."""
+        return [self.masks.get(id(p), torch.ones_like(p)) for p in params]
+
+    def kept_fraction(self) -> float:
+        """Fraction of coordinates the current mask perturbs."""
+        total = sum(m.numel() for m in self.masks.values())
+        kept = sum(float(m.sum()) for m in self.masks.values())
+        return kept / total if total else 1.0

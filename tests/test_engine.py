@@ -12,23 +12,20 @@ from torch import nn
 
 from lightning_slsam import (
     LayerBandit,
+    LayerSelection,
     SAMPerturbation,
     SparseSAMEngine,
     build_partition,
 )
 
 
-class FixedSelection:
+class FixedSelection(LayerSelection):
     """A selection that returns a given mask and records what it is told."""
 
     def __init__(self, mask: list[bool]) -> None:
         self.mask = torch.tensor(mask)
+        self.num_layers = len(mask)
         self.updates: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._probs = self.mask.double()
-
-    @property
-    def probs(self) -> torch.Tensor:
-        return self._probs
 
     def sample(self) -> torch.Tensor:
         return self.mask.clone()
@@ -36,12 +33,6 @@ class FixedSelection:
     def update(self, active, norms) -> bool:
         self.updates.append((active.clone(), norms.clone()))
         return True
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state) -> None:
-        pass
 
 
 def _loss(net, x, y, observe=None):

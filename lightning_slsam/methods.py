@@ -1,0 +1,456 @@
+"""Every method of the SL-SAM paper's comparison, as a Lightning callback.
+
+Each class is a configuration of the same parts -- a layer selection, a perturbation and
+a schedule -- run by the same engine and the same :class:`~lightning_slsam.SAMMixin`
+training step, so their metrics are directly comparable. Options common to all (``rho``,
+``adaptive``, ``perturbation_norm``, ``layers``, clipping, accumulation, ...) are those of
+:class:`~lightning_slsam.callback.SAMCallback`. Plain AdamW is the mixin without any
+callback.
+
+========================  ==========================  ====================================
+name (``make_callback``)  class                       paper defaults
+========================  ==========================  ====================================
+``adamw``                 (no callback)               --
+``sam`` / ``adasam``      :class:`SAM`                rho 0.01
+``slsam``                 :class:`SparseLayerSAM`     layer_ratio 0.2, p_min = alpha_p = 1e-3
+``random_slsam``          :class:`RandomSLSAM`        layer_ratio 0.2
+``top_slsam``             :class:`TopSLSAM`           layer_ratio 0.2
+``s2sam``                 :class:`S2SAM`              --
+``sl_s2sam``              :class:`SLS2SAM`            layer_ratio 0.2 (0.3 DeiT, 0.5 Llama)
+``rst``                   :class:`RST`                probability 0.5
+``esam``                  :class:`ESAM`               weight_ratio 0.5, data_ratio 0.5
+``ssamf``                 :class:`SSAMF`              sparsity 0.5
+``looksam``               :class:`LookSAM`            interval 5, alpha 0.7
+``slsam_rst``             SL-SAM + RST's coin         both axes of sparsity
+``slsam_looksam``         SL-SAM + LookSAM interval   both axes of sparsity
+========================  ==========================  ====================================
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from lightning_slsam.bandit import LayerBandit, kl_projection
+from lightning_slsam.callback import SAMCallback
+from lightning_slsam.perturbation import FisherMask
+from lightning_slsam.selection import (
+    ExpandToAll,
+    LayerSelection,
+    TopKSelection,
+    UniformSelection,
+)
+
+__all__ = [
+    "ESAM",
+    "METHODS",
+    "RST",
+    "S2SAM",
+    "SAM",
+    "SLS2SAM",
+    "SSAMF",
+    "LookSAM",
+    "RandomSLSAM",
+    "SparseLayerSAM",
+    "TopSLSAM",
+    "make_callback",
+]
+
+BANDIT_LOSSES = ("shifted", "paper")
+
+
+def _fixed_schedule(cls: type, kwargs: dict[str, Any], schedule: str) -> dict[str, Any]:
+    if "schedule" in kwargs:
+        raise ValueError(
+            f"{cls.__name__} fixes schedule={schedule!r}; use SAM or SparseLayerSAM with"
+            f" schedule={kwargs['schedule']!r} for another one."
+        )
+    return {**kwargs, "schedule": schedule}
+
+
+def _ratio(name: str, value: float) -> float:
+    if not (isinstance(value, (int, float)) and 0 < value <= 1):
+        raise ValueError(f"`{name}` must be in (0, 1], got {value!r}.")
+    return float(value)
+
+
+class SAM(SAMCallback):
+    """Vanilla SAM on every layer (Foret et al., 2021, "Sharpness-Aware Minimization for
+    Efficiently Improving Generalization"); with AdamW as the module's optimizer this is
+    the SL-SAM paper's "AdaSAM" baseline. Two passes on every layer: Active Ratio 2.0x.
+
+    Args:
+        rho: perturbation radius (paper: 0.01).
+        **kwargs: the common options of :class:`~lightning_slsam.callback.SAMCallback`.
+    """
+
+    method = "sam"
+
+    def __init__(self, rho: float = 0.01, **kwargs: Any) -> None:
+        super().__init__(rho=rho, **kwargs)
+
+
+class SparseLayerSAM(SAMCallback):
+    """Sparse Layer SAM (SL-SAM): SAM on a bandit-sampled subset of layers each step.
+
+    Each step samples the active layers (independent Bernoulli draws with the bandit's
+    probabilities), freezes the rest, runs SAM's two passes on the active layers only,
+    steps the optimizer on the second-pass gradients and feeds the first-pass per-layer
+    gradient norms back to the EXP3 bandit (the SL-SAM paper's Algorithms 1 and 2).
+
+    Args:
+        rho: SAM perturbation radius (> 0). Paper: 0.01.
+        layer_ratio: expected fraction of layers active per step, ``s/N`` in (0, 1].
+            Paper: 0.2 (0.25 on RTE). ``1.0`` makes every layer active: vanilla SAM.
+        p_min: lower bound of every layer's probability, in (0, 1), at most
+            ``layer_ratio``. Paper: 1e-3.
+        alpha_p: bandit step size (>= 0). Paper: 1e-3.
+        bandit_loss: ``"shifted"`` (default; the authors' released code) or ``"paper"``
+            (Algorithm 2 literally, which with the paper's constants pushes every sampled
+            layer to ``p_min``). See :class:`~lightning_slsam.LayerBandit`.
+        **kwargs: the common options of :class:`~lightning_slsam.callback.SAMCallback`,
+            including ``schedule`` to combine SL-SAM with RST's coin or LookSAM's interval.
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[SparseLayerSAM(rho=0.01, layer_ratio=0.2)])
+    """
+
+    method = "slsam"
+
+    def __init__(
+        self,
+        rho: float = 0.01,
+        layer_ratio: float = 0.2,
+        p_min: float = 1e-3,
+        alpha_p: float = 1e-3,
+        bandit_loss: str = "shifted",
+        **kwargs: Any,
+    ) -> None:
+        if bandit_loss not in BANDIT_LOSSES:
+            raise ValueError(
+                f"`bandit_loss` must be one of {BANDIT_LOSSES}, got {bandit_loss!r}: 'shifted'"
+                " is the released code's loss (default), 'paper' Algorithm 2 literally."
+            )
+        # A throw-away bandit validates the bandit options now rather than at setup
+        # (p_min * N <= s reduces to p_min <= layer_ratio for every N).
+        probe = max(1, math.ceil(1.0 / layer_ratio)) if _is_ratio(layer_ratio) else 1
+        LayerBandit(probe, layer_ratio, p_min, alpha_p, bandit_loss)
+        super().__init__(rho=rho, **kwargs)
+        self.layer_ratio = float(layer_ratio)
+        self.p_min = float(p_min)
+        self.alpha_p = float(alpha_p)
+        self.bandit_loss = bandit_loss
+
+    @property
+    def bandit(self) -> LayerBandit:
+        """The layer-selection bandit (available after setup)."""
+        return self.selection  # type: ignore[return-value]
+
+    def _selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
+        return LayerBandit(
+            num_layers, self.layer_ratio, self.p_min, self.alpha_p, self.bandit_loss, generator
+        )
+
+    def _hyperparameters(self) -> dict[str, Any]:
+        return {
+            **super()._hyperparameters(),
+            "layer_ratio": self.layer_ratio,
+            "p_min": self.p_min,
+            "alpha_p": self.alpha_p,
+            "bandit_loss": self.bandit_loss,
+        }
+
+    def _adopt_selection_state(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """The constructor's bandit options win over the checkpoint's.
+
+        The learned distribution carries over; when ``layer_ratio`` or ``p_min`` changed it
+        is KL-projected onto the new constraint set, exactly as an update would be.
+        """
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        wanted = {
+            "layer_ratio": self.layer_ratio,
+            "p_min": self.p_min,
+            "alpha_p": self.alpha_p,
+            "loss": self.bandit_loss,
+        }
+        changed = {k: (saved[k], v) for k, v in wanted.items() if saved.get(k) != v}
+        if not changed:
+            return saved
+        rank_zero_warn(
+            "Resuming SL-SAM with options that differ from the checkpoint's: "
+            + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+            + ". The new options apply from now on; the learned layer distribution is kept"
+            " (projected onto the new budget where needed)."
+        )
+        probs = saved["probs"].double()
+        budget = self.layer_ratio * probs.numel()
+        return {**saved, **wanted, "probs": kl_projection(probs.log(), budget, self.p_min, 1.0)}
+
+
+class RandomSLSAM(SAMCallback):
+    """Random-SL-SAM, the SL-SAM paper's ablation: layers sampled uniformly, each with
+    probability ``layer_ratio`` every step, no bandit (then SAM on them, as SL-SAM).
+
+    Args:
+        layer_ratio: probability of each layer per step, in (0, 1]. Paper: 0.2.
+        **kwargs: the common options of :class:`~lightning_slsam.callback.SAMCallback`.
+    """
+
+    method = "random_slsam"
+
+    def __init__(self, layer_ratio: float = 0.2, **kwargs: Any) -> None:
+        self.layer_ratio = _ratio("layer_ratio", layer_ratio)
+        super().__init__(**kwargs)
+
+    def _selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
+        return UniformSelection(num_layers, self.layer_ratio, generator)
+
+    def _hyperparameters(self) -> dict[str, Any]:
+        return {**super()._hyperparameters(), "layer_ratio": self.layer_ratio}
+
+
+class TopSLSAM(SAMCallback):
+    """Top-SL-SAM, the SL-SAM paper's greedy ablation: the first pass computes every
+    layer's gradient, then SAM's ascent and second pass run on the ``k`` layers with the
+    largest gradient norms (``k = round(layer_ratio * N)``, at least 1), which alone are
+    updated. No exploration: the paper reports it stalls with most layers never selected;
+    ``slsam/never_selected`` logs that count.
+
+    Args:
+        layer_ratio: fraction of layers kept, in (0, 1]. Paper: 0.2.
+        **kwargs: the common options of :class:`~lightning_slsam.callback.SAMCallback`.
+    """
+
+    method = "top_slsam"
+
+    def __init__(self, layer_ratio: float = 0.2, **kwargs: Any) -> None:
+        self.layer_ratio = _ratio("layer_ratio", layer_ratio)
+        super().__init__(**kwargs)
+
+    def _selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
+        return TopKSelection(num_layers, max(1, round(self.layer_ratio * num_layers)))
+
+    def _hyperparameters(self) -> dict[str, Any]:
+        return {**super()._hyperparameters(), "layer_ratio": self.layer_ratio}
+
+
+class S2SAM(SAM):
+    """S2-SAM (Ji et al., 2024, "Single-step SAM"; Algorithm 3 of the SL-SAM paper): each
+    step perturbs every layer along the gradient of the previous step and runs one
+    forward/backward there; that gradient updates the weights and is kept for the next
+    step. One pass per step (Active Ratio 1.0x); the first step is a plain step.
+
+    Args:
+        rho: perturbation radius (paper: 0.01).
+        **kwargs: the common options of :class:`~lightning_slsam.callback.SAMCallback`
+            (``schedule`` is fixed to ``"single"``).
+    """
+
+    method = "s2sam"
+    _schedule_option = False
+
+    def __init__(self, rho: float = 0.01, **kwargs: Any) -> None:
+        super().__init__(rho=rho, **_fixed_schedule(type(self), kwargs, "single"))
+
+
+class SLS2SAM(SparseLayerSAM):
+    """SL-S2-SAM (Algorithm 4 of the SL-SAM paper): single-step SAM on bandit-sampled
+    layers. Each active layer perturbs along its own last computed gradient; the bandit
+    learns from the norms of the step's (perturbed) gradients. The first step is a plain
+    step on every layer, which records every layer's first gradient.
+
+    Args:
+        rho: perturbation radius (paper: 0.01).
+        layer_ratio: expected fraction of active layers. Paper: 0.3 on DeiT-Small, 0.2 on
+            GLUE (default), 0.5 on Llama-3.2-3B.
+        p_min, alpha_p, bandit_loss: as :class:`SparseLayerSAM`.
+        **kwargs: the common options (``schedule`` is fixed to ``"single"``).
+    """
+
+    method = "sl_s2sam"
+    _schedule_option = False
+
+    def __init__(
+        self,
+        rho: float = 0.01,
+        layer_ratio: float = 0.2,
+        p_min: float = 1e-3,
+        alpha_p: float = 1e-3,
+        bandit_loss: str = "shifted",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            rho, layer_ratio, p_min, alpha_p, bandit_loss,
+            **_fixed_schedule(type(self), kwargs, "single"),
+        )  # fmt: skip
+
+
+class RST(SAM):
+    """RST (Zhao et al., 2022, "Randomized Sharpness-Aware Training"): each step is a SAM
+    step with probability ``probability``, otherwise a plain step, drawn from a seeded
+    generator (Active Ratio ``1 + probability``: 1.5x at the paper's 0.5).
+
+    Args:
+        probability: chance of a SAM step, in [0, 1]. Paper: 0.5.
+        **kwargs: the common options (``schedule`` is fixed to ``"random"``).
+    """
+
+    method = "rst"
+    _schedule_option = False
+
+    def __init__(self, probability: float = 0.5, **kwargs: Any) -> None:
+        kwargs = _fixed_schedule(type(self), kwargs, "random")
+        super().__init__(sam_probability=probability, **kwargs)
+
+
+class LookSAM(SAM):
+    """LookSAM (Liu et al., 2022, "Towards Efficient and Scalable Sharpness-Aware
+    Minimization"): a full SAM step every ``interval`` steps, which stores ``g_v``, the
+    part of the SAM gradient orthogonal to the plain gradient; the steps in between run
+    one pass and add ``alpha * ||g|| / ||g_v|| * g_v`` to their gradient (Active Ratio
+    ``1 + 1/interval``: 1.2x at 5).
+
+    Args:
+        interval: steps between SAM steps, >= 1. LookSAM: 5.
+        alpha: weight of the reused component, >= 0. LookSAM: 0.7.
+        **kwargs: the common options (``schedule`` is fixed to ``"interval"``).
+    """
+
+    method = "looksam"
+    _schedule_option = False
+
+    def __init__(self, interval: int = 5, alpha: float = 0.7, **kwargs: Any) -> None:
+        kwargs = _fixed_schedule(type(self), kwargs, "interval")
+        super().__init__(sam_interval=interval, looksam_alpha=alpha, **kwargs)
+
+
+class ESAM(SAMCallback):
+    """ESAM (Du et al., 2022, "Efficient Sharpness-aware Minimization for Improved
+    Training of Neural Networks").
+
+    * Stochastic weight perturbation: the first pass computes the gradient of a random
+      ``weight_ratio`` of the layers (each independently), and only they are perturbed.
+    * Sharpness-sensitive data selection: a forward pass at the perturbed point (no
+      gradient) measures each sample's loss increase; the second pass runs on the
+      ``data_ratio`` fraction of the batch whose loss rose most. It updates every layer.
+
+    Active Ratio ``weight_ratio + 1`` (1.5x at the paper's 0.5). The data selection needs
+    per-sample losses: ``training_step`` returns a 1-D tensor of them (the mixin averages
+    it for the update), or ``{"loss": ..., "per_sample_loss": ...}``; the batch is cut to
+    the selected samples by ``SAMMixin.sam_subset_batch`` (override it for custom batch
+    types). ``data_ratio=1.0`` turns the selection off.
+
+    Args:
+        weight_ratio: fraction of layers perturbed, in (0, 1]. Paper: 0.5.
+        data_ratio: fraction of each batch in the second pass, in (0, 1]. Paper: 0.5.
+        **kwargs: the common options of :class:`~lightning_slsam.callback.SAMCallback`.
+    """
+
+    method = "esam"
+
+    def __init__(self, weight_ratio: float = 0.5, data_ratio: float = 0.5, **kwargs: Any) -> None:
+        self.weight_ratio = _ratio("weight_ratio", weight_ratio)
+        self.data_ratio = _ratio("data_ratio", data_ratio)
+        super().__init__(**kwargs)
+
+    def _selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
+        return ExpandToAll(UniformSelection(num_layers, self.weight_ratio, generator))
+
+    def _engine_options(self) -> dict[str, Any]:
+        return {"data_ratio": self.data_ratio}
+
+    def _hyperparameters(self) -> dict[str, Any]:
+        return {
+            **super()._hyperparameters(),
+            "weight_ratio": self.weight_ratio,
+            "data_ratio": self.data_ratio,
+        }
+
+
+class SSAMF(SAMCallback):
+    """SSAM-F (Mi et al., 2022, "Make Sharpness-Aware Minimization Stronger: A Sparsified
+    Perturbation Approach"): SAM whose ascent is zeroed outside a mask of the coordinates
+    with the largest empirical Fisher information (squared per-sample gradients), keeping
+    ``1 - sparsity`` of all coordinates. The mask is recomputed every ``mask_interval``
+    steps from ``fisher_samples`` samples of the current batch (one backward each,
+    counted in ``slsam/backward_passes``). Both passes are dense: Active Ratio 2.0x.
+
+    The reference implementation estimates the Fisher from 1024 samples every 5 epochs of
+    training from scratch; for fine-tuning runs of a few epochs the defaults refresh more
+    often from fewer samples.
+
+    Args:
+        sparsity: fraction of coordinates not perturbed, in [0, 1). Paper: 0.5.
+        fisher_samples: per-sample gradients per refresh (capped at the batch size).
+        mask_interval: optimizer steps between refreshes (the first step included).
+        **kwargs: the common options of :class:`~lightning_slsam.callback.SAMCallback`.
+    """
+
+    method = "ssamf"
+
+    def __init__(
+        self,
+        sparsity: float = 0.5,
+        fisher_samples: int = 16,
+        mask_interval: int = 100,
+        **kwargs: Any,
+    ) -> None:
+        FisherMask(sparsity, fisher_samples, mask_interval)  # validates now
+        self.sparsity = float(sparsity)
+        self.fisher_samples = fisher_samples
+        self.mask_interval = mask_interval
+        super().__init__(**kwargs)
+
+    def _engine_options(self) -> dict[str, Any]:
+        return {"fisher": FisherMask(self.sparsity, self.fisher_samples, self.mask_interval)}
+
+    def _hyperparameters(self) -> dict[str, Any]:
+        return {
+            **super()._hyperparameters(),
+            "sparsity": self.sparsity,
+            "fisher_samples": self.fisher_samples,
+            "mask_interval": self.mask_interval,
+        }
+
+
+#: Method name -> (callback class or ``None`` for plain AdamW, preset options).
+METHODS: dict[str, tuple[type[SAMCallback] | None, dict[str, Any]]] = {
+    "adamw": (None, {}),
+    "sam": (SAM, {}),
+    "adasam": (SAM, {}),
+    "slsam": (SparseLayerSAM, {}),
+    "random_slsam": (RandomSLSAM, {}),
+    "top_slsam": (TopSLSAM, {}),
+    "s2sam": (S2SAM, {}),
+    "sl_s2sam": (SLS2SAM, {}),
+    "rst": (RST, {}),
+    "esam": (ESAM, {}),
+    "ssamf": (SSAMF, {}),
+    "looksam": (LookSAM, {}),
+    "slsam_rst": (SparseLayerSAM, {"schedule": "random"}),
+    "slsam_looksam": (SparseLayerSAM, {"schedule": "interval"}),
+}
+
+
+def make_callback(name: str, **kwargs: Any) -> SAMCallback | None:
+    """The callback of method ``name`` (see :data:`METHODS`), or ``None`` for AdamW.
+
+    ``kwargs`` override the method's defaults, e.g. ``make_callback("slsam", layer_ratio=0.3)``.
+    """
+    key = name.lower().replace("-", "_")
+    if key not in METHODS:
+        raise ValueError(f"Unknown method {name!r}; choose one of {sorted(METHODS)}.")
+    cls, preset = METHODS[key]
+    if cls is None:
+        if kwargs:
+            raise ValueError(f"Method {name!r} (plain AdamW) takes no options, got {kwargs}.")
+        return None
+    return cls(**{**preset, **kwargs})
+
+
+def _is_ratio(value: Any) -> bool:
+    return isinstance(value, (int, float)) and 0 < value <= 1
