@@ -275,6 +275,17 @@ class SAMCallback(Callback):
             self._apply_state(state)
         self._buffer = []
 
+    def build_engine(self, module: torch.nn.Module) -> SparseSAMEngine:
+        """This method's engine for ``module`` (what ``fit`` builds at its start).
+
+        For plain PyTorch loops and benchmarks: ``engine.train_step(compute_loss, optimizer)``
+        then runs the method without Lightning.
+        """
+        return self._build_engine(self._partition(module))
+
+    def _partition(self, module: torch.nn.Module) -> LayerPartition:
+        return build_partition(module, self.layers, self.always_active, self.always_frozen)
+
     def _build_engine(self, partition: LayerPartition) -> SparseSAMEngine:
         seed = self.seed if self.seed is not None else torch.initial_seed()
         selection_gen = torch.Generator().manual_seed(seed)

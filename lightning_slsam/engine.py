@@ -198,16 +198,18 @@ class SparseSAMEngine:
     ) -> StepResult:
         """Run one training step of the configured method."""
         kind = self.schedule.kind(self.num_steps)
-        if kind == "single" and not self.last_grad:
-            kind, mask = "plain", self._all.clone()  # no previous gradient yet: all layers
-        else:
-            mask = self.selection.sample()
+        # Single-step SAM has no previous gradient at first: a plain step on every layer,
+        # whose gradients the next steps perturb along.
+        warmup = kind == "single" and not self.last_grad
+        mask = self._all.clone() if warmup else self.selection.sample()
         result = StepResult(None, mask, self.partition.trainable_numel, kind)
         try:
             if self.fisher is not None and self.fisher.due(self.num_steps):
                 self._refresh_fisher(forward_backward, zero_grad, result)
             run = {"sam": self._sam, "single": self._single}.get(kind, self._one_pass)
             run(result, forward_backward, zero_grad, optimizer_step)
+            if warmup:
+                result.kind = "plain"
         finally:
             self.release()
         self.num_steps += 1
@@ -469,8 +471,8 @@ class SparseSAMEngine:
             return
         g = [x[0] for x in pairs]
         v = [x[1] for x in pairs]
-        ratio = tensor_norms(g).square().sum().sqrt() / (
-            tensor_norms(v).square().sum().sqrt() + self.perturbation.eps
+        ratio = torch.linalg.vector_norm(tensor_norms(g)) / (
+            torch.linalg.vector_norm(tensor_norms(v)) + self.perturbation.eps
         )
         torch._foreach_add_(g, torch._foreach_mul(v, (self.schedule.alpha * ratio).to(g[0].dtype)))
 

@@ -57,7 +57,11 @@ def _wrap_training_step(user_step: Callable[..., Any]) -> Callable[..., Any]:
             return user_step(self, *args, **kwargs)
         controller = _sam_controller(self)
         if controller is None:
-            return user_step(self, *args, **kwargs)
+            output = user_step(self, *args, **kwargs)
+            # Per-sample losses (returned for ESAM) are averaged for automatic optimization.
+            if isinstance(output, Tensor) and output.dim() == 1:
+                return output.mean()
+            return output
         return self._slsam_training_step(controller, user_step, args, kwargs)
 
     training_step._slsam_wrapped = True  # type: ignore[attr-defined]

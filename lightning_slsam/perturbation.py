@@ -111,7 +111,7 @@ class SAMPerturbation:
             step = grads if inplace else torch._foreach_mul(grads, 1.0)
         dtype = step[0].dtype
         if self.norm == "global":
-            scale = self.rho / (norms.square().sum().sqrt() + self.eps)
+            scale = self.rho / (torch.linalg.vector_norm(norms) + self.eps)
             torch._foreach_mul_(step, scale.to(dtype))
         else:
             if slots is None:

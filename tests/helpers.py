@@ -138,7 +138,7 @@ def reference_sam_adamw(
         opt.zero_grad(set_to_none=True)
         loss_fn(net, batch).backward()
         with torch.no_grad():
-            norm = torch.sqrt(sum(p.grad.norm() ** 2 for p in params))
+            norm = torch.norm(torch.stack([p.grad.norm(p=2) for p in params]), p=2)
             old = [p.clone() for p in params]
             for p in params:
                 p.add_(p.grad * (rho / (norm + eps)))
@@ -173,3 +173,85 @@ class ResumableLoader(DataLoader):
 
     def load_state_dict(self, state: dict) -> None:
         self._skip = state["seen"]
+
+
+# -- small real architectures: a timm ViT and Transformers models (random init) -------------
+
+
+class Wrapped(SAMMixin, L.LightningModule):
+    """A LightningModule around ``net`` with a ``loss_fn(net, batch)``."""
+
+    def __init__(self, net, loss_fn, lr=1e-3):
+        super().__init__()
+        self.net = net
+        self.loss_fn = loss_fn
+        self.lr = lr
+
+    def training_step(self, batch, batch_idx):
+        return self.loss_fn(self.net, batch)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+
+def _reduce(losses: torch.Tensor, per_sample: bool) -> torch.Tensor:
+    return losses if per_sample else losses.mean()
+
+
+def vit_model(per_sample: bool = False):
+    import timm
+
+    torch.manual_seed(0)
+    net = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=4,
+        embed_dim=32, depth=2, num_heads=2, num_classes=3,
+    )  # fmt: skip
+    data = TensorDataset(torch.randn(16, 3, 16, 16), torch.randint(0, 3, (16,)))
+
+    def loss_fn(m, batch):
+        return _reduce(F.cross_entropy(m(batch[0]), batch[1], reduction="none"), per_sample)
+
+    return net, data, loss_fn
+
+
+def bert_model(per_sample: bool = False):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=32, num_labels=2,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    net = BertForSequenceClassification(cfg)
+    data = TensorDataset(torch.randint(1, 50, (16, 12)), torch.randint(0, 2, (16,)))
+
+    def loss_fn(m, batch):
+        logits = m(input_ids=batch[0]).logits
+        return _reduce(F.cross_entropy(logits, batch[1], reduction="none"), per_sample)
+
+    return net, data, loss_fn
+
+
+def llama_model(per_sample: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    net = LlamaForCausalLM(cfg)
+    data = TensorDataset(torch.randint(0, 64, (16, 12)))
+
+    def loss_fn(m, batch):
+        ids = batch[0]
+        logits = m(input_ids=ids).logits[:, :-1]
+        tokens = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        return _reduce(tokens.mean(dim=1), per_sample)  # causal LM loss per sequence
+
+    return net, data, loss_fn
+
+
+MODELS = {"timm-vit": vit_model, "bert": bert_model, "llama": llama_model}

@@ -4,88 +4,12 @@ from __future__ import annotations
 
 import copy
 
-import lightning as L
 import pytest
-import timm
 import torch
-import torch.nn.functional as F
-from helpers import Snapshots, reference_sam_adamw, trainer
-from torch.utils.data import DataLoader, TensorDataset
-from transformers import (
-    BertConfig,
-    BertForSequenceClassification,
-    LlamaConfig,
-    LlamaForCausalLM,
-)
+from helpers import MODELS, Snapshots, Wrapped, reference_sam_adamw, trainer
+from torch.utils.data import DataLoader
 
-from lightning_slsam import SAMMixin, SparseLayerSAM
-
-
-class Wrapped(SAMMixin, L.LightningModule):
-    """A LightningModule around ``net`` with a ``loss_fn(net, batch)``."""
-
-    def __init__(self, net, loss_fn, lr=1e-3):
-        super().__init__()
-        self.net = net
-        self.loss_fn = loss_fn
-        self.lr = lr
-
-    def training_step(self, batch, batch_idx):
-        return self.loss_fn(self.net, batch)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
-
-
-def _vit():
-    torch.manual_seed(0)
-    net = timm.create_model(
-        "vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=4,
-        embed_dim=32, depth=2, num_heads=2, num_classes=3,
-    )  # fmt: skip
-    x = torch.randn(16, 3, 16, 16)
-    y = torch.randint(0, 3, (16,))
-
-    def loss_fn(m, batch):
-        return F.cross_entropy(m(batch[0]), batch[1])
-
-    return net, TensorDataset(x, y), loss_fn
-
-
-def _bert():
-    torch.manual_seed(0)
-    cfg = BertConfig(
-        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=32, num_labels=2,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
-    net = BertForSequenceClassification(cfg)
-    ids = torch.randint(1, 50, (16, 12))
-    labels = torch.randint(0, 2, (16,))
-
-    def loss_fn(m, batch):
-        return m(input_ids=batch[0], labels=batch[1]).loss
-
-    return net, TensorDataset(ids, labels), loss_fn
-
-
-def _llama():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    net = LlamaForCausalLM(cfg)
-    ids = torch.randint(0, 64, (16, 12))
-
-    def loss_fn(m, batch):
-        return m(input_ids=batch[0], labels=batch[0]).loss
-
-    return net, TensorDataset(ids), loss_fn
-
-
-MODELS = {"timm-vit": _vit, "bert": _bert, "llama": _llama}
+from lightning_slsam import SparseLayerSAM
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -1,0 +1,300 @@
+"""Each method's defining behaviour, checked against independent computations."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import make_data, make_mlp
+from torch import nn
+
+from lightning_slsam import (
+    ESAM,
+    METHODS,
+    RST,
+    S2SAM,
+    SAM,
+    SLS2SAM,
+    SSAMF,
+    LookSAM,
+    RandomSLSAM,
+    SparseLayerSAM,
+    TopSLSAM,
+    make_callback,
+)
+
+RHO = 0.05
+
+
+def _grads(net: nn.Module, x, y) -> list[torch.Tensor]:
+    """Plain gradient of the mean cross-entropy at ``net``'s current weights."""
+    net = copy.deepcopy(net)
+    net.zero_grad()
+    F.cross_entropy(net(x), y).backward()
+    return [p.grad.clone() for p in net.parameters()]
+
+
+def _at(net: nn.Module, offsets: list[torch.Tensor]) -> nn.Module:
+    moved = copy.deepcopy(net)
+    with torch.no_grad():
+        for p, e in zip(moved.parameters(), offsets):
+            p.add_(e)
+    return moved
+
+
+class Recorder:
+    """compute_loss for engine.train_step that records what each pass saw."""
+
+    def __init__(self, net, x, y, per_sample=False):
+        self.net, self.x, self.y, self.per_sample = net, x, y, per_sample
+        self.passes: list[dict] = []
+
+    def __call__(self, index=None):
+        x, y = (self.x, self.y) if index is None else (self.x[index], self.y[index])
+        self.passes.append(
+            {
+                "weights": [p.detach().clone() for p in self.net.parameters()],
+                "trainable": [p.requires_grad for p in self.net.parameters()],
+                "index": None if index is None else index.clone(),
+                "grad_enabled": torch.is_grad_enabled(),
+            }
+        )
+        losses = F.cross_entropy(self.net(x), y, reduction="none")
+        return losses if self.per_sample else losses.mean()
+
+
+def _setup(cb, seed=0, n=32):
+    torch.manual_seed(seed)
+    net = make_mlp()
+    x, y = make_data(n).tensors
+    return net, x, y, cb.build_engine(net), torch.optim.SGD(net.parameters(), lr=0.1)
+
+
+# -- the registry and dense SAM ----------------------------------------------------------
+
+
+def test_registry_builds_every_method_with_its_paper_defaults():
+    expected = {
+        "sam": SAM, "adasam": SAM, "slsam": SparseLayerSAM, "random_slsam": RandomSLSAM,
+        "top_slsam": TopSLSAM, "s2sam": S2SAM, "sl_s2sam": SLS2SAM, "rst": RST, "esam": ESAM,
+        "ssamf": SSAMF, "looksam": LookSAM,
+    }  # fmt: skip
+    for name, cls in expected.items():
+        cb = make_callback(name)
+        assert type(cb) is cls and cb.rho == 0.01
+    assert make_callback("adamw") is None
+    assert make_callback("SL-SAM".replace("SL-SAM", "slsam")).layer_ratio == 0.2
+    assert make_callback("rst").sam_probability == 0.5
+    assert (make_callback("esam").weight_ratio, make_callback("esam").data_ratio) == (0.5, 0.5)
+    assert make_callback("ssamf").sparsity == 0.5
+    assert (make_callback("looksam").sam_interval, make_callback("looksam").looksam_alpha) == (
+        5,
+        0.7,
+    )
+    assert make_callback("slsam_rst").schedule == "random"
+    assert make_callback("slsam_looksam").schedule == "interval"
+    assert set(METHODS) >= set(expected) | {"adamw", "slsam_rst", "slsam_looksam"}
+    with pytest.raises(ValueError, match="Unknown method 'sgd'"):
+        make_callback("sgd")
+    with pytest.raises(ValueError, match="fixes schedule='random'"):
+        RST(schedule="interval")
+
+
+def test_asam_perturbation_is_weight_scaled():
+    cb = SAM(rho=RHO, adaptive=True)
+    net, x, y, engine, opt = _setup(cb)
+    rec = Recorder(net, x, y)
+    g = _grads(net, x, y)
+    w = [p.detach().clone() for p in net.parameters()]
+    engine.train_step(rec, opt)
+    scaled = [wi.abs() * gi for wi, gi in zip(w, g)]
+    norm = torch.sqrt(sum(s.square().sum() for s in scaled))
+    for before, during, wi, si in zip(w, rec.passes[1]["weights"], w, scaled):
+        torch.testing.assert_close(
+            during - before, RHO * wi.abs() * si / norm, atol=1e-7, rtol=1e-4
+        )
+
+
+# -- Random-SL-SAM and Top-SL-SAM -----------------------------------------------------------
+
+
+def test_random_sl_sam_frequencies_are_uniform_and_fixed():
+    net = nn.Sequential(*[nn.Linear(2, 2) for _ in range(5)])  # 10 tensors
+    cb = RandomSLSAM(layer_ratio=0.3, seed=4)
+    engine = cb.build_engine(net)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 2), torch.randint(0, 2, (8,))
+    steps = 500
+    for _ in range(steps):
+        engine.train_step(lambda: F.cross_entropy(net(x), y), opt)
+    # Marginal of Bernoulli(0.3) per layer, redrawn while empty.
+    marginal = 0.3 / (1 - 0.7**10)
+    sd = (marginal * (1 - marginal) / steps) ** 0.5
+    freq = engine.frequencies()
+    assert (freq - marginal).abs().max() < 4 * sd
+    assert torch.equal(engine.selection.probs, torch.full((10,), 0.3, dtype=torch.float64))
+
+
+def test_top_sl_sam_picks_exactly_the_k_largest_first_pass_norms():
+    cb = TopSLSAM(rho=RHO, layer_ratio=0.25)  # k = 2 of 8
+    net, x, y, engine, opt = _setup(cb)
+    for _ in range(6):
+        g = _grads(net, x, y)
+        expected = torch.tensor([gi.norm() for gi in g]).topk(2).indices.sort().values
+        rec = Recorder(net, x, y)
+        result = engine.train_step(rec, opt)
+        assert torch.nonzero(result.active_mask).flatten().tolist() == expected.tolist()
+        assert all(rec.passes[0]["trainable"])  # the first pass computes every layer
+        assert rec.passes[1]["trainable"] == result.active_mask.tolist()
+        assert result.active_ratio_per_pass[0] == 1.0
+    assert engine.never_selected() >= 4  # greedy: most layers are never trained
+
+
+# -- single-step SAM --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["s2sam", "sl_s2sam"])
+def test_single_step_methods_perturb_along_each_layers_last_gradient(method):
+    cb = make_callback(method, rho=RHO, seed=1)
+    net, x, y, engine, opt = _setup(cb)
+    last: dict[int, torch.Tensor] = {}
+    for step in range(8):
+        rec = Recorder(net, x, y)
+        before = [p.detach().clone() for p in net.parameters()]
+        result = engine.train_step(rec, opt)
+        assert len(rec.passes) == 1 and result.num_backward == 1  # one pass per step
+        offsets = [d - b for d, b in zip(rec.passes[0]["weights"], before)]
+        if step == 0:
+            assert result.kind == "plain" and bool(result.active_mask.all())
+            assert all(float(o.abs().max()) == 0 for o in offsets)
+        else:
+            active = result.active_mask.tolist()
+            directions = [last[i] for i in range(8) if active[i]]
+            norm = torch.sqrt(sum(d.square().sum() for d in directions))
+            for i in range(8):
+                expected = RHO * last[i] / norm if active[i] else torch.zeros_like(offsets[i])
+                torch.testing.assert_close(offsets[i], expected, atol=1e-7, rtol=1e-4)
+        for i, p in enumerate(net.parameters()):
+            if p.grad is not None:
+                last[i] = p.grad.clone()  # this step's gradient, at the perturbed point
+    if method == "sl_s2sam":
+        assert 0 < engine.frequencies()[0] < 1  # layers really were sampled after step 0
+
+
+# -- RST and LookSAM --------------------------------------------------------------------------
+
+
+def _kinds(cb, steps=200):
+    net = nn.Linear(3, 2)
+    engine = cb.build_engine(net)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    results = [engine.train_step(lambda: F.cross_entropy(net(x), y), opt) for _ in range(steps)]
+    return [r.kind for r in results], [r.num_backward for r in results]
+
+
+def test_rst_does_sam_on_about_half_the_steps_reproducibly():
+    kinds, backward = _kinds(RST(seed=3))
+    sam = sum(k == "sam" for k in kinds)
+    assert 0.4 * 200 < sam < 0.6 * 200
+    assert backward == [2 if k == "sam" else 1 for k in kinds]
+    assert set(kinds) == {"sam", "plain"}
+    assert _kinds(RST(seed=3))[0] == kinds
+    assert _kinds(RST(seed=4))[0] != kinds
+    assert {k for k in _kinds(RST(probability=1.0))[0]} == {"sam"}
+
+
+def test_looksam_full_passes_every_k_steps_and_reuses_the_orthogonal_component():
+    cb = LookSAM(rho=RHO, interval=3, alpha=0.7)
+    net, x, y, engine, opt = _setup(cb)
+    g_v = None
+    for step in range(7):
+        g = _grads(net, x, y)
+        if step % 3 == 0:
+            gnorm = torch.sqrt(sum(gi.square().sum() for gi in g))
+            g_s = _grads(_at(net, [RHO * gi / gnorm for gi in g]), x, y)
+            inner = sum((a * b).sum() for a, b in zip(g, g_s))
+            g_v = [b - inner / gnorm**2 * a for a, b in zip(g, g_s)]
+            expected = g_s
+        else:
+            ratio = torch.sqrt(sum(gi.square().sum() for gi in g)) / torch.sqrt(
+                sum(v.square().sum() for v in g_v)
+            )
+            expected = [gi + 0.7 * ratio * v for gi, v in zip(g, g_v)]
+        result = engine.train_step(Recorder(net, x, y), opt)
+        assert result.kind == ("sam" if step % 3 == 0 else "reuse")
+        assert result.num_backward == (2 if step % 3 == 0 else 1)
+        for p, e in zip(net.parameters(), expected):  # the gradient the optimizer used
+            torch.testing.assert_close(p.grad, e, atol=1e-6, rtol=1e-4)
+
+
+# -- ESAM ---------------------------------------------------------------------------------------
+
+
+def test_esam_perturbs_sampled_layers_and_second_pass_sees_the_sharpest_half():
+    cb = ESAM(rho=RHO, seed=2)
+    net, x, y, engine, opt = _setup(cb, n=16)
+    pass1_layers = 0
+    for _ in range(10):
+        before_losses = F.cross_entropy(net(x), y, reduction="none").detach()
+        rec = Recorder(net, x, y, per_sample=True)
+        result = engine.train_step(rec, opt, batch_size=16)
+        first, select, second = rec.passes
+        assert first["index"] is None and select["index"] is None and not select["grad_enabled"]
+        assert second["index"].numel() == 8  # half of the batch
+        # The selection forward ran at the perturbed point; the chosen samples are those
+        # whose loss rose most there.
+        moved = copy.deepcopy(net)
+        with torch.no_grad():
+            for p, w in zip(moved.parameters(), select["weights"]):
+                p.copy_(w)
+            after_losses = F.cross_entropy(moved(x), y, reduction="none")
+        expected = (after_losses - before_losses).topk(8).indices.sort().values
+        assert second["index"].tolist() == expected.tolist()
+        # Only the first pass's sampled tensors were perturbed; every layer was updated.
+        sampled = first["trainable"]
+        for w0, w1, on in zip(first["weights"], select["weights"], sampled):
+            assert (not torch.equal(w0, w1)) == on
+        assert bool(result.active_mask.all()) and all(second["trainable"])
+        pass1_layers += sum(sampled)
+    assert 20 <= pass1_layers <= 60  # about half of 8 tensors over 10 steps
+
+
+def test_esam_without_per_sample_losses_fails_clearly_before_touching_weights():
+    net, x, y, engine, opt = _setup(ESAM())
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(ValueError, match="needs per-sample losses"):
+        engine.train_step(Recorder(net, x, y), opt, batch_size=32)
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), before))
+
+
+# -- SSAM-F -------------------------------------------------------------------------------------
+
+
+def test_ssamf_perturbs_only_the_top_fisher_coordinates():
+    cb = SSAMF(rho=RHO, sparsity=0.5, fisher_samples=8, mask_interval=3)
+    net, x, y, engine, opt = _setup(cb, n=16)
+    for step in range(5):
+        w = [p.detach().clone() for p in net.parameters()]
+        fisher = [torch.zeros_like(p) for p in net.parameters()]
+        for i in range(8):
+            for f, gi in zip(fisher, _grads(net, x[i : i + 1], y[i : i + 1])):
+                f.add_(gi.square())
+        rec = Recorder(net, x, y)
+        result = engine.train_step(rec, opt, batch_size=16)
+        refresh = step % 3 == 0
+        assert result.extra_backward == (8 if refresh else 0)
+        if refresh:
+            flat = torch.cat([f.flatten() for f in fisher])
+            chosen = torch.zeros_like(flat, dtype=torch.bool)
+            chosen[flat.topk(round(flat.numel() * 0.5)).indices] = True
+            mask = chosen.split([p.numel() for p in net.parameters()])
+            mask = [m.view_as(p) for m, p in zip(mask, net.parameters())]
+        offsets = [during - before for during, before in zip(rec.passes[-1]["weights"], w)]
+        assert all(float(o[~m].abs().sum()) == 0 for o, m in zip(offsets, mask))
+        moved = sum(int((o[m] != 0).sum()) for o, m in zip(offsets, mask))
+        assert moved > 0.9 * sum(int(m.sum()) for m in mask)
+        assert engine.fisher.kept_fraction() == pytest.approx(0.5, abs=1 / flat.numel())
+        assert result.active_ratio == 2.0
