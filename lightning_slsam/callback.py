@@ -67,11 +67,13 @@ class SAMCallback(Callback):
             ``(name, param) -> key | None``.
         always_active: regular expressions of parameter names trained every step.
         always_frozen: regular expressions of parameter names never trained.
-        schedule: the iteration axis: ``"every_step"`` (SAM every step, default),
+        schedule: the iteration axis: ``"every_step"`` (SAM every step),
             ``"random"`` (RST's coin, ``sam_probability``), ``"interval"`` (LookSAM:
             SAM every ``sam_interval`` steps, the stored SAM component reused in
             between with weight ``looksam_alpha``) or ``"single"`` (single-step SAM:
-            perturb along the previous step's gradient, one pass per step).
+            perturb along the previous step's gradient, one pass per step). ``None``
+            (default): the method's own (``"every_step"`` except for RST, LookSAM and
+            the S2 methods, which fix theirs).
         sam_probability: with ``schedule="random"``, chance of a SAM step (RST: 0.5).
         sam_interval: with ``schedule="interval"``, steps between SAM steps (LookSAM: 5).
         looksam_alpha: with ``schedule="interval"``, weight of the reused component
@@ -96,8 +98,10 @@ class SAMCallback(Callback):
 
     #: Short name of the method (registry key, logs).
     method: ClassVar[str] = "sam"
-    #: Whether ``schedule`` may be chosen (single-step methods fix it).
-    _schedule_option: ClassVar[bool] = True
+    #: The method's own schedule, used when ``schedule`` is ``None``.
+    default_schedule: ClassVar[str] = "every_step"
+    #: Whether another ``schedule`` may be chosen (RST, LookSAM and S2 methods fix theirs).
+    schedule_fixed: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -107,7 +111,7 @@ class SAMCallback(Callback):
         layers: LayerSpec = "tensor",
         always_active: Sequence[str] = (),
         always_frozen: Sequence[str] = (),
-        schedule: str = "every_step",
+        schedule: str | None = None,
         sam_probability: float = 0.5,
         sam_interval: int = 5,
         looksam_alpha: float = 0.7,
@@ -120,8 +124,15 @@ class SAMCallback(Callback):
         super().__init__()
         self.perturbation = SAMPerturbation(rho, norm=perturbation_norm, adaptive=adaptive)
         validate_layer_spec(layers)
+        if schedule is None:
+            schedule = self.default_schedule
         if schedule not in SCHEDULES:
             raise ValueError(f"`schedule` must be one of {SCHEDULES}, got {schedule!r}.")
+        if self.schedule_fixed and schedule != self.default_schedule:
+            raise ValueError(
+                f"{type(self).__name__} fixes schedule={self.default_schedule!r}; use SAM or"
+                f" SparseLayerSAM with schedule={schedule!r} for another one."
+            )
         # Validates the schedule's own options now rather than at setup.
         _make_schedule(schedule, sam_probability, sam_interval, looksam_alpha, None)
         if gradient_clip_val is not None and not (

@@ -61,15 +61,6 @@ __all__ = [
 BANDIT_LOSSES = ("shifted", "paper")
 
 
-def _fixed_schedule(cls: type, kwargs: dict[str, Any], schedule: str) -> dict[str, Any]:
-    if "schedule" in kwargs:
-        raise ValueError(
-            f"{cls.__name__} fixes schedule={schedule!r}; use SAM or SparseLayerSAM with"
-            f" schedule={kwargs['schedule']!r} for another one."
-        )
-    return {**kwargs, "schedule": schedule}
-
-
 def _ratio(name: str, value: float) -> float:
     if not (isinstance(value, (int, float)) and 0 < value <= 1):
         raise ValueError(f"`{name}` must be in (0, 1], got {value!r}.")
@@ -247,14 +238,12 @@ class S2SAM(SAM):
     Args:
         rho: perturbation radius (paper: 0.01).
         **kwargs: the common options of :class:`~lightning_slsam.callback.SAMCallback`
-            (``schedule`` is fixed to ``"single"``).
+            (the schedule is ``"single"``).
     """
 
     method = "s2sam"
-    _schedule_option = False
-
-    def __init__(self, rho: float = 0.01, **kwargs: Any) -> None:
-        super().__init__(rho=rho, **_fixed_schedule(type(self), kwargs, "single"))
+    default_schedule = "single"
+    schedule_fixed = True
 
 
 class SLS2SAM(SparseLayerSAM):
@@ -268,25 +257,12 @@ class SLS2SAM(SparseLayerSAM):
         layer_ratio: expected fraction of active layers. Paper: 0.3 on DeiT-Small, 0.2 on
             GLUE (default), 0.5 on Llama-3.2-3B.
         p_min, alpha_p, bandit_loss: as :class:`SparseLayerSAM`.
-        **kwargs: the common options (``schedule`` is fixed to ``"single"``).
+        **kwargs: the common options (the schedule is ``"single"``).
     """
 
     method = "sl_s2sam"
-    _schedule_option = False
-
-    def __init__(
-        self,
-        rho: float = 0.01,
-        layer_ratio: float = 0.2,
-        p_min: float = 1e-3,
-        alpha_p: float = 1e-3,
-        bandit_loss: str = "shifted",
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(
-            rho, layer_ratio, p_min, alpha_p, bandit_loss,
-            **_fixed_schedule(type(self), kwargs, "single"),
-        )  # fmt: skip
+    default_schedule = "single"
+    schedule_fixed = True
 
 
 class RST(SAM):
@@ -296,14 +272,14 @@ class RST(SAM):
 
     Args:
         probability: chance of a SAM step, in [0, 1]. Paper: 0.5.
-        **kwargs: the common options (``schedule`` is fixed to ``"random"``).
+        **kwargs: the common options (the schedule is ``"random"``).
     """
 
     method = "rst"
-    _schedule_option = False
+    default_schedule = "random"
+    schedule_fixed = True
 
     def __init__(self, probability: float = 0.5, **kwargs: Any) -> None:
-        kwargs = _fixed_schedule(type(self), kwargs, "random")
         super().__init__(sam_probability=probability, **kwargs)
 
 
@@ -317,14 +293,14 @@ class LookSAM(SAM):
     Args:
         interval: steps between SAM steps, >= 1. LookSAM: 5.
         alpha: weight of the reused component, >= 0. LookSAM: 0.7.
-        **kwargs: the common options (``schedule`` is fixed to ``"interval"``).
+        **kwargs: the common options (the schedule is ``"interval"``).
     """
 
     method = "looksam"
-    _schedule_option = False
+    default_schedule = "interval"
+    schedule_fixed = True
 
     def __init__(self, interval: int = 5, alpha: float = 0.7, **kwargs: Any) -> None:
-        kwargs = _fixed_schedule(type(self), kwargs, "interval")
         super().__init__(sam_interval=interval, looksam_alpha=alpha, **kwargs)
 
 

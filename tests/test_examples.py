@@ -6,9 +6,9 @@ import importlib.util
 import os
 
 import pytest
-import yaml
 
-from lightning_slsam.cli import main
+from lightning_slsam import METHODS, SAMCallback
+from lightning_slsam.cli import SLSAMCLI, main
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, "examples")
 
@@ -29,20 +29,47 @@ def test_quickstart_trains_with_and_without_sl_sam(tmp_path):
     assert "mean_active_ratio" not in adamw
 
 
-@pytest.mark.parametrize(
-    ("config", "callbacks"),
-    [("minilm_rotten_tomatoes_sam.yaml", [1.0]), ("minilm_rotten_tomatoes_adamw.yaml", [])],
-)
-def test_example_configs_parse(config, callbacks, capsys):
-    path = os.path.join(EXAMPLES, "configs", config)
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", path, "--print_config"])
-    assert exit_info.value.code == 0
-    printed = yaml.safe_load(capsys.readouterr().out)
-    sam = [
-        cb["init_args"]["layer_ratio"]
-        for cb in printed["trainer"]["callbacks"] or []
-        if cb["class_path"].endswith("SparseLayerSAM")
-    ]
-    assert sam == callbacks
-    assert printed["model"]["class_path"] == "lightning_slsam.tasks.text.TextClassifier"
+CONFIGS = os.path.join(EXAMPLES, "configs")
+TASK = os.path.join(CONFIGS, "tasks", "minilm_rotten_tomatoes.yaml")
+METHOD_NAMES = sorted(set(METHODS) - {"adasam"})  # adasam is an alias of sam
+
+
+def test_every_method_has_a_config():
+    files = {f[: -len(".yaml")] for f in os.listdir(os.path.join(CONFIGS, "methods"))}
+    assert files == set(METHOD_NAMES)
+
+
+@pytest.mark.parametrize("method", METHOD_NAMES)
+def test_method_config_instantiates_its_callback(method, tmp_path):
+    args = [
+        "--config", TASK, "--config", os.path.join(CONFIGS, "methods", f"{method}.yaml"),
+        "--model.init_args.pretrained=false", f"--trainer.default_root_dir={tmp_path}",
+    ]  # fmt: skip
+    cli = SLSAMCLI(
+        model_class=None, datamodule_class=None, subclass_mode_model=True,
+        subclass_mode_data=True, run=False, args=args,
+    )  # fmt: skip
+    found = [cb for cb in cli.trainer.callbacks if isinstance(cb, SAMCallback)]
+    cls, preset = METHODS[method]
+    if cls is None:
+        assert found == []
+        return
+    (cb,) = found
+    assert type(cb) is cls and cb.rho == 0.01
+    assert cb.schedule == preset.get("schedule", cls.default_schedule)
+    assert cli.trainer.logger.name == method
+
+
+def test_esam_config_trains_the_demo_task_through_the_cli(tmp_path, capsys):
+    main(
+        [
+            "fit", "--config", TASK, "--config", os.path.join(CONFIGS, "methods", "esam.yaml"),
+            "--model.init_args.pretrained=false", "--data.init_args.num_train=64",
+            "--data.init_args.num_val=32", "--trainer.max_steps=3",
+            "--trainer.limit_val_batches=1", f"--trainer.logger.init_args.save_dir={tmp_path}",
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert "ESAM mean active ratio" in out
+    ratio = float(out.split("ESAM mean active ratio: ")[1].split("x")[0])
+    assert 1.0 < ratio < 2.0  # half the layers in the first pass, all in the second

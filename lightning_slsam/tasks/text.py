@@ -22,6 +22,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler
 from torchmetrics.classification import Accuracy
@@ -312,14 +313,18 @@ class TextClassifier(SAMMixin, L.LightningModule):
         return self.model(**batch)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        out = self(batch)
-        size = batch["labels"].shape[0]
-        self.log("train_loss", out.loss, prog_bar=True, batch_size=size)
+        """Returns the per-sample losses: SAMMixin averages them for the update, and ESAM's
+        data selection ranks samples by them."""
+        labels = batch["labels"]
+        logits = self.model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        losses = F.cross_entropy(logits.float(), labels, reduction="none")
+        size = labels.shape[0]
+        self.log("train_loss", losses.mean(), prog_bar=True, batch_size=size)
         # SAM's second pass runs at perturbed weights: its predictions must not count.
         if self.sam_pass <= 1:
-            self.train_acc.update(out.logits.detach().argmax(-1), batch["labels"])
+            self.train_acc.update(logits.detach().argmax(-1), labels)
             self.log("train_acc", self.train_acc, on_step=False, on_epoch=True, batch_size=size)
-        return out.loss
+        return losses
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         out = self(batch)
