@@ -298,3 +298,51 @@ def test_ssamf_perturbs_only_the_top_fisher_coordinates():
         assert moved > 0.9 * sum(int(m.sum()) for m in mask)
         assert engine.fisher.kept_fraction() == pytest.approx(0.5, abs=1 / flat.numel())
         assert result.active_ratio == 2.0
+
+
+# -- both axes of sparsity, and ASAM on a sparse method -------------------------------------
+
+
+def test_sl_sam_with_rst_coin_samples_layers_on_every_step_and_sam_on_about_half():
+    net = nn.Sequential(*[nn.Linear(3, 3) for _ in range(4)])
+    cb = SparseLayerSAM(layer_ratio=0.3, schedule="random", seed=5)
+    engine = cb.build_engine(net)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    x, y = torch.randn(6, 3), torch.randint(0, 3, (6,))
+    results = [engine.train_step(lambda: F.cross_entropy(net(x), y), opt) for _ in range(200)]
+    sam = [r for r in results if r.kind == "sam"]
+    plain = [r for r in results if r.kind == "plain"]
+    assert 80 < len(sam) < 120 and len(sam) + len(plain) == 200
+    assert all(r.num_backward == 2 for r in sam) and all(r.num_backward == 1 for r in plain)
+    # The bandit's sample applies to both kinds of step: layers are sparse on each.
+    assert sum(bool(r.active_mask.all()) for r in results) < 20
+    assert engine.selection.num_updates == 200
+    assert cb.schedule == "random"
+
+
+def test_sl_sam_with_looksam_interval_keeps_sparse_layers_and_the_interval():
+    net = nn.Sequential(*[nn.Linear(3, 3) for _ in range(4)])
+    cb = SparseLayerSAM(layer_ratio=0.3, schedule="interval", sam_interval=4, seed=5)
+    engine = cb.build_engine(net)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    x, y = torch.randn(6, 3), torch.randint(0, 3, (6,))
+    results = [engine.train_step(lambda: F.cross_entropy(net(x), y), opt) for _ in range(12)]
+    assert [r.kind for r in results] == ["sam", "reuse", "reuse", "reuse"] * 3
+    assert sum(bool(r.active_mask.all()) for r in results) < 4
+    assert engine.vertical  # the orthogonal components of the SAM steps were stored
+    assert set(engine.vertical) <= {id(p) for p in net.parameters()}
+
+
+def test_asam_on_sl_sam_perturbs_only_active_tensors_weight_scaled():
+    cb = SparseLayerSAM(rho=RHO, layer_ratio=0.4, adaptive=True, seed=2)
+    net, x, y, engine, opt = _setup(cb)
+    g = _grads(net, x, y)
+    w = [p.detach().clone() for p in net.parameters()]
+    rec = Recorder(net, x, y)
+    result = engine.train_step(rec, opt)
+    active = result.active_mask.tolist()
+    scaled = [wi.abs() * gi for wi, gi, on in zip(w, g, active) if on]
+    norm = torch.sqrt(sum(s.square().sum() for s in scaled))
+    for i, (before, during) in enumerate(zip(w, rec.passes[1]["weights"])):
+        expected = RHO * before.abs().square() * g[i] / norm if active[i] else 0 * before
+        torch.testing.assert_close(during - before, expected, atol=1e-7, rtol=1e-4)
