@@ -265,65 +265,54 @@ class SparseSAMEngine:
     # -- step kinds ------------------------------------------------------------------------
     def _sam(self, result, forward_backward, zero_grad, optimizer_step) -> None:
         mask1 = result.active_mask
-        active1 = self.activate(mask1)
-        zero_grad()
-        first = _as_output(forward_backward())
-        result.loss = first.loss
-        result.pass_numel.append(self._numel(mask1))
-        params, grads, slots = self._with_grad(active1)
-        norms = tensor_norms(grads, first.loss.device)
-        layer_norms = self._layer_norms(norms, slots)
-
-        refine_norms = layer_norms.double().cpu() if self.selection.refine_uses_norms else None
+        first = self._gradient_pass(
+            result, self.activate(mask1), mask1, forward_backward, zero_grad
+        )
+        refine_norms = (
+            first.layer_norms.double().cpu() if self.selection.refine_uses_norms else None
+        )
         mask2 = self.selection.refine(mask1, refine_norms)
-        active2 = active1 if mask2 is mask1 else self.activate(mask2)
+        active2 = first.active if mask2 is mask1 else self.activate(mask2)
         result.active_mask = mask2
         keep = {id(p) for p in active2}
-        chosen = [i for i, p in enumerate(params) if id(p) in keep]
-        pp = [params[i] for i in chosen]
-        pg = [grads[i] for i in chosen]
+        chosen = [i for i, p in enumerate(first.params) if id(p) in keep]
+        pp = [first.params[i] for i in chosen]
+        pg = [first.grads[i] for i in chosen]
         looksam = isinstance(self.schedule, IntervalSchedule) and self.schedule.alpha > 0
         masks = self.fisher.masks_for(pp) if self.fisher is not None else None
         # A non-finite first pass is only detected at the end of the step: checking here
         # would cost a second host synchronisation every step, and the exact restore
         # undoes whatever a NaN perturbation did.
         backup = self.perturbation.perturb_(
-            pp, pg, norms[chosen] if chosen else norms[:0], slots[chosen], self._num_groups,
+            pp, pg, first.norms[chosen], first.slots[chosen], self._num_groups,
             inplace=not looksam, masks=masks,
         )  # fmt: skip
-        del grads
-        zero_grad()  # frees the first-pass gradients before the second forward
+        # Free the first-pass gradients before the next forward; LookSAM alone keeps them.
+        first.grads.clear()
+        if not looksam:
+            pg = []
+        zero_grad()
         try:
+            subsets = None
             if self.data_ratio < 1:
-                subsets = self._sharpest_samples(first, forward_backward)
-                second = _as_output(forward_backward(subsets=subsets))
-            else:
-                second = _as_output(forward_backward())
+                subsets = self._sharpest_samples(first.output, forward_backward)
+            second = self._gradient_pass(
+                result, active2, mask2, forward_backward, zero_grad, subsets=subsets
+            )
         finally:
             self.perturbation.restore_(pp, backup)
         del backup
-        result.pass_numel.append(self._numel(mask2))
-        params2, grads2, _ = self._with_grad(active2)
         if looksam:
-            self._store_vertical(pp, pg, params2, grads2)
-        probe2 = tensor_norms(grads2, first.loss.device).sum()
-        self._finish(result, [first.loss, norms.sum()], [second.loss, probe2], layer_norms,
-                     mask1, zero_grad, optimizer_step)  # fmt: skip
+            self._store_vertical(pp, pg, second.params, second.grads)
+        self._finish(result, first.scalars(), second.scalars(), first.layer_norms, mask1,
+                     zero_grad, optimizer_step)  # fmt: skip
 
     def _one_pass(self, result, forward_backward, zero_grad, optimizer_step) -> None:
         mask = result.active_mask
-        active = self.activate(mask)
-        zero_grad()
-        out = _as_output(forward_backward())
-        result.loss = out.loss
-        result.pass_numel.append(self._numel(mask))
-        params, grads, slots = self._with_grad(active)
-        norms = tensor_norms(grads, out.loss.device)
-        layer_norms = self._layer_norms(norms, slots)
+        out = self._gradient_pass(result, self.activate(mask), mask, forward_backward, zero_grad)
         if result.kind == "reuse":
-            self._add_vertical(params, grads)
-        self._finish(result, [out.loss, norms.sum()], [], layer_norms, mask, zero_grad,
-                     optimizer_step)  # fmt: skip
+            self._add_vertical(out.params, out.grads)
+        self._finish(result, out.scalars(), [], out.layer_norms, mask, zero_grad, optimizer_step)
 
     def _single(self, result, forward_backward, zero_grad, optimizer_step) -> None:
         mask = result.active_mask
@@ -335,23 +324,30 @@ class SparseSAMEngine:
         backup = self.perturbation.perturb_(
             pp, pg, tensor_norms(pg, device), slots, self._num_groups, inplace=False
         )
-        zero_grad()
         try:
-            out = _as_output(forward_backward())
+            out = self._gradient_pass(result, active, mask, forward_backward, zero_grad)
         finally:
             self.perturbation.restore_(pp, backup)
         del backup
-        result.loss = out.loss
-        result.pass_numel.append(self._numel(mask))
-        params, grads, slots = self._with_grad(active)
-        norms = tensor_norms(grads, out.loss.device)
-        layer_norms = self._layer_norms(norms, slots)
-        if self._finish(result, [out.loss, norms.sum()], [], layer_norms, mask, zero_grad,
+        if self._finish(result, out.scalars(), [], out.layer_norms, mask, zero_grad,
                         optimizer_step):  # fmt: skip
             # The gradient tensors themselves (after the optimizer's unscaling/clipping):
             # zero_grad(set_to_none=True) detaches them from .grad, no copy is made.
-            for param, grad in zip(params, grads):
+            for param, grad in zip(out.params, out.grads):
                 self.last_grad[id(param)] = grad
+
+    def _gradient_pass(
+        self, result, active, mask, forward_backward, zero_grad, subsets=None
+    ) -> _Pass:
+        """One forward/backward on the ``active`` tensors; gradients and norms kept on device."""
+        zero_grad()
+        output = _as_output(forward_backward(subsets=subsets) if subsets else forward_backward())
+        if result.loss is None:
+            result.loss = output.loss
+        result.pass_numel.append(self._numel(mask))
+        params, grads, slots = self._with_grad(active)
+        norms = tensor_norms(grads, output.loss.device)
+        return _Pass(output, active, params, grads, slots, norms, self._layer_norms(norms, slots))
 
     # -- pieces ------------------------------------------------------------------------------
     def _finish(
@@ -542,6 +538,23 @@ class SparseSAMEngine:
 
     def _tensor_index(self) -> dict[int, int]:
         return {id(t): i for i, t in enumerate(self._tensors())}
+
+
+@dataclass
+class _Pass:
+    """One gradient pass's results (all on the device)."""
+
+    output: PassOutput
+    active: list[Tensor]
+    params: list[Tensor]  # active tensors that received a gradient
+    grads: list[Tensor]
+    slots: Tensor  # each tensor's normalisation group
+    norms: Tensor  # per-tensor gradient norms
+    layer_norms: Tensor  # per-layer gradient norms
+
+    def scalars(self) -> list[Tensor]:
+        """The pass's loss and a finiteness probe of its gradients."""
+        return [self.output.loss, self.norms.sum()]
 
 
 def _as_output(value: Tensor | PassOutput) -> PassOutput:
