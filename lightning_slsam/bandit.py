@@ -236,6 +236,11 @@ class LayerBandit(LayerSelection):
         return self._probs.clone()
 
     @property
+    def always_all(self) -> bool:
+        """True at ``layer_ratio=1``: every probability is 1, every layer always sampled."""
+        return self._ratio >= 1.0
+
+    @property
     def budget(self) -> float:
         """Expected number of active layers per step, ``s = layer_ratio * N``."""
         return self._budget

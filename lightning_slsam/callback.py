@@ -18,11 +18,13 @@ from typing import Any, ClassVar
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
-from lightning_slsam.engine import SparseSAMEngine, StepResult
+from lightning_slsam.distributed import GradientAverager
+from lightning_slsam.engine import SparseSAMEngine, StepContext, StepResult
 from lightning_slsam.layers import LayerPartition, LayerSpec, build_partition, validate_layer_spec
 from lightning_slsam.metrics import (
     normalized_entropy,
@@ -31,6 +33,7 @@ from lightning_slsam.metrics import (
 )
 from lightning_slsam.mixin import SAMMixin, scheduler_configs
 from lightning_slsam.perturbation import SAMPerturbation
+from lightning_slsam.running import BN_STATS
 from lightning_slsam.schedules import (
     EveryStep,
     IntervalSchedule,
@@ -85,6 +88,15 @@ class SAMCallback(Callback):
         gradient_clip_algorithm: ``"norm"`` (default) or ``"value"``.
         accumulate_grad_batches: micro-batches per optimizer step (>= 1). Use this
             instead of the Trainer flag: every pass runs over all micro-batches.
+        bn_stats: which pass's BatchNorm running statistics a SAM step keeps:
+            ``"first"`` (default; the unperturbed pass, as official SAM code),
+            ``"second"`` or ``"both"`` (updated twice, as the SL-SAM reference code).
+        replay_dropout: give the second pass the first pass's dropout masks (default
+            ``False``: fresh masks, as official SAM code).
+        sync_first_pass: under DDP, average the first pass's gradient across processes
+            before the ascent (default; a multi-process run then equals a one-process run
+            on the global batch). ``False``: every process perturbs with its own gradient
+            (SAM's m-sharpness) and only the per-layer norms are averaged.
         plot: write the per-layer activation chart (PNG) at the end of fit.
 
     Attributes:
@@ -119,9 +131,23 @@ class SAMCallback(Callback):
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str = "norm",
         accumulate_grad_batches: int = 1,
+        bn_stats: str = "first",
+        replay_dropout: bool = False,
+        sync_first_pass: bool = True,
         plot: bool = True,
     ) -> None:
         super().__init__()
+        if bn_stats not in BN_STATS:
+            raise ValueError(
+                f"`bn_stats` must be one of {BN_STATS}, got {bn_stats!r}: which pass's"
+                " BatchNorm running statistics a SAM step keeps."
+            )
+        for name, flag in (
+            ("replay_dropout", replay_dropout),
+            ("sync_first_pass", sync_first_pass),
+        ):
+            if not isinstance(flag, bool):
+                raise ValueError(f"`{name}` must be True or False, got {flag!r}.")
         self.perturbation = SAMPerturbation(rho, norm=perturbation_norm, adaptive=adaptive)
         validate_layer_spec(layers)
         if schedule is None:
@@ -167,7 +193,11 @@ class SAMCallback(Callback):
         self.gradient_clip_val = gradient_clip_val
         self.gradient_clip_algorithm = gradient_clip_algorithm
         self.accumulate_grad_batches = accumulate_grad_batches
+        self.bn_stats = bn_stats
+        self.replay_dropout = replay_dropout
+        self.sync_first_pass = sync_first_pass
         self.plot = plot
+        self._averager: GradientAverager | None = None
 
         self.partition: LayerPartition | None = None
         self.engine: SparseSAMEngine | None = None
@@ -188,7 +218,7 @@ class SAMCallback(Callback):
 
     def _hyperparameters(self) -> dict[str, Any]:
         """The method's own options, saved with its state."""
-        return {"rho": self.rho, "schedule": self.schedule}
+        return {"rho": self.rho, "schedule": self.schedule, "adaptive": self.adaptive}
 
     def _adopt_selection_state(self, saved: dict[str, Any]) -> dict[str, Any]:
         """Adapt a checkpoint's selection state to the current options (default: as is)."""
@@ -233,18 +263,17 @@ class SAMCallback(Callback):
                 f" `class {type(pl_module).__name__}(SAMMixin, L.LightningModule)`"
                 " (`from lightning_slsam import SAMMixin`)."
             )
-        if trainer.world_size > 1:
+        strategy = trainer.strategy
+        bases = {cls.__name__ for cls in type(strategy).__mro__}
+        sharded = bases & {"DeepSpeedStrategy", "XLAStrategy"}
+        if trainer.world_size > 1 and (not isinstance(strategy, DDPStrategy) or sharded):
             raise MisconfigurationException(
-                f"{name} runs on one process for now, but the Trainer uses"
-                f" {trainer.world_size} ({type(trainer.strategy).__name__}). Multi-process"
-                " strategies need rank-consistent layer sampling and gradient sync that are"
-                " not validated yet: train on one device (devices=1)."
-            )
-        if str(trainer.precision) in ("16-mixed", "16", "16-true") and _has_scaler(trainer):
-            raise MisconfigurationException(
-                f"{name} does not support precision={trainer.precision!r} (a gradient scaler)"
-                " yet: its first-pass gradients are scaled and an overflow must back the"
-                " scaler off. Use precision='bf16-mixed' or '32-true'."
+                f"{name} does not support {type(strategy).__name__}: SAM methods perturb,"
+                " back up and restore whole parameter tensors between two passes and sync"
+                " the active layers' gradients themselves, which sharded strategies (FSDP,"
+                " DeepSpeed ZeRO, model parallel, XLA) do not allow. Use strategy='ddp' or"
+                " 'ddp_spawn' (any precision, gradient accumulation and clipping work there),"
+                " or a single device."
             )
         # ModelCheckpoint warns that step checkpoints under manual optimization hold the
         # post-step weights: that is what automatic optimization saves too, and the mixin
@@ -279,8 +308,17 @@ class SAMCallback(Callback):
         ):
             self.engine.partition = partition  # a second fit() continues the same state
         else:
-            self.engine = self._build_engine(partition)
+            self.engine = self._build_engine(partition, pl_module)
         self.partition = partition
+        self._averager = GradientAverager() if trainer.world_size > 1 else None
+        if not self.engine.selection.always_all and _is_compiled(pl_module):
+            raise MisconfigurationException(
+                f"{type(self).__name__} freezes a different set of layers every step, and"
+                " torch.compile guards on requires_grad: the compiled model would be"
+                " recompiled for each new set until torch._dynamo's recompile limit, then"
+                " run uncompiled. Train this method without torch.compile; the dense methods"
+                " (SAM, S2SAM, RST, LookSAM, SSAMF) compile once and work with it."
+            )
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self._apply_state(state)
@@ -292,13 +330,19 @@ class SAMCallback(Callback):
         For plain PyTorch loops and benchmarks: ``engine.train_step(compute_loss, optimizer)``
         then runs the method without Lightning.
         """
-        return self._build_engine(self._partition(module))
+        return self._build_engine(self._partition(module), module)
 
     def _partition(self, module: torch.nn.Module) -> LayerPartition:
         return build_partition(module, self.layers, self.always_active, self.always_frozen)
 
-    def _build_engine(self, partition: LayerPartition) -> SparseSAMEngine:
+    def _build_engine(
+        self, partition: LayerPartition, module: torch.nn.Module | None = None
+    ) -> SparseSAMEngine:
         seed = self.seed if self.seed is not None else torch.initial_seed()
+        trainer = self._trainer_of(module)
+        if trainer is not None and trainer.world_size > 1:
+            # Every process must draw the same layers and coins: rank 0's seed for all.
+            seed = trainer.strategy.broadcast(seed)
         selection_gen = torch.Generator().manual_seed(seed)
         schedule_gen = torch.Generator().manual_seed(seed + 1)
         try:
@@ -312,8 +356,20 @@ class SAMCallback(Callback):
             schedule_gen,
         )  # fmt: skip
         return SparseSAMEngine(
-            partition, selection, self.perturbation, schedule, **self._engine_options()
+            partition,
+            selection,
+            self.perturbation,
+            schedule,
+            module=module,
+            bn_stats=self.bn_stats,
+            replay_dropout=self.replay_dropout,
+            sync_first_pass=self.sync_first_pass,
+            **self._engine_options(),
         )
+
+    @staticmethod
+    def _trainer_of(module: torch.nn.Module | None) -> pl.Trainer | None:
+        return getattr(module, "_trainer", None) if module is not None else None
 
     # -- the step (called by SAMMixin) ------------------------------------------------------
     def _accumulate(
@@ -339,7 +395,12 @@ class SAMCallback(Callback):
     ) -> StepResult:
         if self.engine is None:
             raise RuntimeError(f"{type(self).__name__} ran a step before on_fit_start.")
-        result = self.engine.step(forward_backward, zero_grad, optimizer_step)
+        scaler = getattr(pl_module.trainer.precision_plugin, "scaler", None)
+        context = StepContext(
+            grad_scale=scaler._get_scale_async if scaler is not None else None,
+            averager=self._averager,
+        )
+        result = self.engine.step(forward_backward, zero_grad, optimizer_step, context)
         self._fresh = result
         return result
 
@@ -378,6 +439,8 @@ class SAMCallback(Callback):
             "slsam/never_selected": float(self.engine.never_selected()),
             "slsam/skipped_steps": float(self.engine.num_skipped),
         }
+        if self._averager is not None:
+            metrics["slsam/allreduce_bytes"] = float(result.allreduce_bytes)
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
         # Short names for the progress bar only (loggers get the namespaced ones above).
@@ -497,8 +560,13 @@ def estimated_stepping_batches(trainer: pl.Trainer) -> float:
     return min(steps, trainer.max_steps) if trainer.max_steps != -1 else steps
 
 
-def _has_scaler(trainer: pl.Trainer) -> bool:
-    return getattr(trainer.precision_plugin, "scaler", None) is not None
+def _is_compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` (or a submodule) runs through torch.compile."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if getattr(module, "_compiler_ctx", None):  # trainer.fit(torch.compile(model))
+        return True
+    return any(isinstance(m, OptimizedModule) for m in module.modules())
 
 
 def _describe_mismatch(saved: list[list[str]], current: list[list[str]]) -> str:

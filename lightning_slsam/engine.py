@@ -35,18 +35,21 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lightning_slsam.distributed import GradientAverager
 from lightning_slsam.layers import LayerPartition
 from lightning_slsam.perturbation import FisherMask, SAMPerturbation, group_norms, tensor_norms
+from lightning_slsam.running import BN_STATS, RandomState, RunningStats
 from lightning_slsam.schedules import EveryStep, IntervalSchedule, Schedule
 from lightning_slsam.selection import LayerSelection
 
-__all__ = ["PassOutput", "SparseSAMEngine", "StepResult"]
+__all__ = ["PassOutput", "SparseSAMEngine", "StepContext", "StepResult"]
 
 
 @dataclass
@@ -63,6 +66,21 @@ class PassOutput:
 
 
 @dataclass
+class StepContext:
+    """How the surrounding trainer scales gradients and talks to other processes.
+
+    Attributes:
+        grad_scale: returns the current loss scale of a gradient scaler (a tensor on the
+            gradients' device) when one is in use: the per-layer norms the selection learns
+            from are divided by it. Everything else SAM computes is scale-free.
+        averager: averages gradients across processes (DDP); ``None`` on one process.
+    """
+
+    grad_scale: Callable[[], Tensor] | None = None
+    averager: GradientAverager | None = None
+
+
+@dataclass
 class StepResult:
     """What happened in one step.
 
@@ -73,6 +91,7 @@ class StepResult:
         trainable_numel: parameters that could take part (the ratios' denominator).
         kind: ``"sam"``, ``"plain"``, ``"reuse"`` or ``"single"``.
         extra_backward: backward passes outside the training passes (SSAM-F's Fisher).
+        allreduce_bytes: bytes this process all-reduced across processes this step.
         skipped: whether the update was skipped; ``skip_reason`` says why.
     """
 
@@ -82,6 +101,7 @@ class StepResult:
     kind: str
     pass_numel: list[int] = field(default_factory=list)
     extra_backward: int = 0
+    allreduce_bytes: int = 0
     skipped: bool = False
     skip_reason: str | None = None
 
@@ -115,6 +135,18 @@ class SparseSAMEngine:
             this fraction of each batch, the samples whose loss rose most under the
             perturbation (1.0, the default, disables it).
         fisher: SSAM-F's coordinate mask, refreshed on its own schedule.
+        module: the model, whose normalisation layers' running statistics are managed.
+        bn_stats: which pass's running statistics a two-pass step keeps: ``"first"``
+            (default: the unperturbed pass, as official SAM implementations do),
+            ``"second"`` (the perturbed pass) or ``"both"`` (updated twice, as the SL-SAM
+            reference code does). Extra forwards (ESAM's selection, SSAM-F's Fisher) never
+            count.
+        replay_dropout: replay the first pass's random state in the second pass, so both
+            see the same dropout masks (default ``False``: fresh masks, as official SAM).
+        sync_first_pass: under multi-process training, average the first pass's gradients
+            before the ascent (default). ``False`` perturbs every process with its own
+            gradient (SAM's m-sharpness): no first-pass gradient traffic, only the
+            per-layer norm vector is averaged.
 
     Attributes:
         counts: steps in which each layer was updated (int64, CPU).
@@ -132,15 +164,26 @@ class SparseSAMEngine:
         schedule: Schedule | None = None,
         data_ratio: float = 1.0,
         fisher: FisherMask | None = None,
+        module: torch.nn.Module | None = None,
+        bn_stats: str = "first",
+        replay_dropout: bool = False,
+        sync_first_pass: bool = True,
     ) -> None:
         if not (isinstance(data_ratio, (int, float)) and 0 < data_ratio <= 1):
             raise ValueError(f"`data_ratio` must be in (0, 1], got {data_ratio!r}.")
+        if bn_stats not in BN_STATS:
+            raise ValueError(f"`bn_stats` must be one of {BN_STATS}, got {bn_stats!r}.")
         self.partition = partition
         self.selection = selection
         self.perturbation = perturbation
         self.schedule = schedule if schedule is not None else EveryStep()
         self.data_ratio = float(data_ratio)
         self.fisher = fisher
+        self.running_stats = RunningStats(module) if module is not None else None
+        self.bn_stats = bn_stats
+        self.replay_dropout = bool(replay_dropout)
+        self.sync_first_pass = bool(sync_first_pass)
+        self._context = StepContext()
         n = partition.num_layers
         self.counts = torch.zeros(n, dtype=torch.int64)
         self.num_steps = 0
@@ -195,8 +238,11 @@ class SparseSAMEngine:
         forward_backward: Callable[..., Tensor | PassOutput],
         zero_grad: Callable[[], None],
         optimizer_step: Callable[[bool], None],
+        context: StepContext | None = None,
     ) -> StepResult:
-        """Run one training step of the configured method."""
+        """Run one training step of the configured method (``context``: gradient scaling
+        and multi-process averaging, when the trainer uses them)."""
+        self._context = context if context is not None else StepContext()
         kind = self.schedule.kind(self.num_steps)
         # Single-step SAM has no previous gradient at first: a plain step on every layer,
         # whose gradients the next steps perturb along.
@@ -265,9 +311,13 @@ class SparseSAMEngine:
     # -- step kinds ------------------------------------------------------------------------
     def _sam(self, result, forward_backward, zero_grad, optimizer_step) -> None:
         mask1 = result.active_mask
+        stats = self.running_stats if self.running_stats else None
+        before = stats.snapshot() if stats and self.bn_stats == "second" else None
+        rng = RandomState() if self.replay_dropout else None
         first = self._gradient_pass(
-            result, self.activate(mask1), mask1, forward_backward, zero_grad
-        )
+            result, self.activate(mask1), mask1, forward_backward, zero_grad,
+            sync=self.sync_first_pass,
+        )  # fmt: skip
         refine_norms = (
             first.layer_norms.double().cpu() if self.selection.refine_uses_norms else None
         )
@@ -292,15 +342,27 @@ class SparseSAMEngine:
         if not looksam:
             pg = []
         zero_grad()
+        after_first = stats.snapshot() if stats and self.bn_stats == "first" else None
         try:
             subsets = None
             if self.data_ratio < 1:
+                if rng is not None:
+                    rng.restore()
+                selection_snapshot = stats.snapshot() if stats else None
                 subsets = self._sharpest_samples(first.output, forward_backward)
+                if selection_snapshot is not None:
+                    stats.restore(selection_snapshot)  # the selection forward never counts
+            if before is not None:
+                stats.restore(before)  # only the second pass's statistics count
+            if rng is not None:
+                rng.restore()  # the second pass draws the first pass's dropout masks
             second = self._gradient_pass(
                 result, active2, mask2, forward_backward, zero_grad, subsets=subsets
             )
         finally:
             self.perturbation.restore_(pp, backup)
+            if after_first is not None:
+                stats.restore(after_first)  # only the first pass's statistics count
         del backup
         if looksam:
             self._store_vertical(pp, pg, second.params, second.grads)
@@ -337,17 +399,51 @@ class SparseSAMEngine:
                 self.last_grad[id(param)] = grad
 
     def _gradient_pass(
-        self, result, active, mask, forward_backward, zero_grad, subsets=None
+        self, result, active, mask, forward_backward, zero_grad, subsets=None, sync=True
     ) -> _Pass:
-        """One forward/backward on the ``active`` tensors; gradients and norms kept on device."""
+        """One forward/backward on the ``active`` tensors; gradients and norms kept on device.
+
+        Under multi-process training the gradients are averaged across processes first
+        (``sync``); otherwise the per-layer norms alone are.
+        """
         zero_grad()
         output = _as_output(forward_backward(subsets=subsets) if subsets else forward_backward())
         if result.loss is None:
             result.loss = output.loss
         result.pass_numel.append(self._numel(mask))
+        averager = self._context.averager
+        if averager is not None and sync:
+            result.allreduce_bytes += self._average_grads(active, averager)
         params, grads, slots = self._with_grad(active)
         norms = tensor_norms(grads, output.loss.device)
-        return _Pass(output, active, params, grads, slots, norms, self._layer_norms(norms, slots))
+        layer_norms = self._layer_norms(norms, slots)
+        if averager is not None and not sync:
+            result.allreduce_bytes += averager.average_([layer_norms])
+        return _Pass(output, active, params, grads, slots, norms, layer_norms)
+
+    @torch.no_grad()
+    def _average_grads(self, active: list[Tensor], averager: GradientAverager) -> int:
+        """Average the active tensors' gradients across processes.
+
+        Every process sends every active tensor (the sets are equal on all ranks), a zero
+        gradient standing in for a missing one; a presence flag per tensor travels in the
+        same collective, so a tensor no process used keeps ``grad=None``, as on one process.
+        """
+        if not active:
+            return 0
+        present = torch.tensor(
+            [p.grad is not None for p in active], dtype=active[0].dtype, device=active[0].device
+        )
+        grads = []
+        for param in active:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grads.append(param.grad)
+        sent = averager.average_([*grads, present])
+        for param, flag in zip(active, present.tolist()):
+            if flag == 0:
+                param.grad = None
+        return sent
 
     # -- pieces ------------------------------------------------------------------------------
     def _finish(
@@ -358,8 +454,17 @@ class SparseSAMEngine:
         ``first`` / ``second``: scalars (loss, gradient-norm probe) of each pass.
         """
         device = layer_norms.device
-        scalars = [s.detach().float().reshape(()).to(device) for s in (*first, *second)]
-        host = torch.cat([torch.stack(scalars), layer_norms.float()]).cpu()
+        scalars = torch.stack(
+            [s.detach().float().reshape(()).to(device) for s in (*first, *second)]
+        )
+        if self._context.averager is not None:
+            # Every process must take the same decision: one non-finite value anywhere
+            # makes the mean non-finite everywhere.
+            result.allreduce_bytes += self._context.averager.average_([scalars])
+        if self._context.grad_scale is not None:
+            # The selection learns from true gradient norms, not loss-scaled ones.
+            layer_norms = layer_norms / self._context.grad_scale().to(device).float()
+        host = torch.cat([scalars, layer_norms.float()]).cpu()
         finite = torch.isfinite(host)
         k1, k = len(first), len(scalars)
         where = " in the first pass" if second else ""
@@ -431,14 +536,20 @@ class SparseSAMEngine:
         active = self.activate(self._all)
         fisher = [torch.zeros_like(p, dtype=torch.float32) for p in active]
         empty = torch.zeros(0, dtype=torch.long)
-        for i in range(min(self.fisher.fisher_samples, sizes[0])):
-            zero_grad()
-            forward_backward(subsets=[torch.tensor([i])] + [empty] * (len(sizes) - 1))
-            for acc, param in zip(fisher, active):
-                if param.grad is not None:
-                    acc.add_(param.grad.float().square())
-            result.extra_backward += 1
+        # One sample per pass: normalisation layers use their running statistics (which
+        # also keeps these passes from changing them).
+        stats = self.running_stats if self.running_stats else None
+        with stats.evaluating() if stats else nullcontext():
+            for i in range(min(self.fisher.fisher_samples, sizes[0])):
+                zero_grad()
+                forward_backward(subsets=[torch.tensor([i])] + [empty] * (len(sizes) - 1))
+                for acc, param in zip(fisher, active):
+                    if param.grad is not None:
+                        acc.add_(param.grad.float().square())
+                result.extra_backward += 1
         zero_grad()
+        if self._context.averager is not None:  # the same mask on every process
+            result.allreduce_bytes += self._context.averager.average_(fisher)
         self.fisher.set_fisher(active, fisher)
 
     @torch.no_grad()

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
+import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
@@ -333,10 +335,20 @@ class SAMMixin:
         def zero_grad() -> None:
             optimizer.zero_grad(set_to_none=True)
 
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+
         def optimizer_step(skip: bool) -> None:
+            if skip and scaler is not None:
+                # A skipped step must still make the gradient scaler back off: hand it an
+                # infinite gradient, so it skips the optimizer and lowers its scale.
+                param = next(p for g in optimizer.param_groups for p in g["params"])
+                param.grad = torch.full_like(param, float("inf"))
             optimizer.step()
 
-        controller._run_step(self, passes, zero_grad, optimizer_step)
+        strategy = trainer.strategy
+        with strategy.block_backward_sync() if trainer.world_size > 1 else nullcontext():
+            # Under DDP the engine averages the active layers' gradients itself.
+            controller._run_step(self, passes, zero_grad, optimizer_step)
         self._slsam_step_schedulers(trainer, batch_idx)
         output = passes.first_output
         if isinstance(output, Mapping):

@@ -57,6 +57,11 @@ class LayerSelection:
         """Probability of each layer being sampled for the first pass (float64 ``[N]``)."""
         return torch.ones(self.num_layers, dtype=torch.float64)
 
+    @property
+    def always_all(self) -> bool:
+        """Whether every pass always computes every layer (no per-step freezing)."""
+        return False
+
     def sample(self) -> Tensor:
         """Bool ``[N]`` mask of the layers of the first pass."""
         return torch.ones(self.num_layers, dtype=torch.bool)
@@ -84,6 +89,10 @@ class AllLayers(LayerSelection):
     def __init__(self, num_layers: int) -> None:
         self.num_layers = int(num_layers)
 
+    @property
+    def always_all(self) -> bool:
+        return True
+
 
 class UniformSelection(LayerSelection):
     """Each layer independently with probability ``ratio`` (redrawn while empty).
@@ -105,6 +114,10 @@ class UniformSelection(LayerSelection):
     @property
     def probs(self) -> Tensor:
         return torch.full((self.num_layers,), self.ratio, dtype=torch.float64)
+
+    @property
+    def always_all(self) -> bool:
+        return self.ratio >= 1.0
 
     def sample(self) -> Tensor:
         while True:
@@ -141,6 +154,10 @@ class TopKSelection(LayerSelection):
 
     refine_uses_norms = True
 
+    @property
+    def always_all(self) -> bool:
+        return self.k >= self.num_layers
+
     def refine(self, active: Tensor, norms: Tensor | None) -> Tensor:
         assert norms is not None
         # Ties broken by model order (stable sort): deterministic for equal norms.
@@ -160,6 +177,10 @@ class ExpandToAll(LayerSelection):
     @property
     def probs(self) -> Tensor:
         return self.first.probs
+
+    @property
+    def always_all(self) -> bool:
+        return self.first.always_all
 
     def sample(self) -> Tensor:
         return self.first.sample()

