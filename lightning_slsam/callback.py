@@ -82,7 +82,8 @@ class SAMCallback(Callback):
         looksam_alpha: with ``schedule="interval"``, weight of the reused component
             (LookSAM: 0.7; 0 makes the steps in between plain steps).
         seed: seed of the method's own generators (layer sampling, RST's coin); ``None``
-            uses ``torch.initial_seed()``, set by ``seed_everything``.
+            uses the seed given to ``seed_everything`` (``PL_GLOBAL_SEED``), else
+            ``torch.initial_seed()``. Under DDP rank 0's seed is used by every process.
         gradient_clip_val: clip the update gradient at this value after unscaling;
             ``None`` or 0 disables. Use this instead of the Trainer flag.
         gradient_clip_algorithm: ``"norm"`` (default) or ``"value"``.
@@ -338,7 +339,7 @@ class SAMCallback(Callback):
     def _build_engine(
         self, partition: LayerPartition, module: torch.nn.Module | None = None
     ) -> SparseSAMEngine:
-        seed = self.seed if self.seed is not None else torch.initial_seed()
+        seed = self.seed if self.seed is not None else default_seed()
         trainer = self._trainer_of(module)
         if trainer is not None and trainer.world_size > 1:
             # Every process must draw the same layers and coins: rank 0's seed for all.
@@ -450,8 +451,10 @@ class SAMCallback(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.engine is None or self.partition is None:
             return
+        # trainer.log_dir is a collective under DDP: every rank asks, rank 0 writes.
+        directory = trainer.log_dir or trainer.default_root_dir
         if trainer.is_global_zero:
-            self._write_record(trainer)
+            self._write_record(directory)
         engine = self.engine
         message = (
             f"{type(self).__name__}: mean active ratio {self.mean_active_ratio:.3f}x over the"
@@ -463,9 +466,8 @@ class SAMCallback(Callback):
             message += f" Per-layer activation chart: {self.frequency_plot_path}"
         rank_zero_info(message)
 
-    def _write_record(self, trainer: pl.Trainer) -> None:
+    def _write_record(self, directory: str) -> None:
         assert self.engine is not None and self.partition is not None
-        directory = trainer.log_dir or trainer.default_root_dir
         steps = self.engine.num_steps - self.engine.num_skipped
         probs = self.engine.selection.probs
         self.frequency_csv_path = write_layer_frequency_csv(
@@ -521,6 +523,14 @@ class SAMCallback(Callback):
         engine_state = dict(state["engine"])
         engine_state["selection"] = self._adopt_selection_state(engine_state["selection"])
         self.engine.load_state_dict(engine_state)
+
+
+def default_seed() -> int:
+    """The run's seed: ``seed_everything``'s when set (it survives later ``manual_seed``
+    calls, e.g. in model constructors, and is what DDP workers are seeded with), else
+    ``torch.initial_seed()``."""
+    value = os.environ.get("PL_GLOBAL_SEED")
+    return int(value) if value not in (None, "") else torch.initial_seed()
 
 
 def _make_schedule(

@@ -1,0 +1,121 @@
+"""Trains SAM methods on CPU with 1 or 2 gloo processes and records what each rank saw.
+
+Run by tests/test_ddp.py as a separate program (DDP launchers start processes of their
+own). Every rank writes ``<out>/<tag>_rank<r>.pt`` with its per-step layer masks, bytes
+all-reduced and per-step weight checksums, and its final weights and probabilities.
+The global batch is the same whatever the number of processes: with 2 processes each
+gets every other sample (DistributedSampler), so a step sees the same 16 samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader, DistributedSampler
+
+sys.path.insert(0, os.path.dirname(__file__))
+from helpers import LitModel, make_data, make_mlp
+
+from lightning_slsam import make_callback
+
+GLOBAL_BATCH = 16
+
+
+class PerSample(LitModel):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y, reduction="none")
+
+    def train_dataloader(self) -> DataLoader:
+        # Built in each process: rank r takes samples r, r + world, ... (Lightning's own
+        # sampler would shuffle), so the ranks' batches together are the one-process batch.
+        data, world = make_data(64), self.trainer.world_size
+        sampler = (
+            DistributedSampler(data, world, self.trainer.global_rank, shuffle=False)
+            if world > 1
+            else None
+        )
+        return DataLoader(data, batch_size=GLOBAL_BATCH // world, sampler=sampler)
+
+
+class Record(L.Callback):
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.masks, self.bytes, self.checksums = [], [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        sam = [cb for cb in trainer.callbacks if hasattr(cb, "engine")]
+        if sam:
+            result = sam[0].engine.last_result
+            self.masks.append(result.active_mask.clone())
+            self.bytes.append(result.allreduce_bytes)
+        self.checksums.append(sum(p.double().sum().item() for p in pl_module.parameters()))
+
+    def on_train_end(self, trainer, pl_module):
+        sam = [cb for cb in trainer.callbacks if hasattr(cb, "engine")]
+        torch.save(
+            {
+                "masks": self.masks,
+                "bytes": self.bytes,
+                "checksums": self.checksums,
+                "weights": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
+                "probs": sam[0].probs.clone() if sam else None,
+                "numel": [p.numel() for p in pl_module.parameters()],
+            },
+            f"{self.path}_rank{trainer.global_rank}.pt",
+        )
+
+
+def run(method: str, devices: int, strategy: str, steps: int, out: str, sync: bool) -> None:
+    L.seed_everything(7)
+    options = {"seed": None, "sync_first_pass": sync}
+    if method in ("esam", "ssamf"):
+        options["seed"] = 3
+    callback = make_callback(method, **options) if method != "adamw" else None
+    tag = f"{method}_{strategy}_{devices}{'' if sync else '_local'}"
+    if devices == 1:
+        chosen = "auto"
+    elif strategy == "ddp":
+        chosen = DDPStrategy(process_group_backend="gloo")
+    else:
+        chosen = DDPStrategy(process_group_backend="gloo", start_method=strategy.split("_")[1])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=chosen,
+        max_steps=steps,
+        callbacks=[c for c in (callback, Record(os.path.join(out, tag))) if c is not None],
+        logger=False,
+        default_root_dir=out,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        deterministic=True,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(PerSample(make_mlp(seed=5)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--methods", required=True)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--strategy", default="ddp_fork", choices=["ddp", "ddp_fork", "ddp_spawn"])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--local-first-pass", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    for method in args.methods.split(","):
+        run(method, args.devices, args.strategy, args.steps, args.out, not args.local_first_pass)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""DDP on CPU with two gloo processes: every method, every launcher, both first-pass modes.
+
+The runs happen in ``ddp_worker.py`` (DDP launchers start processes of their own); each
+rank writes what it saw, and the tests compare ranks with each other and with a
+one-process run on the same global batches.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+WORKER = os.path.join(os.path.dirname(__file__), "ddp_worker.py")
+METHODS = [
+    "sam", "slsam", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
+    "ssamf", "looksam", "slsam_rst", "slsam_looksam",
+]  # fmt: skip
+# ESAM's data selection ranks each process's own samples: not the one-process choice.
+PER_RANK_DATA = {"esam"}
+
+
+def _run(out, *args: str) -> None:
+    done = subprocess.run(
+        [sys.executable, WORKER, "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    methods = ",".join(METHODS)
+    _run(out, "--methods", methods, "--devices", "2", "--strategy", "ddp_fork")
+    _run(out, "--methods", methods, "--devices", "1")
+    _run(out, "--methods", "slsam", "--devices", "2", "--strategy", "ddp")
+    _run(out, "--methods", "slsam", "--devices", "2", "--strategy", "ddp_spawn")
+    _run(out, "--methods", "slsam,sam", "--devices", "2", "--strategy", "ddp_fork",
+         "--local-first-pass")  # fmt: skip
+
+    def load(tag: str, rank: int = 0) -> dict:
+        return torch.load(out / f"{tag}_rank{rank}.pt", weights_only=False)
+
+    return load
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max((a["weights"][k] - b["weights"][k]).abs().max().item() for k in b["weights"])
+
+
+def _same_ranks(r0: dict, r1: dict) -> bool:
+    weights = all(torch.equal(r0["weights"][k], r1["weights"][k]) for k in r0["weights"])
+    masks = all(torch.equal(a, b) for a, b in zip(r0["masks"], r1["masks"], strict=True))
+    return weights and masks and r0["checksums"] == r1["checksums"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_keeps_ranks_identical_and_matches_one_process(runs, method):
+    r0, r1 = runs(f"{method}_ddp_fork_2", 0), runs(f"{method}_ddp_fork_2", 1)
+    assert _same_ranks(r0, r1)  # same masks and same weights on both processes, every step
+    if method not in PER_RANK_DATA:
+        one = runs(f"{method}_ddp_fork_1")
+        assert _max_diff(r0, one) < 1e-5
+        assert all(torch.equal(a, b) for a, b in zip(r0["masks"], one["masks"], strict=True))
+        if r0["probs"] is not None:
+            torch.testing.assert_close(r0["probs"], one["probs"], rtol=0, atol=1e-8)
+
+
+@pytest.mark.parametrize("launcher", ["ddp", "ddp_spawn"])
+def test_other_launchers_match_one_process(runs, launcher):
+    r0, r1 = runs(f"slsam_{launcher}_2", 0), runs(f"slsam_{launcher}_2", 1)
+    assert _same_ranks(r0, r1)
+    assert _max_diff(r0, runs("slsam_ddp_fork_1")) < 1e-5
+
+
+def _active(record: dict, mask: torch.Tensor) -> tuple[int, int]:
+    numel = torch.tensor(record["numel"])
+    return int(numel[mask].sum()), int(mask.sum())
+
+
+def test_only_active_layers_gradients_travel(runs):
+    sam, slsam = runs("sam_ddp_fork_2"), runs("slsam_ddp_fork_2")
+    for record in (sam, slsam):
+        for mask, sent in zip(record["masks"], record["bytes"], strict=True):
+            numel, tensors = _active(record, mask)
+            # Two passes of (active gradients + a presence flag per tensor) and the step's
+            # four finiteness scalars, in float32.
+            assert sent == 4 * (2 * (numel + tensors) + 4)
+    assert sum(slsam["bytes"]) < 0.6 * sum(sam["bytes"])
+
+
+def test_local_first_pass_sends_no_first_pass_gradients(runs):
+    for method in ("sam", "slsam"):
+        r0, r1 = runs(f"{method}_ddp_fork_2_local", 0), runs(f"{method}_ddp_fork_2_local", 1)
+        assert _same_ranks(r0, r1)  # each rank perturbed on its own, yet the weights agree
+        assert _max_diff(r0, runs(f"{method}_ddp_fork_2")) > 1e-4  # and differ from synced
+        layers = len(r0["numel"])
+        for mask, sent in zip(r0["masks"], r0["bytes"], strict=True):
+            numel, tensors = _active(r0, mask)
+            # The second pass's gradients, the per-layer norm vector, the scalars.
+            assert sent == 4 * (numel + tensors + layers + 4)
