@@ -16,6 +16,7 @@ import sys
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -28,9 +29,15 @@ GLOBAL_BATCH = 16
 
 
 class PerSample(LitModel):
+    accumulate = 1
+    overflow_step = -1  # a step whose second pass overflows (fp16 runs)
+
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return F.cross_entropy(self(x), y, reduction="none")
+        losses = F.cross_entropy(self(x), y, reduction="none")
+        if batch_idx // self.accumulate == self.overflow_step and self.sam_pass == 2:
+            losses = losses * float("inf")
+        return losses
 
     def train_dataloader(self) -> DataLoader:
         # Built in each process: rank r takes samples r, r + world, ... (Lightning's own
@@ -41,21 +48,27 @@ class PerSample(LitModel):
             if world > 1
             else None
         )
-        return DataLoader(data, batch_size=GLOBAL_BATCH // world, sampler=sampler)
+        return DataLoader(
+            data, batch_size=GLOBAL_BATCH // world // self.accumulate, sampler=sampler
+        )
 
 
 class Record(L.Callback):
     def __init__(self, path: str) -> None:
         self.path = path
-        self.masks, self.bytes, self.checksums = [], [], []
+        self.masks, self.bytes, self.checksums, self.scales = [], [], [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == len(self.checksums):
+            return  # a micro-batch buffered for accumulation: no step yet
         sam = [cb for cb in trainer.callbacks if hasattr(cb, "engine")]
         if sam:
             result = sam[0].engine.last_result
             self.masks.append(result.active_mask.clone())
             self.bytes.append(result.allreduce_bytes)
         self.checksums.append(sum(p.double().sum().item() for p in pl_module.parameters()))
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.scales.append(scaler.get_scale() if scaler is not None else None)
 
     def on_train_end(self, trainer, pl_module):
         sam = [cb for cb in trainer.callbacks if hasattr(cb, "engine")]
@@ -64,6 +77,8 @@ class Record(L.Callback):
                 "masks": self.masks,
                 "bytes": self.bytes,
                 "checksums": self.checksums,
+                "scales": self.scales,
+                "global_step": trainer.global_step,
                 "weights": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
                 "probs": sam[0].probs.clone() if sam else None,
                 "numel": [p.numel() for p in pl_module.parameters()],
@@ -72,13 +87,21 @@ class Record(L.Callback):
         )
 
 
-def run(method: str, devices: int, strategy: str, steps: int, out: str, sync: bool) -> None:
+def run(
+    method: str, devices: int, strategy: str, steps: int, out: str, sync: bool, accumulate: int,
+    fp16: bool,
+) -> None:  # fmt: skip
     L.seed_everything(7)
-    options = {"seed": None, "sync_first_pass": sync}
+    options = {"seed": None, "sync_first_pass": sync, "accumulate_grad_batches": accumulate}
     if method in ("esam", "ssamf"):
         options["seed"] = 3
     callback = make_callback(method, **options) if method != "adamw" else None
     tag = f"{method}_{strategy}_{devices}{'' if sync else '_local'}"
+    tag += f"{f'_acc{accumulate}' if accumulate > 1 else ''}{'_fp16' if fp16 else ''}"
+    plugins = []
+    if fp16:  # fp16 autocast with a real gradient scaler, as "16-mixed" on CUDA
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        plugins.append(MixedPrecision("16-mixed", "cpu", scaler=scaler))
     if devices == 1:
         chosen = "auto"
     elif strategy == "ddp":
@@ -99,8 +122,12 @@ def run(method: str, devices: int, strategy: str, steps: int, out: str, sync: bo
         num_sanity_val_steps=0,
         deterministic=True,
         use_distributed_sampler=False,
+        plugins=plugins,
     )
-    trainer.fit(PerSample(make_mlp(seed=5)))
+    model = PerSample(make_mlp(seed=5))
+    model.accumulate = accumulate
+    model.overflow_step = 1 if fp16 else -1
+    trainer.fit(model)
 
 
 def main() -> None:
@@ -110,11 +137,16 @@ def main() -> None:
     parser.add_argument("--strategy", default="ddp_fork", choices=["ddp", "ddp_fork", "ddp_spawn"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--local-first-pass", action="store_true")
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--fp16", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     for method in args.methods.split(","):
-        run(method, args.devices, args.strategy, args.steps, args.out, not args.local_first_pass)
+        run(
+            method, args.devices, args.strategy, args.steps, args.out,
+            not args.local_first_pass, args.accumulate, args.fp16,
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

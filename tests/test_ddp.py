@@ -43,6 +43,9 @@ def runs(tmp_path_factory):
     _run(out, "--methods", "slsam", "--devices", "2", "--strategy", "ddp_spawn")
     _run(out, "--methods", "slsam,sam", "--devices", "2", "--strategy", "ddp_fork",
          "--local-first-pass")  # fmt: skip
+    _run(out, "--methods", "slsam", "--devices", "2", "--accumulate", "2")
+    _run(out, "--methods", "slsam,sam", "--devices", "2", "--fp16")
+    _run(out, "--methods", "slsam,sam", "--devices", "1", "--fp16")
 
     def load(tag: str, rank: int = 0) -> dict:
         return torch.load(out / f"{tag}_rank{rank}.pt", weights_only=False)
@@ -105,3 +108,24 @@ def test_local_first_pass_sends_no_first_pass_gradients(runs):
             numel, tensors = _active(r0, mask)
             # The second pass's gradients, the per-layer norm vector, the scalars.
             assert sent == 4 * (numel + tensors + layers + 4)
+
+
+def test_accumulation_under_ddp_equals_the_one_process_large_batch(runs):
+    r0, r1 = runs("slsam_ddp_fork_2_acc2", 0), runs("slsam_ddp_fork_2_acc2", 1)
+    assert _same_ranks(r0, r1)
+    assert r0["global_step"] == 3 and len(r0["masks"]) == 3  # one step per 2 micro-batches
+    one = runs("slsam_ddp_fork_1")  # 16 samples per step in one batch
+    assert _max_diff(r0, one) < 1e-5
+    torch.testing.assert_close(r0["probs"], one["probs"], rtol=0, atol=1e-8)
+
+
+@pytest.mark.parametrize("method", ["sam", "slsam"])
+def test_fp16_overflow_under_ddp_skips_on_every_rank_and_backs_off(runs, method):
+    r0, r1 = runs(f"{method}_ddp_fork_2_fp16", 0), runs(f"{method}_ddp_fork_2_fp16", 1)
+    assert _same_ranks(r0, r1)
+    assert r0["scales"] == r1["scales"] == [2.0**10, 2.0**9, 2.0**9]  # step 1 overflowed
+    assert r0["checksums"][1] == r0["checksums"][0]  # ... and changed nothing
+    assert r0["global_step"] == 3
+    one = runs(f"{method}_ddp_fork_1_fp16")
+    assert one["scales"] == r0["scales"]
+    assert _max_diff(r0, one) < 1e-3  # fp16 arithmetic on half batches vs whole ones
