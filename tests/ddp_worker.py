@@ -89,7 +89,7 @@ class Record(L.Callback):
 
 def run(
     method: str, devices: int, strategy: str, steps: int, out: str, sync: bool, accumulate: int,
-    fp16: bool,
+    fp16: bool, precision: str,
 ) -> None:  # fmt: skip
     L.seed_everything(7)
     options = {"seed": None, "sync_first_pass": sync, "accumulate_grad_batches": accumulate}
@@ -98,6 +98,7 @@ def run(
     callback = make_callback(method, **options) if method != "adamw" else None
     tag = f"{method}_{strategy}_{devices}{'' if sync else '_local'}"
     tag += f"{f'_acc{accumulate}' if accumulate > 1 else ''}{'_fp16' if fp16 else ''}"
+    tag += f"_{precision}" if precision != "32-true" else ""
     plugins = []
     if fp16:  # fp16 autocast with a real gradient scaler, as "16-mixed" on CUDA
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
@@ -123,6 +124,7 @@ def run(
         deterministic=True,
         use_distributed_sampler=False,
         plugins=plugins,
+        precision=None if plugins else precision,
     )
     model = PerSample(make_mlp(seed=5))
     model.accumulate = accumulate
@@ -139,13 +141,14 @@ def main() -> None:
     parser.add_argument("--local-first-pass", action="store_true")
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--fp16", action="store_true")
+    parser.add_argument("--precision", default="32-true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     for method in args.methods.split(","):
         run(
             method, args.devices, args.strategy, args.steps, args.out,
-            not args.local_first_pass, args.accumulate, args.fp16,
+            not args.local_first_pass, args.accumulate, args.fp16, args.precision,
         )  # fmt: skip
 
 

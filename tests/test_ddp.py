@@ -46,6 +46,9 @@ def runs(tmp_path_factory):
     _run(out, "--methods", "slsam", "--devices", "2", "--accumulate", "2")
     _run(out, "--methods", "slsam,sam", "--devices", "2", "--fp16")
     _run(out, "--methods", "slsam,sam", "--devices", "1", "--fp16")
+    for precision in ("bf16-mixed", "bf16-true"):
+        for devices in ("1", "2"):
+            _run(out, "--methods", "slsam", "--devices", devices, "--precision", precision)
 
     def load(tag: str, rank: int = 0) -> dict:
         return torch.load(out / f"{tag}_rank{rank}.pt", weights_only=False)
@@ -129,3 +132,12 @@ def test_fp16_overflow_under_ddp_skips_on_every_rank_and_backs_off(runs, method)
     one = runs(f"{method}_ddp_fork_1_fp16")
     assert one["scales"] == r0["scales"]
     assert _max_diff(r0, one) < 1e-3  # fp16 arithmetic on half batches vs whole ones
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bfloat16_under_ddp(runs, precision):
+    r0, r1 = runs(f"slsam_ddp_fork_2_{precision}", 0), runs(f"slsam_ddp_fork_2_{precision}", 1)
+    assert _same_ranks(r0, r1)
+    one = runs(f"slsam_ddp_fork_1_{precision}")
+    assert all(torch.equal(a, b) for a, b in zip(r0["masks"], one["masks"], strict=True))
+    assert _max_diff(r0, one) < 2e-2  # bfloat16 arithmetic on half batches vs whole ones
