@@ -63,7 +63,9 @@ def _max_diff(a: dict, b: dict) -> float:
 def _same_ranks(r0: dict, r1: dict) -> bool:
     weights = all(torch.equal(r0["weights"][k], r1["weights"][k]) for k in r0["weights"])
     masks = all(torch.equal(a, b) for a, b in zip(r0["masks"], r1["masks"], strict=True))
-    return weights and masks and r0["checksums"] == r1["checksums"]
+    # The selection learned from the same norms on both ranks.
+    probs = r0["probs"] is None or torch.equal(r0["probs"], r1["probs"])
+    return weights and masks and probs and r0["checksums"] == r1["checksums"]
 
 
 @pytest.mark.parametrize("method", METHODS)
