@@ -32,7 +32,7 @@ from lightning_slsam.metrics import (
     write_layer_frequency_csv,
 )
 from lightning_slsam.mixin import SAMMixin, scheduler_configs
-from lightning_slsam.perturbation import SAMPerturbation
+from lightning_slsam.perturbation import BackupPool, SAMPerturbation
 from lightning_slsam.running import BN_STATS
 from lightning_slsam.schedules import (
     EveryStep,
@@ -449,6 +449,7 @@ class SAMCallback(Callback):
             pl_module.log(name, metrics[key], prog_bar=True, logger=False, batch_size=1)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.perturbation.pool = BackupPool()  # the weight backups are not needed after fit
         if self.engine is None or self.partition is None:
             return
         # trainer.log_dir is a collective under DDP: every rank asks, rank 0 writes.

@@ -23,6 +23,7 @@ name (``make_callback``)  class                       paper defaults
 ``looksam``               :class:`LookSAM`            interval 5, alpha 0.7
 ``slsam_rst``             SL-SAM + RST's coin         both axes of sparsity
 ``slsam_looksam``         SL-SAM + LookSAM interval   both axes of sparsity
+``slsam_depth``           cost-aware SL-SAM           backprop_depth 0.5 (opt-in)
 ========================  ==========================  ====================================
 """
 
@@ -37,6 +38,7 @@ from lightning_slsam.bandit import LayerBandit, kl_projection
 from lightning_slsam.callback import SAMCallback
 from lightning_slsam.perturbation import FisherMask
 from lightning_slsam.selection import (
+    DepthCut,
     ExpandToAll,
     LayerSelection,
     TopKSelection,
@@ -101,6 +103,10 @@ class SparseLayerSAM(SAMCallback):
         bandit_loss: ``"shifted"`` (default; the authors' released code) or ``"paper"``
             (Algorithm 2 literally, which with the paper's constants pushes every sampled
             layer to ``p_min``). See :class:`~lightning_slsam.LayerBandit`.
+        backprop_depth: cost-aware SL-SAM (beyond the paper; opt-in): each step freezes
+            every layer below a random cut of the layer order, so back-propagation reaches
+            only a ``backprop_depth`` fraction of the layers on average
+            (:class:`~lightning_slsam.selection.DepthCut`). 1.0 (default) disables it.
         **kwargs: the common options of :class:`~lightning_slsam.callback.SAMCallback`,
             including ``schedule`` to combine SL-SAM with RST's coin or LookSAM's interval.
 
@@ -118,8 +124,10 @@ class SparseLayerSAM(SAMCallback):
         p_min: float = 1e-3,
         alpha_p: float = 1e-3,
         bandit_loss: str = "shifted",
+        backprop_depth: float = 1.0,
         **kwargs: Any,
     ) -> None:
+        _ratio("backprop_depth", backprop_depth)
         if bandit_loss not in BANDIT_LOSSES:
             raise ValueError(
                 f"`bandit_loss` must be one of {BANDIT_LOSSES}, got {bandit_loss!r}: 'shifted'"
@@ -134,16 +142,22 @@ class SparseLayerSAM(SAMCallback):
         self.p_min = float(p_min)
         self.alpha_p = float(alpha_p)
         self.bandit_loss = bandit_loss
+        self.backprop_depth = float(backprop_depth)
 
     @property
     def bandit(self) -> LayerBandit:
         """The layer-selection bandit (available after setup)."""
-        return self.selection  # type: ignore[return-value]
+        selection = self.selection
+        return selection.inner if isinstance(selection, DepthCut) else selection  # type: ignore[return-value]
 
     def _selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
-        return LayerBandit(
+        bandit = LayerBandit(
             num_layers, self.layer_ratio, self.p_min, self.alpha_p, self.bandit_loss, generator
         )
+        if self.backprop_depth >= 1.0:
+            return bandit
+        cut = torch.Generator().manual_seed(int(generator.initial_seed()) + 2)
+        return DepthCut(bandit, self.backprop_depth, cut)
 
     def _hyperparameters(self) -> dict[str, Any]:
         return {
@@ -152,6 +166,7 @@ class SparseLayerSAM(SAMCallback):
             "p_min": self.p_min,
             "alpha_p": self.alpha_p,
             "bandit_loss": self.bandit_loss,
+            "backprop_depth": self.backprop_depth,
         }
 
     def _adopt_selection_state(self, saved: dict[str, Any]) -> dict[str, Any]:
@@ -162,6 +177,10 @@ class SparseLayerSAM(SAMCallback):
         """
         from lightning.pytorch.utilities import rank_zero_warn
 
+        if "inner" in saved:  # a DepthCut around the bandit
+            return {**saved, "inner": self._adopt_selection_state(saved["inner"])}
+        if "probs" not in saved:  # saved without the cut; the cut starts afresh
+            saved = saved.get("inner", saved)
         wanted = {
             "layer_ratio": self.layer_ratio,
             "p_min": self.p_min,
@@ -409,6 +428,7 @@ METHODS: dict[str, tuple[type[SAMCallback] | None, dict[str, Any]]] = {
     "looksam": (LookSAM, {}),
     "slsam_rst": (SparseLayerSAM, {"schedule": "random"}),
     "slsam_looksam": (SparseLayerSAM, {"schedule": "interval"}),
+    "slsam_depth": (SparseLayerSAM, {"backprop_depth": 0.5}),
 }
 
 

@@ -10,7 +10,8 @@ outside the mask after normalisation, as the SSAM reference does.
 
 Restoring uses a copy of the perturbed tensors taken before the ascent: subtracting ``e``
 again is not exact in floating point, and the base optimizer must step from exactly
-the weights it would have seen without SAM. Only perturbed tensors are copied.
+the weights it would have seen without SAM. Only perturbed tensors are copied, into a
+reused pool (:class:`BackupPool`).
 
 Everything stays on the tensors' device (``torch._foreach_*`` kernels, no ``.item()``).
 """
@@ -45,6 +46,51 @@ def group_norms(norms: Tensor, slots: Tensor, num_groups: int) -> Tensor:
     return squares.sqrt()
 
 
+class BackupPool:
+    """Flat buffers that hold the pre-ascent copies of the perturbed tensors.
+
+    A fresh copy per step would allocate (and, on a CPU, fault in) an active-sized block
+    every step. One buffer per dtype and device, grown to the largest active set seen and
+    reused, costs the same peak memory (the backup exists during every step anyway) and
+    no per-step allocation.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+    def copy(self, tensors: list[Tensor]) -> list[Tensor]:
+        """Views of the pool holding copies of ``tensors``."""
+        need: dict[tuple[torch.dtype, torch.device], int] = {}
+        for t in tensors:
+            key = (t.dtype, t.device)
+            need[key] = need.get(key, 0) + t.numel()
+        for key, numel in need.items():
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.numel() < numel:
+                self._buffers[key] = torch.empty(numel, dtype=key[0], device=key[1])
+        offsets = dict.fromkeys(need, 0)
+        views = []
+        for t in tensors:
+            key = (t.dtype, t.device)
+            start = offsets[key]
+            views.append(self._buffers[key][start : start + t.numel()].view_as(t))
+            offsets[key] = start + t.numel()
+        _copy(views, [t.detach() for t in tensors])
+        return views
+
+
+def _copy(dst: list[Tensor], src: list[Tensor]) -> None:
+    """``dst[i].copy_(src[i])``: one foreach kernel on accelerators, a plain loop on the
+    CPU (where the foreach path is a slower loop of its own)."""
+    if not dst:
+        return
+    if dst[0].device.type == "cpu":
+        for d, s in zip(dst, src):
+            d.copy_(s)
+    else:
+        torch._foreach_copy_(dst, src)
+
+
 class SAMPerturbation:
     """SAM's ascent ``w <- w + e`` with an exact restore.
 
@@ -74,6 +120,7 @@ class SAMPerturbation:
         self.norm = norm
         self.adaptive = adaptive
         self.eps = float(eps)
+        self.pool = BackupPool()
 
     @torch.no_grad()
     def perturb_(
@@ -99,9 +146,9 @@ class SAMPerturbation:
                 caller); ``False`` leaves them intact.
             masks: per-tensor coordinate masks (SSAM-F), applied after normalisation.
         """
-        backup = [p.detach().clone() for p in params]
         if not params:
-            return backup
+            return []
+        backup = self.pool.copy(params)
         if self.adaptive:
             weights = torch._foreach_abs(params)
             step = torch._foreach_mul(grads, weights)  # |w| g
@@ -131,8 +178,7 @@ class SAMPerturbation:
     @torch.no_grad()
     def restore_(params: list[Tensor], backup: list[Tensor]) -> None:
         """Copy the pre-ascent values back, bit for bit."""
-        if params:
-            torch._foreach_copy_(params, backup)
+        _copy(params, backup)
 
 
 class FisherMask:

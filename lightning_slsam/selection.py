@@ -13,7 +13,10 @@ norms. The rules:
 * :class:`TopKSelection` -- first pass on every layer, then the ``k`` layers with the
   largest gradient norms (Top-SL-SAM);
 * :class:`ExpandToAll` -- wraps a rule for the first pass and trains every layer after
-  it (ESAM: sparse perturbation, dense update).
+  it (ESAM: sparse perturbation, dense update);
+* :class:`DepthCut` -- wraps a rule and freezes every layer below a random cut along the
+  model's layer order each step, so back-propagation stops at the cut (cost-aware
+  SL-SAM, beyond the paper).
 
 All draws come from the rule's own seeded ``torch.Generator``, never the global stream.
 """
@@ -25,7 +28,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["AllLayers", "ExpandToAll", "LayerSelection", "TopKSelection", "UniformSelection"]
+__all__ = [
+    "AllLayers",
+    "DepthCut",
+    "ExpandToAll",
+    "LayerSelection",
+    "TopKSelection",
+    "UniformSelection",
+]
 
 
 def _check_ratio(name: str, value: float) -> float:
@@ -193,3 +203,69 @@ class ExpandToAll(LayerSelection):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.first.load_state_dict(state)
+
+
+class DepthCut(LayerSelection):
+    """Freeze every layer below a random cut, then let ``inner`` sample above it.
+
+    With independent per-layer sampling some layer near the input is almost always
+    active, so back-propagation runs through the whole network even when few layers are
+    trained. Each step this rule draws a cut along the layer order (the model's parameter
+    order: input to output for Transformers and timm models) and samples only above it, so
+    the activation-gradient pass stops at the cut. The cut is uniform on an interval
+    chosen so that, on average, a ``depth`` fraction of the layers lies above it:
+    ``[0, 2(1 - depth) N]`` for ``depth >= 0.5``, ``[(1 - 2 depth) N, N]`` below.
+
+    ``inner`` learns only from the layers it sampled above the cut; its ``probs`` are the
+    probabilities of a layer that the cut leaves eligible.
+
+    Args:
+        inner: the rule sampling above the cut (the bandit, for cost-aware SL-SAM).
+        depth: mean fraction of the layers back-propagation reaches, in (0, 1]; 1 disables
+            the cut.
+        generator: the cut's own CPU generator.
+    """
+
+    def __init__(
+        self, inner: LayerSelection, depth: float, generator: torch.Generator | None = None
+    ) -> None:
+        self.inner = inner
+        self.num_layers = inner.num_layers
+        self.depth = _check_ratio("backprop_depth", depth)
+        self._gen = _generator(generator)
+        n = self.num_layers
+        if self.depth >= 0.5:
+            self._low, self._high = 0.0, 2.0 * (1.0 - self.depth) * n
+        else:
+            self._low, self._high = (1.0 - 2.0 * self.depth) * n, float(n)
+        self._index = torch.arange(n)
+        self.last_cut = 0
+
+    @property
+    def probs(self) -> Tensor:
+        return self.inner.probs
+
+    @property
+    def always_all(self) -> bool:
+        return False
+
+    def sample(self) -> Tensor:
+        # Redrawn while nothing above the cut was sampled: a step always trains something.
+        while True:
+            u = torch.rand((), generator=self._gen, dtype=torch.float64).item()
+            cut = min(int(self._low + u * (self._high - self._low)), self.num_layers - 1)
+            mask = self.inner.sample() & (self._index >= cut)
+            if bool(mask.any()):
+                self.last_cut = cut
+                return mask
+
+    def update(self, active: Tensor, norms: Tensor) -> bool:
+        return self.inner.update(active, norms)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"inner": self.inner.state_dict(), "generator": self._gen.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state.get("inner", {}))
+        if "generator" in state:
+            self._gen.set_state(state["generator"])

@@ -346,3 +346,29 @@ def test_asam_on_sl_sam_perturbs_only_active_tensors_weight_scaled():
     for i, (before, during) in enumerate(zip(w, rec.passes[1]["weights"])):
         expected = RHO * before.abs().square() * g[i] / norm if active[i] else 0 * before
         torch.testing.assert_close(during - before, expected, atol=1e-7, rtol=1e-4)
+
+
+def test_depth_cut_freezes_everything_below_the_cut_and_shortens_backprop():
+    from lightning_slsam.selection import DepthCut
+
+    net = nn.Sequential(*[nn.Linear(3, 3) for _ in range(20)])  # 40 tensors, input first
+    cb = SparseLayerSAM(layer_ratio=0.2, backprop_depth=0.5, seed=1)
+    engine = cb.build_engine(net)
+    assert isinstance(engine.selection, DepthCut)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    x, y = torch.randn(6, 3), torch.randint(0, 3, (6,))
+    reached = []
+    for _ in range(300):
+        result = engine.train_step(lambda: F.cross_entropy(net(x), y), opt)
+        cut = engine.selection.last_cut
+        mask = result.active_mask
+        assert not bool(mask[:cut].any()) and bool(mask.any())
+        reached.append(1 - int(torch.nonzero(mask)[0]) / 40)
+    assert 0.4 < sum(reached) / len(reached) < 0.6  # half the depth on average
+    assert engine.selection.inner.num_updates == 300  # the bandit still learns
+    state = engine.selection.state_dict()
+    again = cb.build_engine(net)
+    again.selection.load_state_dict(state)
+    assert [again.selection.sample().tolist() for _ in range(5)] == [
+        engine.selection.sample().tolist() for _ in range(5)
+    ]
