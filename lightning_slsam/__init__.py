@@ -11,10 +11,11 @@ name). The pure-PyTorch parts (:class:`LayerBandit`, :class:`SparseSAMEngine`,
 from lightning_slsam.bandit import LayerBandit, kl_projection
 from lightning_slsam.callback import SAMCallback, estimated_stepping_batches
 from lightning_slsam.engine import PassOutput, SparseSAMEngine, StepResult
-from lightning_slsam.layers import LayerPartition, build_partition
+from lightning_slsam.layers import LayerPartition, build_partition, find_new_head
 from lightning_slsam.methods import (
     ESAM,
     METHODS,
+    PRESETS,
     RST,
     S2SAM,
     SAM,
@@ -36,6 +37,8 @@ from lightning_slsam.schedules import (
 )
 from lightning_slsam.selection import (
     AllLayers,
+    DenseWarmup,
+    DepthCut,
     ExpandToAll,
     LayerSelection,
     TopKSelection,
@@ -47,12 +50,15 @@ __version__ = "0.1.0"
 __all__ = [
     "ESAM",
     "METHODS",
+    "PRESETS",
     "RST",
     "S2SAM",
     "SAM",
     "SLS2SAM",
     "SSAMF",
     "AllLayers",
+    "DenseWarmup",
+    "DepthCut",
     "EveryStep",
     "ExpandToAll",
     "FisherMask",
@@ -77,6 +83,7 @@ __all__ = [
     "__version__",
     "build_partition",
     "estimated_stepping_batches",
+    "find_new_head",
     "kl_projection",
     "make_callback",
 ]

@@ -11,7 +11,7 @@ SL-SAM keeps one probability ``p_l`` per layer (``N`` layers), with ``sum(p) = s
    layers), forms ``u_l = p_l * exp(-alpha_p * k_l / p_l)`` and sets the new ``p`` to the KL
    projection of ``u`` onto ``{q : sum(q) = s, p_min <= q_l <= 1}`` (:func:`kl_projection`).
 
-Two loss forms are offered:
+Three loss forms are offered:
 
 * ``"paper"``: Algorithm 2 literally, ``k_l = G**2 / p_min**2 - r_l**2 / p_l**2`` with
   ``G = max_{j active} r_j``.
@@ -21,6 +21,21 @@ Two loss forms are offered:
   (``p_min = alpha_p = 1e-3``) and unit norms, ``alpha_p * k_l / p_l ~ 1e3 / p_l`` (5000 at
   ``p_l = 0.2``), so one step drives every sampled layer to the floor whatever its norm. The
   shift (best active layer has loss 0) keeps only the differences between layers.
+* ``"rank"`` (scale-free, beyond the paper): ``k_l`` is layer ``l``'s rank among the active
+  layers by ``r_l / p_l``, scaled to ``[0, 1]`` (0 for the largest, 1 for the smallest; ties
+  share their mean rank). Both forms above grow with the *square of the raw gradient norms*,
+  so the same ``alpha_p`` barely moves the distribution when norms are ~0.1 (a pretrained
+  Transformer) and sends most sampled layers to the floor in one step when one norm is ~40
+  (a CNN's stem at its first step). The rank loss is bounded and unit-free: multiplying
+  every norm by any constant leaves the trajectory unchanged. Its fixed point is the same
+  as the others' -- equal expected loss for every free layer means equal ``r_l / p_l``, i.e.
+  ``p`` proportional to the gradient norms, the distribution minimising the variance
+  ``sum(r**2 / p)`` that Algorithm 2 descends. Its step size is chosen by measurement (see
+  ``docs/results.md``): 0.03.
+
+``update`` divides each loss by the layer's *true* inclusion probability ``q_l``
+(``inclusion``), which is ``p_l`` when the bandit alone draws the active set, and more or
+less when a wrapper changes the draw (a dense warm-up, a depth cut).
 
 Unlike the released code (which only clips at 1e-8), the lower bound ``p_min`` is enforced
 exactly, so every layer keeps at least a ``p_min`` chance of being sampled. ``u`` is formed
@@ -44,7 +59,10 @@ __all__ = ["LayerBandit", "kl_projection"]
 _LOG_CLAMP = 1e300
 # Relative slack when comparing the budget with N * bound (float sums of equal parts).
 _REL_TOL = 1e-12
-_LOSSES = ("shifted", "paper")
+_LOSSES = ("shifted", "paper", "rank")
+#: Step size used when ``alpha_p`` is None: the paper's 1e-3 for its losses; for the rank
+#: loss, the value measured to track the gradient norms within a short fine-tune.
+DEFAULT_ALPHA = {"shifted": 1e-3, "paper": 1e-3, "rank": 0.03}
 
 
 def kl_projection(
@@ -159,9 +177,16 @@ def _param(name: str, value: object, ok: Callable[[float], bool], hint: str) -> 
 
 
 def _validated(
-    num_layers: int, layer_ratio: float, p_min: float, alpha_p: float, loss: str
+    num_layers: int, layer_ratio: float, p_min: float, alpha_p: float | None, loss: str
 ) -> tuple[int, float, float, float, str]:
-    """Check the bandit's hyper-parameters; raise ValueError naming the bad one and the fix."""
+    """Check the bandit's hyper-parameters; raise ValueError naming the bad one and the fix.
+
+    ``alpha_p=None`` resolves to the loss's default (:data:`DEFAULT_ALPHA`).
+    """
+    if loss not in _LOSSES:
+        raise ValueError(f"loss={loss!r} is invalid: use one of {_LOSSES}.")
+    if alpha_p is None:
+        alpha_p = DEFAULT_ALPHA[loss]
     integral = isinstance(num_layers, numbers.Integral) and not isinstance(num_layers, bool)
     if not integral or num_layers < 1:
         raise ValueError(f"num_layers={num_layers!r} is invalid: pass an int >= 1.")
@@ -174,8 +199,6 @@ def _validated(
             f"alone exceed the budget s={ratio * n:g}; use p_min <= s/N = {ratio:g}."
         )
     step = _param("alpha_p", alpha_p, lambda v: v >= 0, "use a finite value >= 0, e.g. 1e-3.")
-    if loss not in _LOSSES:
-        raise ValueError(f"loss={loss!r} is invalid: use one of {_LOSSES}.")
     return n, ratio, floor, step, loss
 
 
@@ -189,10 +212,11 @@ class LayerBandit(LayerSelection):
         p_min: Floor of every probability, in ``(0, 1)`` with ``p_min <= s / N``. Default
             1e-3 (the paper's value).
         alpha_p: Step size of the exponential update, ``>= 0`` (0 freezes the distribution).
-            Its effect scales with the squared gradient norms, which are not normalised.
-            Default 1e-3 (the paper's value).
-        loss: ``"shifted"`` (default, the released code's loss) or ``"paper"`` (Algorithm 2
-            literally); see the module docstring.
+            With the ``"shifted"`` and ``"paper"`` losses its effect scales with the squared
+            gradient norms, which are not normalised. ``None`` (default): the loss's own
+            value, 1e-3 (the paper's) for ``"shifted"`` and ``"paper"``, 0.03 for ``"rank"``.
+        loss: ``"shifted"`` (default, the released code's loss), ``"paper"`` (Algorithm 2
+            literally) or ``"rank"`` (scale-free); see the module docstring.
         generator: CPU ``torch.Generator`` used only by :meth:`sample`. If None, a private one
             is seeded with ``torch.initial_seed()``, so a global seed (e.g. Lightning's
             ``seed_everything``) makes sampling reproducible without consuming the global
@@ -209,7 +233,7 @@ class LayerBandit(LayerSelection):
         num_layers: int,
         layer_ratio: float = 0.2,
         p_min: float = 1e-3,
-        alpha_p: float = 1e-3,
+        alpha_p: float | None = None,
         loss: str = "shifted",
         generator: torch.Generator | None = None,
     ) -> None:
@@ -259,13 +283,29 @@ class LayerBandit(LayerSelection):
         self.num_samples += 1
         return mask
 
-    def update(self, active: torch.Tensor, norms: torch.Tensor) -> bool:
+    @property
+    def alpha_p(self) -> float:
+        """The step size in use (``alpha_p=None`` resolved to the loss's default)."""
+        return self._alpha
+
+    @property
+    def loss(self) -> str:
+        """The loss form: ``"shifted"``, ``"paper"`` or ``"rank"``."""
+        return self._loss
+
+    def update(
+        self, active: torch.Tensor, norms: torch.Tensor, inclusion: torch.Tensor | None = None
+    ) -> bool:
         """Apply one step of Algorithm 2 from the active layers' gradient norms.
 
         Args:
             active: bool ``[N]``, the mask the norms were measured on.
             norms: ``[N]`` float L2 norms of each layer's unperturbed gradient (any device or
                 dtype); entries of inactive layers are ignored and may hold anything.
+            inclusion: ``[N]`` probability with which each layer was actually drawn into
+                ``active``, for the importance weights; ``None`` (default) means the
+                bandit's own :attr:`probs` (it drew the mask alone). Entries of inactive
+                layers are ignored; active ones must be in ``(0, 1]``.
 
         Returns:
             True if the distribution was updated; False if no layer was active, or (with a
@@ -295,14 +335,19 @@ class LayerBandit(LayerSelection):
             return False
 
         p = self._probs
+        q = p if inclusion is None else self._inclusion(inclusion, active)
         r = torch.where(active, r, 0.0)
-        # Work with r / G so squares cannot overflow; G**2 is folded back in at the end.
-        g = r.max()
-        z = r / torch.where(g > 0, g, 1.0) / p
-        z_ref = z.max() if self._loss == "shifted" else (z.max() > 0).double() / self._p_min
-        k = torch.where(active, (z_ref - z) * (z_ref + z), 0.0)  # difference of squares
-        # Gate on k > 0 so an overflowing G**2 cannot turn 0 * inf into NaN.
-        expo = torch.where(k > 0, self._alpha * k / p * g * g, 0.0)
+        if self._loss == "rank":
+            expo = self._alpha * _rank_loss(r / p, active) / q
+        else:
+            # Work with r / G so squares cannot overflow; G**2 is folded back in at the end.
+            g = r.max()
+            z = r / torch.where(g > 0, g, 1.0) / p
+            shifted = self._loss == "shifted"
+            z_ref = z.max() if shifted else (z.max() > 0).double() / self._p_min
+            k = torch.where(active, (z_ref - z) * (z_ref + z), 0.0)  # difference of squares
+            # Gate on k > 0 so an overflowing G**2 cannot turn 0 * inf into NaN.
+            expo = torch.where(k > 0, self._alpha * k / q * g * g, 0.0)
         new = kl_projection(torch.log(p) - expo, self._budget, self._p_min, 1.0)
         if not bool(torch.isfinite(new).all()):  # defensive: never store a broken state
             warnings.warn("LayerBandit.update skipped: projection failed.", RuntimeWarning, 2)
@@ -311,6 +356,14 @@ class LayerBandit(LayerSelection):
         self._probs = new
         self.num_updates += 1
         return True
+
+    def _inclusion(self, inclusion: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        q = torch.as_tensor(inclusion).detach().to("cpu", torch.float64).reshape(-1)
+        if q.numel() != self._n:
+            raise ValueError(f"inclusion must have {self._n} entries, got {q.numel()}.")
+        if not bool(((q > 0) & (q <= 1.0 + 1e-12) | ~active).all()):
+            raise ValueError("inclusion probabilities of active layers must be in (0, 1].")
+        return torch.where(active, q, 1.0)
 
     def state_dict(self) -> dict:
         """Everything needed to resume bit-identically, including the generator state."""
@@ -354,3 +407,20 @@ class LayerBandit(LayerSelection):
         self._probs = probs.clone()
         for key in ("num_updates", "num_samples", "num_redraws", "num_skipped"):
             setattr(self, key, int(state[key]))
+
+
+def _rank_loss(z: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """Each active entry's rank by ``z`` in ``[0, 1]``: 0 for the largest, 1 for the smallest.
+
+    Ties share their mean rank; inactive entries get 0; a lone active entry gets 0.
+    """
+    values = z[active]
+    n = values.numel()
+    if n < 2:
+        return torch.zeros_like(z)
+    _, inverse, counts = torch.unique(values, return_inverse=True, return_counts=True)
+    below = (torch.cumsum(counts, 0) - counts).double()  # entries strictly smaller
+    rank = below[inverse] + (counts[inverse].double() - 1.0) / 2.0  # 0 = smallest
+    loss = torch.zeros_like(z)
+    loss[active] = 1.0 - rank / (n - 1)
+    return loss

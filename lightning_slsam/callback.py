@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -19,13 +20,19 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
 from lightning_slsam.distributed import GradientAverager
 from lightning_slsam.engine import SparseSAMEngine, StepContext, StepResult
-from lightning_slsam.layers import LayerPartition, LayerSpec, build_partition, validate_layer_spec
+from lightning_slsam.layers import (
+    LayerPartition,
+    LayerSpec,
+    build_partition,
+    find_new_head,
+    validate_layer_spec,
+)
 from lightning_slsam.metrics import (
     normalized_entropy,
     plot_layer_frequency,
@@ -46,6 +53,9 @@ from lightning_slsam.selection import AllLayers, LayerSelection
 __all__ = ["SCHEDULES", "SAMCallback", "estimated_stepping_batches"]
 
 SCHEDULES = ("every_step", "random", "interval", "single")
+#: Default radius of SAM (the SL-SAM paper's, for every method) and of ASAM (its reference's).
+SAM_RHO = 0.01
+ASAM_RHO = 0.5
 _CLIP_ALGORITHMS = ("norm", "value")
 _PROGRESS_BAR = {
     "sl_layers": "slsam/active_layers",
@@ -60,15 +70,28 @@ class SAMCallback(Callback):
     Options shared by every method:
 
     Args:
-        rho: SAM perturbation radius (> 0). The SL-SAM paper uses 0.01 for all methods.
-        adaptive: ASAM's weight-scaled perturbation ``rho * w^2 g / || |w| g ||``
-            (Kwon et al., 2021); default ``False``.
+        rho: SAM perturbation radius (> 0). ``None`` (default): 0.01, the SL-SAM paper's
+            value for every method, or 0.5 with ``adaptive=True`` (ASAM's reference radius,
+            which is relative to the weights).
+        adaptive: ASAM's weight-scaled perturbation ``rho * T_w^2 g / ||T_w g||`` with
+            ``T_w = |w| + adaptive_eta`` on weight tensors and 1 on biases (Kwon et al.,
+            2021, as their reference code); default ``False``.
+        adaptive_eta: ASAM's ``eta`` (>= 0; default 0.01, its reference value).
         perturbation_norm: ``"global"`` (default; one norm over all perturbed tensors,
             as SAM) or ``"layer"`` (one norm per layer, as SL-SAM's Algorithm 1 reads).
         layers: what a layer is: ``"tensor"`` (default, paper), ``"module"``, a list of
             regular expressions (one group per distinct match) or a callable
             ``(name, param) -> key | None``.
         always_active: regular expressions of parameter names trained every step.
+        head_always_active: also train the model's freshly initialised task head every
+            step (found by :func:`~lightning_slsam.layers.find_new_head`: timm and
+            Transformers classifiers, or the module's ``sam_head_parameters()``). Default
+            ``False`` (the paper samples the head like any layer).
+        vectors_always_active: also train every 1-D parameter tensor (biases and
+            normalisation weights) every step. Their gradients cost almost nothing next to
+            a matrix's (a reduction over the activation gradient that back-propagation
+            computes anyway), but as sampled layers they take a share of the layer budget.
+            Default ``False`` (the paper samples them like any layer).
         always_frozen: regular expressions of parameter names never trained.
         schedule: the iteration axis: ``"every_step"`` (SAM every step),
             ``"random"`` (RST's coin, ``sam_probability``), ``"interval"`` (LookSAM:
@@ -121,12 +144,15 @@ class SAMCallback(Callback):
 
     def __init__(
         self,
-        rho: float = 0.01,
+        rho: float | None = None,
         adaptive: bool = False,
+        adaptive_eta: float = 0.01,
         perturbation_norm: str = "global",
         layers: LayerSpec = "tensor",
         always_active: Sequence[str] = (),
         always_frozen: Sequence[str] = (),
+        head_always_active: bool = False,
+        vectors_always_active: bool = False,
         schedule: str | None = None,
         sam_probability: float = 0.5,
         sam_interval: int = 5,
@@ -152,10 +178,16 @@ class SAMCallback(Callback):
             ("sync_first_pass", sync_first_pass),
             ("check_masks", check_masks),
             ("plot", plot),
+            ("head_always_active", head_always_active),
+            ("vectors_always_active", vectors_always_active),
         ):
             if not isinstance(flag, bool):
                 raise ValueError(f"`{name}` must be True or False, got {flag!r}.")
-        self.perturbation = SAMPerturbation(rho, norm=perturbation_norm, adaptive=adaptive)
+        if rho is None:
+            rho = ASAM_RHO if adaptive is True else SAM_RHO
+        self.perturbation = SAMPerturbation(
+            rho, norm=perturbation_norm, adaptive=adaptive, eta=adaptive_eta
+        )
         validate_layer_spec(layers)
         if schedule is None:
             schedule = self.default_schedule
@@ -191,10 +223,13 @@ class SAMCallback(Callback):
             raise ValueError(f"`seed` must be an integer or None, got {seed!r}.")
         self.rho = float(rho)
         self.adaptive = adaptive
+        self.adaptive_eta = float(adaptive_eta)
         self.perturbation_norm = perturbation_norm
         self.layers = layers
         self.always_active = list(always_active)
         self.always_frozen = list(always_frozen)
+        self.head_always_active = head_always_active
+        self.vectors_always_active = vectors_always_active
         self.schedule = schedule
         self.sam_probability = float(sam_probability)
         self.sam_interval = sam_interval
@@ -212,6 +247,8 @@ class SAMCallback(Callback):
 
         self.partition: LayerPartition | None = None
         self.engine: SparseSAMEngine | None = None
+        #: Optimizer steps the run will take (set at fit start; ``None`` if unknown).
+        self.total_steps: int | None = None
         self.frequency_csv_path: str | None = None
         self.frequency_plot_path: str | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -223,13 +260,27 @@ class SAMCallback(Callback):
         """The layer-selection rule (default: every layer)."""
         return AllLayers(num_layers)
 
+    def _selection_metrics(self) -> dict[str, float]:
+        """Extra per-step metrics of the method's selection (the bandit's floor counts)."""
+        return {}
+
+    def _needs_total_steps(self) -> bool:
+        """Whether an option depends on the run's length (then :attr:`total_steps` is set
+        from the Trainer at fit start)."""
+        return False
+
     def _engine_options(self) -> dict[str, Any]:
         """Extra engine options (ESAM's ``data_ratio``, SSAM-F's ``fisher``)."""
         return {}
 
     def _hyperparameters(self) -> dict[str, Any]:
         """The method's own options, saved with its state."""
-        return {"rho": self.rho, "schedule": self.schedule, "adaptive": self.adaptive}
+        return {
+            "rho": self.rho,
+            "schedule": self.schedule,
+            "adaptive": self.adaptive,
+            "adaptive_eta": self.adaptive_eta,
+        }
 
     def _adopt_selection_state(self, saved: dict[str, Any]) -> dict[str, Any]:
         """Adapt a checkpoint's selection state to the current options (default: as is)."""
@@ -311,7 +362,10 @@ class SAMCallback(Callback):
                 " parameter groups for different learning rates)."
             )
         trainer.strategy.lr_scheduler_configs = scheduler_configs(pl_module, trainer)
-        partition = build_partition(pl_module, self.layers, self.always_active, self.always_frozen)
+        if self._needs_total_steps():
+            total = estimated_stepping_batches(trainer)
+            self.total_steps = int(total) if math.isfinite(total) else None
+        partition = self._partition(pl_module)
         if (
             self.engine is not None
             and self.partition is not None
@@ -335,16 +389,39 @@ class SAMCallback(Callback):
             self._apply_state(state)
         self._buffer = []
 
-    def build_engine(self, module: torch.nn.Module) -> SparseSAMEngine:
+    def build_engine(
+        self, module: torch.nn.Module, total_steps: int | None = None
+    ) -> SparseSAMEngine:
         """This method's engine for ``module`` (what ``fit`` builds at its start).
 
         For plain PyTorch loops and benchmarks: ``engine.train_step(compute_loss, optimizer)``
-        then runs the method without Lightning.
+        then runs the method without Lightning. ``total_steps``: the run's optimizer steps,
+        needed by options given as a fraction of the run (``dense_warmup``).
         """
+        if total_steps is not None and not (isinstance(total_steps, int) and total_steps >= 1):
+            raise ValueError(f"`total_steps` must be None or an integer >= 1, got {total_steps!r}.")
+        self.total_steps = total_steps
         return self._build_engine(self._partition(module), module)
 
     def _partition(self, module: torch.nn.Module) -> LayerPartition:
-        return build_partition(module, self.layers, self.always_active, self.always_frozen)
+        extra: list[str] = []
+        if self.head_always_active:
+            head = find_new_head(module)
+            if not head:
+                rank_zero_warn(
+                    f"{type(self).__name__}(head_always_active=True) found no freshly"
+                    f" initialised head in {type(module).__name__}; every layer is sampled."
+                    " Name the head with `always_active` or a `sam_head_parameters()` method."
+                )
+            extra += head
+        if self.vectors_always_active:
+            extra += [n for n, p in module.named_parameters() if p.requires_grad and p.dim() <= 1]
+        # Exact-name patterns for what the options found, minus what the user's own
+        # patterns already place (always_frozen wins).
+        placed = [re.compile(p) for p in (*self.always_frozen, *self.always_active)]
+        found = dict.fromkeys(n for n in extra if not any(p.search(n) for p in placed))
+        active = [*self.always_active, *(f"^{re.escape(name)}$" for name in found)]
+        return build_partition(module, self.layers, active, self.always_frozen)
 
     def _build_engine(
         self, partition: LayerPartition, module: torch.nn.Module | None = None
@@ -451,6 +528,7 @@ class SAMCallback(Callback):
             "slsam/never_selected": float(self.engine.never_selected()),
             "slsam/skipped_steps": float(self.engine.num_skipped),
         }
+        metrics.update(self._selection_metrics())
         if self._averager is not None:
             metrics["slsam/allreduce_bytes"] = float(result.allreduce_bytes)
         for name, value in metrics.items():
@@ -489,6 +567,7 @@ class SAMCallback(Callback):
             self.engine.counts,
             steps,
             probs,
+            self.engine.mean_norms(),
         )
         if self.plot:
             self.frequency_plot_path = plot_layer_frequency(

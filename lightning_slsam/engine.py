@@ -44,7 +44,13 @@ from torch import Tensor
 
 from lightning_slsam.distributed import GradientAverager
 from lightning_slsam.layers import LayerPartition
-from lightning_slsam.perturbation import FisherMask, SAMPerturbation, group_norms, tensor_norms
+from lightning_slsam.perturbation import (
+    FisherMask,
+    SAMPerturbation,
+    group_norms,
+    is_weight_name,
+    tensor_norms,
+)
 from lightning_slsam.running import BN_STATS, RandomState, RunningStats
 from lightning_slsam.schedules import EveryStep, IntervalSchedule, Schedule
 from lightning_slsam.selection import LayerSelection
@@ -93,6 +99,9 @@ class StepResult:
         extra_backward: backward passes outside the training passes (SSAM-F's Fisher).
         allreduce_bytes: bytes this process all-reduced across processes this step.
         skipped: whether the update was skipped; ``skip_reason`` says why.
+        drawn: whether the selection drew the active set. A forced dense step (the plain
+            first step of single-step SAM) is not a draw, and the selection does not learn
+            from it.
     """
 
     loss: Tensor | None
@@ -104,6 +113,7 @@ class StepResult:
     allreduce_bytes: int = 0
     skipped: bool = False
     skip_reason: str | None = None
+    drawn: bool = True
 
     @property
     def num_backward(self) -> int:
@@ -150,6 +160,8 @@ class SparseSAMEngine:
 
     Attributes:
         counts: steps in which each layer was updated (int64, CPU).
+        norm_sums, norm_counts: sum and number of the first-pass gradient norms measured
+            for each layer (the selection's input; :meth:`mean_norms`).
         num_steps: steps run, skipped ones included; ``num_skipped``: skipped ones.
         kind_counts: steps of each kind (skipped ones excluded).
         active_ratio_sum: sum over non-skipped steps of :attr:`StepResult.active_ratio`.
@@ -188,6 +200,8 @@ class SparseSAMEngine:
         self._context = StepContext()
         n = partition.num_layers
         self.counts = torch.zeros(n, dtype=torch.int64)
+        self.norm_sums = torch.zeros(n, dtype=torch.float64)
+        self.norm_counts = torch.zeros(n, dtype=torch.int64)
         self.num_steps = 0
         self.num_skipped = 0
         self.kind_counts: dict[str, int] = {}
@@ -203,6 +217,17 @@ class SparseSAMEngine:
         self._slot.update({id(p): n + j for j, p in enumerate(partition.always_active)})
         self._num_groups = n + len(partition.always_active)
         self._all = torch.ones(n, dtype=torch.bool)
+        # ASAM scales weight tensors only (biases are perturbed unscaled).
+        flat_names = [name for group in partition.param_names for name in group]
+        named = [*zip(partition.flat_params, flat_names)]
+        named += [*zip(partition.always_active, partition.always_active_names)]
+        self._weights = {id(p) for p, name in named if is_weight_name(name)}
+
+    def _scaled(self, params: list[Tensor]) -> list[bool] | None:
+        """ASAM's per-tensor scaling flags (``None`` unless the perturbation is adaptive)."""
+        if not self.perturbation.adaptive:
+            return None
+        return [id(p) in self._weights for p in params]
 
     # -- freezing -------------------------------------------------------------------
     def activate(self, mask: Tensor) -> list[Tensor]:
@@ -252,7 +277,7 @@ class SparseSAMEngine:
         mask = self._all.clone() if warmup else self.selection.sample()
         if self.check_masks and self._context.averager is not None:
             self._check_same_draw(mask, kind)
-        result = StepResult(None, mask, self.partition.trainable_numel, kind)
+        result = StepResult(None, mask, self.partition.trainable_numel, kind, drawn=not warmup)
         try:
             if self.fisher is not None and self.fisher.due(self.num_steps):
                 self._refresh_fisher(forward_backward, zero_grad, result)
@@ -339,7 +364,7 @@ class SparseSAMEngine:
         # undoes whatever a NaN perturbation did.
         backup = self.perturbation.perturb_(
             pp, pg, first.norms[chosen], first.slots[chosen], self._num_groups,
-            inplace=not looksam, masks=masks,
+            inplace=not looksam, masks=masks, scaled=self._scaled(pp),
         )  # fmt: skip
         # Free the first-pass gradients before the next forward; LookSAM alone keeps them.
         first.grads.clear()
@@ -416,8 +441,9 @@ class SparseSAMEngine:
         slots = torch.tensor([self._slot[id(p)] for p in pp], dtype=torch.long)
         device = pp[0].device if pp else None
         backup = self.perturbation.perturb_(
-            pp, pg, tensor_norms(pg, device), slots, self._num_groups, inplace=False
-        )
+            pp, pg, tensor_norms(pg, device), slots, self._num_groups, inplace=False,
+            scaled=self._scaled(pp),
+        )  # fmt: skip
         try:
             out = self._gradient_pass(result, active, mask, forward_backward, zero_grad)
         finally:
@@ -506,7 +532,11 @@ class SparseSAMEngine:
             reason = "non-finite loss or gradient in the second pass"
         else:
             optimizer_step(False)
-            self.selection.update(update_mask, host[k:].double())
+            norms = host[k:].double()
+            self.norm_sums += torch.where(update_mask, norms, 0.0)
+            self.norm_counts += update_mask.to(torch.int64)
+            if result.drawn:
+                self.selection.update(update_mask, norms)
             return True
         result.skipped = True
         result.skip_reason = reason
@@ -627,6 +657,11 @@ class SparseSAMEngine:
         done = max(self.num_steps - self.num_skipped, 1)
         return self.counts.double() / done
 
+    def mean_norms(self) -> Tensor:
+        """Mean first-pass gradient norm of each layer over the steps it was measured in
+        (float64; NaN for a layer never measured)."""
+        return self.norm_sums / self.norm_counts.double()
+
     def never_selected(self) -> int:
         """Layers not updated in any step so far."""
         return int((self.counts == 0).sum())
@@ -640,6 +675,8 @@ class SparseSAMEngine:
             "selection": self.selection.state_dict(),
             "schedule": self.schedule.state_dict(),
             "counts": self.counts.clone(),
+            "norm_sums": self.norm_sums.clone(),
+            "norm_counts": self.norm_counts.clone(),
             "num_steps": self.num_steps,
             "num_skipped": self.num_skipped,
             "kind_counts": dict(self.kind_counts),
@@ -662,6 +699,9 @@ class SparseSAMEngine:
         self.selection.load_state_dict(state["selection"])
         self.schedule.load_state_dict(state.get("schedule", {}))
         self.counts = counts.clone().to(torch.int64)
+        n = self.partition.num_layers
+        self.norm_sums = state.get("norm_sums", torch.zeros(n)).clone().double()
+        self.norm_counts = state.get("norm_counts", torch.zeros(n)).clone().to(torch.int64)
         self.num_steps = int(state["num_steps"])
         self.num_skipped = int(state["num_skipped"])
         self.kind_counts = dict(state.get("kind_counts", {}))

@@ -34,7 +34,7 @@ from torch import nn
 GroupingFn = Callable[[str, nn.Parameter], Hashable | None]
 LayerSpec = str | Sequence[str] | GroupingFn
 
-__all__ = ["LayerPartition", "build_partition"]
+__all__ = ["LayerPartition", "build_partition", "find_new_head"]
 
 
 @dataclass
@@ -238,3 +238,55 @@ def build_partition(
         always_frozen=partition_frozen[0],
         always_frozen_names=partition_frozen[1],
     )
+
+
+def find_new_head(model: nn.Module) -> list[str]:
+    """Names of the parameters of ``model``'s freshly initialised task head.
+
+    A fine-tune usually starts from a pretrained backbone with a new classification head,
+    which a sparse method would otherwise train in only a fraction of the steps. Found, in
+    this order:
+
+    * the module's own ``sam_head_parameters()`` method, if it has one, returning
+      parameter names (relative to ``model``);
+    * timm models (a submodule with ``get_classifier()`` and ``pretrained_cfg``) whose
+      ``num_classes`` differs from their pretrained configuration's: the classifier;
+    * Transformers models (a submodule with ``base_model`` and ``config``): every parameter
+      outside the base model, except the output embeddings (a language model's pretrained
+      ``lm_head``).
+
+    Returns the names in ``model.named_parameters()`` order (trainable ones only); empty
+    when no head is found.
+    """
+    names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    hook = getattr(model, "sam_head_parameters", None)
+    if callable(hook):
+        wanted = set(hook())
+        unknown = sorted(wanted - set(names.values()))
+        if unknown:
+            raise ValueError(
+                f"sam_head_parameters() returned names that are not trainable parameters of"
+                f" {type(model).__name__}: {unknown[:5]}."
+            )
+        return [n for n in names.values() if n in wanted]
+    found: set[int] = set()
+    for module in model.modules():
+        if callable(getattr(module, "get_classifier", None)) and hasattr(module, "pretrained_cfg"):
+            pretrained = (getattr(module, "pretrained_cfg", None) or {}).get("num_classes")
+            current = getattr(module, "num_classes", None)
+            if pretrained is not None and current is not None and pretrained != current:
+                found.update(id(p) for p in module.get_classifier().parameters())
+        elif hasattr(module, "config") and isinstance(
+            getattr(module, "base_model", None), nn.Module
+        ):
+            base = module.base_model
+            if base is module:
+                continue
+            skip = {id(p) for p in base.parameters()}
+            output = (
+                module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+            )
+            if isinstance(output, nn.Module):
+                skip.update(id(p) for p in output.parameters())
+            found.update(id(p) for p in module.parameters() if id(p) not in skip)
+    return [n for i, n in names.items() if i in found]

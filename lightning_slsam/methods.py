@@ -24,6 +24,7 @@ name (``make_callback``)  class                       paper defaults
 ``slsam_rst``             SL-SAM + RST's coin         both axes of sparsity
 ``slsam_looksam``         SL-SAM + LookSAM interval   both axes of sparsity
 ``slsam_depth``           cost-aware SL-SAM           backprop_depth 0.5 (opt-in)
+``slsam_robust``          SL-SAM, robust preset       short-fine-tune remedies (opt-in)
 ========================  ==========================  ====================================
 """
 
@@ -33,11 +34,13 @@ import math
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_slsam.bandit import LayerBandit, kl_projection
 from lightning_slsam.callback import SAMCallback
 from lightning_slsam.perturbation import FisherMask
 from lightning_slsam.selection import (
+    DenseWarmup,
     DepthCut,
     ExpandToAll,
     LayerSelection,
@@ -48,6 +51,7 @@ from lightning_slsam.selection import (
 __all__ = [
     "ESAM",
     "METHODS",
+    "PRESETS",
     "RST",
     "S2SAM",
     "SAM",
@@ -60,7 +64,28 @@ __all__ = [
     "make_callback",
 ]
 
-BANDIT_LOSSES = ("shifted", "paper")
+BANDIT_LOSSES = ("shifted", "paper", "rank")
+
+#: What each :class:`SparseLayerSAM` preset sets; an option given explicitly wins.
+#: ``"paper"``: the SL-SAM paper and its released code. ``"robust"``: the short-fine-tune
+#: remedies measured in ``docs/results.md`` (scale-free bandit, dense warm-up over the
+#: first 30% of the run, the fresh head and every 1-D tensor trained every step).
+PRESETS: dict[str, dict[str, Any]] = {
+    "paper": {
+        "bandit_loss": "shifted",
+        "dense_warmup": 0,
+        "min_updates": 0,
+        "head_always_active": False,
+        "vectors_always_active": False,
+    },
+    "robust": {
+        "bandit_loss": "rank",
+        "dense_warmup": 0.3,
+        "min_updates": 0,
+        "head_always_active": True,
+        "vectors_always_active": False,
+    },
+}
 
 
 def _ratio(name: str, value: float) -> float:
@@ -69,23 +94,101 @@ def _ratio(name: str, value: float) -> float:
     return float(value)
 
 
+def _warmup(value: int | float) -> int | float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"`dense_warmup` must be a number, got {value!r}.")
+    if isinstance(value, int) and value >= 0:
+        return value
+    if isinstance(value, float) and 0 <= value < 1:
+        return value
+    raise ValueError(
+        f"`dense_warmup` must be an integer number of steps >= 0 or a fraction of the run in"
+        f" [0, 1), got {value!r}."
+    )
+
+
+class _LayerSubset(SAMCallback):
+    """What the methods that sample a subset of layers share: the layer ratio, its dense
+    warm-up and its floor for short runs."""
+
+    layer_ratio: float
+    dense_warmup: int | float
+    min_updates: int
+
+    def _init_subset(self, layer_ratio: float, dense_warmup: int | float, min_updates: int) -> None:
+        self.layer_ratio = _ratio("layer_ratio", layer_ratio)
+        self.dense_warmup = _warmup(dense_warmup)
+        if isinstance(min_updates, bool) or not (isinstance(min_updates, int) and min_updates >= 0):
+            raise ValueError(f"`min_updates` must be an integer >= 0, got {min_updates!r}.")
+        self.min_updates = min_updates
+
+    def _needs_total_steps(self) -> bool:
+        return (
+            isinstance(self.dense_warmup, float) and self.dense_warmup > 0
+        ) or self.min_updates > 0
+
+    def _run_length(self, option: str) -> int:
+        if self.total_steps is None:
+            raise MisconfigurationException(
+                f"{type(self).__name__}({option}) depends on the run's length, which is"
+                " unknown here (no max_steps, or an unsized train dataloader with no"
+                " max_steps). Set trainer.max_steps, or give dense_warmup as a number of steps"
+                " and min_updates=0."
+            )
+        return self.total_steps
+
+    @property
+    def effective_ratio(self) -> float:
+        """The layer ratio in use: ``layer_ratio``, raised to ``min_updates / total_steps``
+        (at most 1) when ``min_updates`` is set."""
+        if not self.min_updates:
+            return self.layer_ratio
+        steps = self._run_length(f"min_updates={self.min_updates}")
+        return max(self.layer_ratio, min(1.0, self.min_updates / steps))
+
+    @property
+    def warmup_steps(self) -> int:
+        """Length of the dense warm-up in steps."""
+        if isinstance(self.dense_warmup, float):
+            if self.dense_warmup == 0:
+                return 0
+            steps = self._run_length(f"dense_warmup={self.dense_warmup}")
+            return round(self.dense_warmup * steps)
+        return self.dense_warmup
+
+    def _with_warmup(self, rule: LayerSelection, generator: torch.Generator) -> LayerSelection:
+        steps = self.warmup_steps
+        if steps == 0 or rule.always_all:
+            return rule
+        coins = torch.Generator().manual_seed(int(generator.initial_seed()) + 3)
+        return DenseWarmup(rule, steps, coins)
+
+    def _hyperparameters(self) -> dict[str, Any]:
+        return {
+            **super()._hyperparameters(),
+            "layer_ratio": self.layer_ratio,
+            "dense_warmup": self.dense_warmup,
+            "min_updates": self.min_updates,
+        }
+
+
 class SAM(SAMCallback):
     """Vanilla SAM on every layer (Foret et al., 2021, "Sharpness-Aware Minimization for
     Efficiently Improving Generalization"); with AdamW as the module's optimizer this is
     the SL-SAM paper's "AdaSAM" baseline. Two passes on every layer: Active Ratio 2.0x.
 
     Args:
-        rho: perturbation radius (paper: 0.01).
+        rho: perturbation radius; ``None``: the paper's 0.01 (0.5 with ``adaptive=True``).
         **kwargs: the common options of :class:`~lightning_slsam.callback.SAMCallback`.
     """
 
     method = "sam"
 
-    def __init__(self, rho: float = 0.01, **kwargs: Any) -> None:
+    def __init__(self, rho: float | None = None, **kwargs: Any) -> None:
         super().__init__(rho=rho, **kwargs)
 
 
-class SparseLayerSAM(SAMCallback):
+class SparseLayerSAM(_LayerSubset):
     """Sparse Layer SAM (SL-SAM): SAM on a bandit-sampled subset of layers each step.
 
     Each step samples the active layers (independent Bernoulli draws with the bandit's
@@ -93,20 +196,44 @@ class SparseLayerSAM(SAMCallback):
     steps the optimizer on the second-pass gradients and feeds the first-pass per-layer
     gradient norms back to the EXP3 bandit (the SL-SAM paper's Algorithms 1 and 2).
 
+    The defaults are the paper's (``preset="paper"``). Beyond the paper, for short
+    fine-tunes (see ``docs/results.md``): a scale-free bandit loss (``bandit_loss="rank"``),
+    a dense warm-up (``dense_warmup``), the fresh task head and the 1-D tensors trained
+    every step (``head_always_active``, ``vectors_always_active``) and a floor on each
+    layer's updates (``min_updates``); ``preset="robust"`` switches on the measured
+    combination (:data:`PRESETS`).
+
     Args:
-        rho: SAM perturbation radius (> 0). Paper: 0.01.
+        rho: SAM perturbation radius (> 0). ``None``: the paper's 0.01 (0.5 with
+            ``adaptive=True``, ASAM's radius).
         layer_ratio: expected fraction of layers active per step, ``s/N`` in (0, 1].
             Paper: 0.2 (0.25 on RTE). ``1.0`` makes every layer active: vanilla SAM.
         p_min: lower bound of every layer's probability, in (0, 1), at most
             ``layer_ratio``. Paper: 1e-3.
-        alpha_p: bandit step size (>= 0). Paper: 1e-3.
-        bandit_loss: ``"shifted"`` (default; the authors' released code) or ``"paper"``
-            (Algorithm 2 literally, which with the paper's constants pushes every sampled
-            layer to ``p_min``). See :class:`~lightning_slsam.LayerBandit`.
+        alpha_p: bandit step size (>= 0). ``None`` (default): the loss's own, the paper's
+            1e-3 for ``"shifted"`` and ``"paper"``, 0.03 for ``"rank"``.
+        bandit_loss: ``"shifted"`` (the authors' released code; the ``"paper"`` preset),
+            ``"paper"`` (Algorithm 2 literally, which with the paper's constants pushes
+            every sampled layer to ``p_min``) or ``"rank"`` (scale-free: the same step
+            whatever the units of the gradient norms; the ``"robust"`` preset). See
+            :class:`~lightning_slsam.LayerBandit`. ``None``: the preset's.
         backprop_depth: cost-aware SL-SAM (beyond the paper; opt-in): each step freezes
             every layer below a random cut of the layer order, so back-propagation reaches
             only a ``backprop_depth`` fraction of the layers on average
             (:class:`~lightning_slsam.selection.DepthCut`). 1.0 (default) disables it.
+        dense_warmup: anneal the layer ratio linearly from 1 (every layer) to
+            ``layer_ratio`` over this many steps (an int), or this fraction of the run (a
+            float in [0, 1)) (:class:`~lightning_slsam.selection.DenseWarmup`). 0 disables
+            it. ``None``: the preset's (``"paper"``: 0, ``"robust"``: 0.3).
+        min_updates: raise the layer ratio, for this run, to ``min_updates / total_steps``
+            when that is larger, so each layer expects at least that many updates (0
+            disables it). ``None``: the preset's (0 in both).
+        head_always_active: train the freshly initialised task head every step (see
+            :class:`~lightning_slsam.callback.SAMCallback`). ``None``: the preset's.
+        vectors_always_active: train every 1-D tensor (biases, normalisation weights)
+            every step. ``None``: the preset's.
+        preset: ``"paper"`` (default: the paper's SL-SAM) or ``"robust"``; the options
+            left at ``None`` take its values (:data:`PRESETS`).
         **kwargs: the common options of :class:`~lightning_slsam.callback.SAMCallback`,
             including ``schedule`` to combine SL-SAM with RST's coin or LookSAM's interval.
 
@@ -119,28 +246,53 @@ class SparseLayerSAM(SAMCallback):
 
     def __init__(
         self,
-        rho: float = 0.01,
+        rho: float | None = None,
         layer_ratio: float = 0.2,
         p_min: float = 1e-3,
-        alpha_p: float = 1e-3,
-        bandit_loss: str = "shifted",
+        alpha_p: float | None = None,
+        bandit_loss: str | None = None,
         backprop_depth: float = 1.0,
+        dense_warmup: int | float | None = None,
+        min_updates: int | None = None,
+        head_always_active: bool | None = None,
+        vectors_always_active: bool | None = None,
+        preset: str = "paper",
         **kwargs: Any,
     ) -> None:
+        if preset not in PRESETS:
+            raise ValueError(
+                f"`preset` must be one of {tuple(PRESETS)}, got {preset!r}: 'paper' is the"
+                " SL-SAM paper's method, 'robust' adds the short-fine-tune remedies."
+            )
+        chosen = PRESETS[preset]
+        bandit_loss = chosen["bandit_loss"] if bandit_loss is None else bandit_loss
+        dense_warmup = chosen["dense_warmup"] if dense_warmup is None else dense_warmup
+        min_updates = chosen["min_updates"] if min_updates is None else min_updates
+        if head_always_active is None:
+            head_always_active = chosen["head_always_active"]
+        if vectors_always_active is None:
+            vectors_always_active = chosen["vectors_always_active"]
         _ratio("backprop_depth", backprop_depth)
         if bandit_loss not in BANDIT_LOSSES:
             raise ValueError(
                 f"`bandit_loss` must be one of {BANDIT_LOSSES}, got {bandit_loss!r}: 'shifted'"
-                " is the released code's loss (default), 'paper' Algorithm 2 literally."
+                " is the released code's loss (default), 'paper' Algorithm 2 literally, 'rank'"
+                " the scale-free loss."
             )
         # A throw-away bandit validates the bandit options now rather than at setup
         # (p_min * N <= s reduces to p_min <= layer_ratio for every N).
         probe = max(1, math.ceil(1.0 / layer_ratio)) if _is_ratio(layer_ratio) else 1
-        LayerBandit(probe, layer_ratio, p_min, alpha_p, bandit_loss)
-        super().__init__(rho=rho, **kwargs)
-        self.layer_ratio = float(layer_ratio)
+        probe_bandit = LayerBandit(probe, layer_ratio, p_min, alpha_p, bandit_loss)
+        super().__init__(
+            rho=rho,
+            head_always_active=head_always_active,
+            vectors_always_active=vectors_always_active,
+            **kwargs,
+        )
+        self.preset = preset
+        self._init_subset(layer_ratio, dense_warmup, min_updates)
         self.p_min = float(p_min)
-        self.alpha_p = float(alpha_p)
+        self.alpha_p = probe_bandit.alpha_p
         self.bandit_loss = bandit_loss
         self.backprop_depth = float(backprop_depth)
 
@@ -148,21 +300,32 @@ class SparseLayerSAM(SAMCallback):
     def bandit(self) -> LayerBandit:
         """The layer-selection bandit (available after setup)."""
         selection = self.selection
-        return selection.inner if isinstance(selection, DepthCut) else selection  # type: ignore[return-value]
+        while isinstance(selection, (DepthCut, DenseWarmup)):
+            selection = selection.inner
+        return selection  # type: ignore[return-value]
 
     def _selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
         bandit = LayerBandit(
-            num_layers, self.layer_ratio, self.p_min, self.alpha_p, self.bandit_loss, generator
-        )
-        if self.backprop_depth >= 1.0:
-            return bandit
-        cut = torch.Generator().manual_seed(int(generator.initial_seed()) + 2)
-        return DepthCut(bandit, self.backprop_depth, cut)
+            num_layers, self.effective_ratio, self.p_min, self.alpha_p, self.bandit_loss,
+            generator,
+        )  # fmt: skip
+        rule: LayerSelection = bandit
+        if self.backprop_depth < 1.0:
+            cut = torch.Generator().manual_seed(int(generator.initial_seed()) + 2)
+            rule = DepthCut(bandit, self.backprop_depth, cut)
+        return self._with_warmup(rule, generator)
+
+    def _selection_metrics(self) -> dict[str, float]:
+        probs = self.bandit.probs
+        return {
+            "slsam/floor_layers": float((probs <= self.p_min * (1 + 1e-9)).sum()),
+            "slsam/full_layers": float((probs >= 1 - 1e-9).sum()),
+        }
 
     def _hyperparameters(self) -> dict[str, Any]:
         return {
             **super()._hyperparameters(),
-            "layer_ratio": self.layer_ratio,
+            "preset": self.preset,
             "p_min": self.p_min,
             "alpha_p": self.alpha_p,
             "bandit_loss": self.bandit_loss,
@@ -173,54 +336,79 @@ class SparseLayerSAM(SAMCallback):
         """The constructor's bandit options win over the checkpoint's.
 
         The learned distribution carries over; when ``layer_ratio`` or ``p_min`` changed it
-        is KL-projected onto the new constraint set, exactly as an update would be.
+        is KL-projected onto the new constraint set, exactly as an update would be. Wrappers
+        added or removed since the checkpoint (a depth cut, a dense warm-up) start afresh.
         """
         from lightning.pytorch.utilities import rank_zero_warn
 
-        if "inner" in saved:  # a DepthCut around the bandit
-            return {**saved, "inner": self._adopt_selection_state(saved["inner"])}
-        if "probs" not in saved:  # saved without the cut; the cut starts afresh
-            saved = saved.get("inner", saved)
+        bandit = _innermost(saved)
         wanted = {
-            "layer_ratio": self.layer_ratio,
+            "layer_ratio": self.effective_ratio,
             "p_min": self.p_min,
             "alpha_p": self.alpha_p,
             "loss": self.bandit_loss,
         }
-        changed = {k: (saved[k], v) for k, v in wanted.items() if saved.get(k) != v}
-        if not changed:
-            return saved
-        rank_zero_warn(
-            "Resuming SL-SAM with options that differ from the checkpoint's: "
-            + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
-            + ". The new options apply from now on; the learned layer distribution is kept"
-            " (projected onto the new budget where needed)."
-        )
-        probs = saved["probs"].double()
-        budget = self.layer_ratio * probs.numel()
-        return {**saved, **wanted, "probs": kl_projection(probs.log(), budget, self.p_min, 1.0)}
+        changed = {k: (bandit[k], v) for k, v in wanted.items() if bandit.get(k) != v}
+        if changed:
+            rank_zero_warn(
+                "Resuming SL-SAM with options that differ from the checkpoint's: "
+                + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+                + ". The new options apply from now on; the learned layer distribution is kept"
+                " (projected onto the new budget where needed)."
+            )
+            probs = bandit["probs"].double()
+            budget = wanted["layer_ratio"] * probs.numel()
+            bandit = {**bandit, **wanted, "probs": kl_projection(probs.log(), budget, self.p_min)}
+        current = self.selection.state_dict()
+        if _depth(current) == _depth(saved):
+            return _replace_innermost(saved, bandit)
+        return _replace_innermost(current, bandit)
 
 
-class RandomSLSAM(SAMCallback):
+def _innermost(state: dict[str, Any]) -> dict[str, Any]:
+    """The bandit's state inside wrapper states (``{"inner": ...}``)."""
+    while "probs" not in state and "inner" in state:
+        state = state["inner"]
+    return state
+
+
+def _depth(state: dict[str, Any]) -> int:
+    return 0 if "probs" in state or "inner" not in state else 1 + _depth(state["inner"])
+
+
+def _replace_innermost(state: dict[str, Any], bandit: dict[str, Any]) -> dict[str, Any]:
+    if "probs" in state or "inner" not in state:
+        return bandit
+    return {**state, "inner": _replace_innermost(state["inner"], bandit)}
+
+
+class RandomSLSAM(_LayerSubset):
     """Random-SL-SAM, the SL-SAM paper's ablation: layers sampled uniformly, each with
     probability ``layer_ratio`` every step, no bandit (then SAM on them, as SL-SAM).
 
     Args:
         layer_ratio: probability of each layer per step, in (0, 1]. Paper: 0.2.
+        dense_warmup: as :class:`SparseLayerSAM` (default 0).
+        min_updates: as :class:`SparseLayerSAM` (default 0).
         **kwargs: the common options of :class:`~lightning_slsam.callback.SAMCallback`.
     """
 
     method = "random_slsam"
 
-    def __init__(self, layer_ratio: float = 0.2, **kwargs: Any) -> None:
-        self.layer_ratio = _ratio("layer_ratio", layer_ratio)
+    def __init__(
+        self,
+        layer_ratio: float = 0.2,
+        dense_warmup: int | float = 0,
+        min_updates: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        self._init_subset(layer_ratio, dense_warmup, min_updates)
         super().__init__(**kwargs)
 
     def _selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
-        return UniformSelection(num_layers, self.layer_ratio, generator)
-
-    def _hyperparameters(self) -> dict[str, Any]:
-        return {**super()._hyperparameters(), "layer_ratio": self.layer_ratio}
+        return self._with_warmup(
+            UniformSelection(num_layers, self.effective_ratio, generator), generator
+        )
 
 
 class TopSLSAM(SAMCallback):
@@ -431,6 +619,7 @@ METHODS: dict[str, tuple[type[SAMCallback] | None, dict[str, Any]]] = {
     "slsam_rst": (SparseLayerSAM, {"schedule": "random"}),
     "slsam_looksam": (SparseLayerSAM, {"schedule": "interval"}),
     "slsam_depth": (SparseLayerSAM, {"backprop_depth": 0.5}),
+    "slsam_robust": (SparseLayerSAM, {"preset": "robust"}),
 }
 
 

@@ -15,7 +15,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["normalized_entropy", "plot_layer_frequency", "write_layer_frequency_csv"]
+__all__ = [
+    "normalized_entropy",
+    "plot_layer_frequency",
+    "rank_correlation",
+    "write_layer_frequency_csv",
+]
 
 
 def normalized_entropy(probs: Tensor) -> float:
@@ -31,6 +36,29 @@ def normalized_entropy(probs: Tensor) -> float:
     return entropy / math.log(n)
 
 
+def rank_correlation(x: Tensor, y: Tensor) -> float:
+    """Spearman's rank correlation of two equal-length vectors (ties get their mean rank).
+
+    Entries where either value is NaN are left out; NaN if fewer than two remain or one
+    side is constant.
+    """
+    x, y = x.double().flatten(), y.double().flatten()
+    keep = ~(torch.isnan(x) | torch.isnan(y))
+    x, y = x[keep], y[keep]
+    if x.numel() < 2:
+        return math.nan
+    rx, ry = _ranks(x), _ranks(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    denom = math.sqrt(float((rx * rx).sum()) * float((ry * ry).sum()))
+    return float((rx * ry).sum()) / denom if denom > 0 else math.nan
+
+
+def _ranks(values: Tensor) -> Tensor:
+    _, inverse, counts = torch.unique(values, return_inverse=True, return_counts=True)
+    below = (torch.cumsum(counts, 0) - counts).double()
+    return below[inverse] + (counts[inverse].double() - 1.0) / 2.0
+
+
 def write_layer_frequency_csv(
     path: str,
     names: Sequence[str],
@@ -38,16 +66,22 @@ def write_layer_frequency_csv(
     counts: Tensor,
     steps: int,
     probs: Tensor,
+    mean_norms: Tensor | None = None,
 ) -> str:
-    """Write one row per layer: index, name, parameters, activations, frequency, final p."""
+    """Write one row per layer: index, name, parameters, activations, frequency, final p
+    and (when given) the layer's mean first-pass gradient norm."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["index", "layer", "numel", "activations", "frequency", "final_prob"])
+        header = ["index", "layer", "numel", "activations", "frequency", "final_prob"]
+        writer.writerow(header + (["mean_grad_norm"] if mean_norms is not None else []))
         for i, name in enumerate(names):
             count = int(counts[i])
             freq = count / steps if steps else 0.0
-            writer.writerow([i, name, int(numel[i]), count, f"{freq:.6f}", f"{probs[i]:.6f}"])
+            row = [i, name, int(numel[i]), count, f"{freq:.6f}", f"{probs[i]:.6f}"]
+            if mean_norms is not None:
+                row.append(f"{float(mean_norms[i]):.6g}")
+            writer.writerow(row)
     return path
 
 

@@ -4,9 +4,13 @@ The ascent is ``e = rho * g / ||g||`` (Foret et al., 2021). By default ``||g||``
 one norm over every perturbed tensor together, as SAM and the SL-SAM reference code
 compute it; ``norm="layer"`` normalises each layer separately, as Algorithm 1 of the
 SL-SAM paper is written (then the total perturbation has norm ``rho * sqrt(#layers)``).
-``adaptive=True`` is ASAM (Kwon et al., 2021): ``e = rho * w^2 g / || |w| g ||``, a
-perturbation that scales with the weights. A coordinate mask (SSAM-F) zeroes the ascent
-outside the mask after normalisation, as the SSAM reference does.
+``adaptive=True`` is ASAM (Kwon et al., 2021), as its reference implementation computes
+it: weight tensors are scaled by ``T_w = |w| + eta``, every other tensor (biases) by 1,
+and ``e = rho * T_w^2 g / ||T_w g||`` with one norm over all of them. ``eta`` (default
+0.01) keeps zero-valued weights perturbable. The radius is relative to the weights: ASAM
+is run with ``rho`` around ten times SAM's (0.5 in its reference, where SAM uses 0.05).
+A coordinate mask (SSAM-F) zeroes the ascent outside the mask after normalisation, as the
+SSAM reference does.
 
 Restoring uses a copy of the perturbed tensors taken before the ascent: subtracting ``e``
 again is not exact in floating point, and the base optimizer must step from exactly
@@ -21,9 +25,23 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["PERTURBATION_NORMS", "FisherMask", "SAMPerturbation", "group_norms", "tensor_norms"]
+__all__ = [
+    "PERTURBATION_NORMS",
+    "FisherMask",
+    "SAMPerturbation",
+    "group_norms",
+    "is_weight_name",
+    "tensor_norms",
+]
 
 PERTURBATION_NORMS = ("global", "layer")
+
+
+def is_weight_name(name: str) -> bool:
+    """Whether ASAM scales the parameter called ``name``: its attribute name (after the last
+    dot) contains ``weight``, as in ASAM's reference (``"weight" in name``), which leaves
+    biases and other tensors unscaled."""
+    return "weight" in name.rsplit(".", 1)[-1]
 
 
 def tensor_norms(grads: list[Tensor], device: torch.device | None = None) -> Tensor:
@@ -98,12 +116,19 @@ class SAMPerturbation:
         rho: perturbation radius (> 0). The SL-SAM paper uses 0.01 for every SAM method.
         norm: ``"global"`` (default; one norm over all perturbed tensors, as SAM) or
             ``"layer"`` (one norm per layer, as Algorithm 1 of the SL-SAM paper reads).
-        adaptive: ASAM's weight-scaled perturbation (default ``False``).
+        adaptive: ASAM's weight-scaled perturbation (default ``False``); which tensors
+            are weights is given to :meth:`perturb_` (``scaled``).
+        eta: ASAM's offset in ``T_w = |w| + eta`` (>= 0; default 0.01, ASAM's reference).
         eps: added to the norm so a zero gradient gives a zero perturbation.
     """
 
     def __init__(
-        self, rho: float, norm: str = "global", adaptive: bool = False, eps: float = 1e-12
+        self,
+        rho: float,
+        norm: str = "global",
+        adaptive: bool = False,
+        eps: float = 1e-12,
+        eta: float = 0.01,
     ) -> None:
         if not (isinstance(rho, (int, float)) and rho > 0 and rho == rho and rho != float("inf")):
             raise ValueError(
@@ -116,9 +141,14 @@ class SAMPerturbation:
             )
         if not isinstance(adaptive, bool):
             raise ValueError(f"`adaptive` must be True or False, got {adaptive!r}.")
+        if not (isinstance(eta, (int, float)) and 0 <= eta < float("inf")):
+            raise ValueError(
+                f"`adaptive_eta` must be a finite number >= 0 (ASAM's eta), got {eta!r}."
+            )
         self.rho = float(rho)
         self.norm = norm
         self.adaptive = adaptive
+        self.eta = float(eta)
         self.eps = float(eps)
         self.pool = BackupPool()
 
@@ -132,6 +162,7 @@ class SAMPerturbation:
         num_groups: int | None = None,
         inplace: bool = True,
         masks: list[Tensor] | None = None,
+        scaled: list[bool] | None = None,
     ) -> list[Tensor]:
         """Move ``params`` along ``grads`` in place; return the backup for :meth:`restore_`.
 
@@ -145,17 +176,24 @@ class SAMPerturbation:
             inplace: scale ``grads`` into the ascent step (they are discarded by the
                 caller); ``False`` leaves them intact.
             masks: per-tensor coordinate masks (SSAM-F), applied after normalisation.
+            scaled: with ``adaptive``, which tensors are weights scaled by ``|w| + eta``
+                (default: all); the others (biases) are not scaled.
         """
         if not params:
             return []
         backup = self.pool.copy(params)
+        step = grads if inplace else torch._foreach_mul(grads, 1.0)
+        weighted: list[Tensor] = []
         if self.adaptive:
-            weights = torch._foreach_abs(params)
-            step = torch._foreach_mul(grads, weights)  # |w| g
+            chosen = (
+                range(len(params)) if scaled is None else [i for i, f in enumerate(scaled) if f]
+            )
+            weighted = [step[i] for i in chosen]  # the same tensors: scaled in place below
+            if weighted:
+                weights = torch._foreach_abs([params[i] for i in chosen])
+                torch._foreach_add_(weights, self.eta)
+                torch._foreach_mul_(weighted, weights)  # T_w g
             norms = tensor_norms(step, norms.device)
-        else:
-            weights = None
-            step = grads if inplace else torch._foreach_mul(grads, 1.0)
         dtype = step[0].dtype
         if self.norm == "global":
             scale = self.rho / (torch.linalg.vector_norm(norms) + self.eps)
@@ -167,8 +205,8 @@ class SAMPerturbation:
                 slots.to(norms.device)
             ]
             torch._foreach_mul_(step, list((self.rho / (per_tensor + self.eps)).to(dtype).unbind()))
-        if weights is not None:
-            torch._foreach_mul_(step, weights)  # rho * w^2 g / || |w| g ||
+        if weighted:
+            torch._foreach_mul_(weighted, weights)  # rho * T_w^2 g / ||T_w g||
         if masks is not None:
             torch._foreach_mul_(step, masks)
         torch._foreach_add_(params, step)

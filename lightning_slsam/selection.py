@@ -16,7 +16,14 @@ norms. The rules:
   it (ESAM: sparse perturbation, dense update);
 * :class:`DepthCut` -- wraps a rule and freezes every layer below a random cut along the
   model's layer order each step, so back-propagation stops at the cut (cost-aware
-  SL-SAM, beyond the paper).
+  SL-SAM, beyond the paper);
+* :class:`DenseWarmup` -- wraps a rule and adds every layer with a probability that
+  anneals from 1 to 0 over the first steps, so the layer ratio falls from 1 to the rule's
+  own (beyond the paper).
+
+A wrapper changes how likely each layer is to be drawn. A learning rule (the bandit)
+weights what it learns by the inverse of that *true* inclusion probability
+(:meth:`LayerSelection.inclusion`), which each wrapper passes down in :meth:`update`.
 
 All draws come from the rule's own seeded ``torch.Generator``, never the global stream.
 """
@@ -30,6 +37,7 @@ from torch import Tensor
 
 __all__ = [
     "AllLayers",
+    "DenseWarmup",
     "DepthCut",
     "ExpandToAll",
     "LayerSelection",
@@ -82,8 +90,17 @@ class LayerSelection:
         :attr:`refine_uses_norms`). Default: unchanged."""
         return active
 
-    def update(self, active: Tensor, norms: Tensor) -> bool:
-        """Learn from the norms of the active layers; returns whether anything changed."""
+    def inclusion(self) -> Tensor:
+        """Probability that the last :meth:`sample` drew each layer (float64 ``[N]``): the
+        importance weights' denominators. Default: :attr:`probs`."""
+        return self.probs
+
+    def update(self, active: Tensor, norms: Tensor, inclusion: Tensor | None = None) -> bool:
+        """Learn from the norms of the active layers; returns whether anything changed.
+
+        ``inclusion``: the true probability that each layer was drawn, when a wrapper
+        changed the draw (``None``: :meth:`inclusion`).
+        """
         return False
 
     def state_dict(self) -> dict[str, Any]:
@@ -217,7 +234,10 @@ class DepthCut(LayerSelection):
     ``[0, 2(1 - depth) N]`` for ``depth >= 0.5``, ``[(1 - 2 depth) N, N]`` below.
 
     ``inner`` learns only from the layers it sampled above the cut; its ``probs`` are the
-    probabilities of a layer that the cut leaves eligible.
+    probabilities of a layer that the cut leaves eligible. A layer's true inclusion
+    probability is that times the probability that the cut lies at or below it, divided by
+    the probability that a draw is kept (a draw with nothing above the cut is redrawn), and
+    the inner rule's importance weights use it.
 
     Args:
         inner: the rule sampling above the cut (the bandit, for cost-aware SL-SAM).
@@ -240,10 +260,27 @@ class DepthCut(LayerSelection):
             self._low, self._high = (1.0 - 2.0 * self.depth) * n, float(n)
         self._index = torch.arange(n)
         self.last_cut = 0
+        # The cut is floor(low + u * (high - low)) with u uniform (high <= n): P(cut = c) is
+        # the overlap of [c, c + 1) with [low, high), and P(cut <= l) its running sum.
+        span = max(self._high - self._low, 1e-12)
+        edges = torch.arange(n + 1, dtype=torch.float64)
+        top = edges[1:].clamp(self._low, self._high)
+        self.cut_probs = (top - edges[:-1].clamp(self._low, self._high)) / span
+        self.cut_probs[-1] += 1.0 - float(self.cut_probs.sum())  # rounding, and u -> 1
+        #: Probability that the cut leaves each layer eligible, ``P(cut <= l)``.
+        self.eligible = torch.cumsum(self.cut_probs, 0).clamp(0.0, 1.0)
 
     @property
     def probs(self) -> Tensor:
         return self.inner.probs
+
+    def inclusion(self) -> Tensor:
+        q = self.inner.inclusion()
+        # A draw is kept when something above the cut was drawn: P = sum_c P(cut = c) *
+        # (1 - prod_{j >= c} (1 - q_j)).
+        none_above = torch.cumprod((1.0 - q).flip(0), 0).flip(0)
+        kept = float((self.cut_probs * (1.0 - none_above)).sum())
+        return (q * self.eligible / max(kept, 1e-300)).clamp(max=1.0)
 
     @property
     def always_all(self) -> bool:
@@ -259,8 +296,10 @@ class DepthCut(LayerSelection):
                 self.last_cut = cut
                 return mask
 
-    def update(self, active: Tensor, norms: Tensor) -> bool:
-        return self.inner.update(active, norms)
+    def update(self, active: Tensor, norms: Tensor, inclusion: Tensor | None = None) -> bool:
+        return self.inner.update(
+            active, norms, self.inclusion() if inclusion is None else inclusion
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self.inner.state_dict(), "generator": self._gen.get_state()}
@@ -269,3 +308,88 @@ class DepthCut(LayerSelection):
         self.inner.load_state_dict(state.get("inner", {}))
         if "generator" in state:
             self._gen.set_state(state["generator"])
+
+
+class DenseWarmup(LayerSelection):
+    """Anneal the layer ratio from 1 to ``inner``'s over the first ``steps`` steps.
+
+    Short fine-tunes lose accuracy to sparse updates: a layer active in a fifth of the
+    steps gets a fifth of the updates, and the first steps, where a fine-tune moves
+    furthest, are where that hurts most. At step ``t < steps`` this rule adds each layer
+    that ``inner`` did not draw with probability ``w_t = 1 - t / steps`` (a linear
+    anneal), so a layer is active with probability ``q = p + (1 - p) * w_t``: every layer at
+    the first step, ``inner``'s own ratio from step ``steps`` on. The expected extra work is
+    ``(1 - ratio) / 2`` of a dense step per warm-up step.
+
+    ``inner`` keeps learning throughout, with importance weights ``1 / q`` (its loss still
+    compares the norms against its own probabilities).
+
+    Args:
+        inner: the rule drawing the sparse set (the bandit for SL-SAM).
+        steps: warm-up length in steps, ``>= 0`` (0 disables the warm-up).
+        generator: the warm-up coins' own CPU generator.
+    """
+
+    def __init__(
+        self, inner: LayerSelection, steps: int, generator: torch.Generator | None = None
+    ) -> None:
+        if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0):
+            raise ValueError(f"`steps` must be an integer >= 0, got {steps!r}.")
+        self.inner = inner
+        self.num_layers = inner.num_layers
+        self.steps = steps
+        self._gen = _generator(generator)
+        self.num_sampled = 0
+        self._weight = 0.0
+
+    @property
+    def probs(self) -> Tensor:
+        return self.inner.probs
+
+    @property
+    def always_all(self) -> bool:
+        return self.inner.always_all
+
+    @property
+    def refine_uses_norms(self) -> bool:  # type: ignore[override]
+        return self.inner.refine_uses_norms
+
+    def weight(self, step: int) -> float:
+        """Probability with which an undrawn layer is added at ``step``."""
+        return max(0.0, 1.0 - step / self.steps) if self.steps else 0.0
+
+    def sample(self) -> Tensor:
+        self._weight = self.weight(self.num_sampled)
+        self.num_sampled += 1
+        mask = self.inner.sample()
+        if self._weight > 0.0:
+            coins = torch.rand(self.num_layers, generator=self._gen, dtype=torch.float64)
+            mask = mask | (coins < self._weight)
+        return mask
+
+    def inclusion(self) -> Tensor:
+        q = self.inner.inclusion()
+        return q + (1.0 - q) * self._weight
+
+    def refine(self, active: Tensor, norms: Tensor | None) -> Tensor:
+        return self.inner.refine(active, norms)
+
+    def update(self, active: Tensor, norms: Tensor, inclusion: Tensor | None = None) -> bool:
+        return self.inner.update(
+            active, norms, self.inclusion() if inclusion is None else inclusion
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "inner": self.inner.state_dict(),
+            "generator": self._gen.get_state(),
+            "num_sampled": self.num_sampled,
+            "weight": self._weight,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state.get("inner", {}))
+        if "generator" in state:
+            self._gen.set_state(state["generator"])
+        self.num_sampled = int(state.get("num_sampled", 0))
+        self._weight = float(state.get("weight", 0.0))

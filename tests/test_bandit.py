@@ -461,3 +461,122 @@ def test_initial_distribution_is_uniform():
     assert bandit.budget == pytest.approx(5.0)
     assert torch.equal(bandit.probs, torch.full((25,), 0.2, dtype=torch.float64))
     assert bandit.probs.dtype == torch.float64 and bandit.probs.device.type == "cpu"
+
+
+# --------------------------------------------------------------------------- rank loss
+
+
+def test_rank_loss_hand_computed_with_ties():
+    bandit = LayerBandit(5, layer_ratio=0.4, p_min=0.01, alpha_p=0.2, loss="rank")
+    p = bandit.probs.numpy()
+    active = torch.tensor([True, True, True, True, False])
+    norms = torch.tensor([0.4, 0.1, 0.4, 0.2, 99.0])  # r/p ranks: 0.4 tie on top, 0.1 last
+    bandit.update(active, norms)
+    # Ranks by r / p (equal p): 0.1 -> 0, 0.2 -> 1, the two 0.4 share (2 + 3) / 2 = 2.5.
+    loss = 1.0 - np.array([2.5, 0.0, 2.5, 1.0]) / 3.0
+    log_u = np.log(p) - 0.2 * np.append(loss, 0.0) / p
+    want = _bisect_projection(log_u, 2.0, 0.01, 1.0)
+    np.testing.assert_allclose(bandit.probs.numpy(), want, rtol=0, atol=1e-12)
+
+
+def test_rank_loss_alpha_default_and_paper_losses_keep_theirs():
+    assert LayerBandit(10, loss="rank").alpha_p == 0.03
+    assert LayerBandit(10, loss="shifted").alpha_p == 1e-3
+    assert LayerBandit(10, loss="paper").alpha_p == 1e-3
+    assert LayerBandit(10, alpha_p=0.5, loss="rank").alpha_p == 0.5
+
+
+@pytest.mark.parametrize("k", [-3, -2, -1, 1, 2, 3])
+def test_rank_loss_trajectory_is_invariant_to_the_norms_units(k):
+    """Multiplying every gradient norm by 10**k leaves the whole trajectory unchanged:
+    the same masks drawn and the same probabilities after every update."""
+    rng = np.random.default_rng(0)
+    n, steps = 60, 150
+    # Norms spread over five orders of magnitude, as a CNN's are (a stem ~10, biases ~1e-4).
+    base = torch.tensor(10 ** rng.uniform(-4, 1, size=n))
+    trace = [base * torch.tensor(rng.lognormal(0, 0.3, size=n)) for _ in range(steps)]
+    runs = []
+    for scale in (1.0, 10.0**k):
+        bandit = LayerBandit(n, 0.2, p_min=1e-3, loss="rank", generator=_seeded(1))
+        masks, probs = [], []
+        for norms in trace:
+            mask = bandit.sample()
+            bandit.update(mask, norms * scale)
+            masks.append(mask)
+            probs.append(bandit.probs)
+        runs.append((torch.stack(masks), torch.stack(probs)))
+    assert torch.equal(runs[0][0], runs[1][0])
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=1e-12, atol=1e-15)
+    assert runs[0][1][-1].std() > 0.05  # the distribution really moved
+
+
+def test_shifted_loss_is_not_scale_free():
+    """The released code's loss, kept as it is: its step grows with the squared norms."""
+    moved = []
+    for scale in (1e-2, 1.0, 1e2):
+        bandit = LayerBandit(6, 0.5, p_min=1e-3, loss="shifted", generator=_seeded(0))
+        bandit.update(torch.ones(6, dtype=torch.bool), torch.arange(1.0, 7.0) * scale)
+        moved.append(float((bandit.probs - 0.5).abs().max()))
+    assert moved[0] < 1e-4 < moved[1] < moved[2]
+
+
+def test_rank_loss_tracks_the_gradient_norms():
+    """Sampling from the bandit, frequencies end up ordered like the layers' norms (the
+    fixed point is p proportional to the norms), within a few hundred steps."""
+    from lightning_slsam.metrics import rank_correlation
+
+    n = 40
+    rng = np.random.default_rng(3)
+    mean = torch.tensor(10 ** rng.uniform(-3, 1, size=n))
+    noise = [torch.tensor(rng.lognormal(0, 0.2, size=n)) for _ in range(300)]
+    spearman = {}
+    for loss in ("rank", "shifted"):
+        bandit = LayerBandit(n, 0.25, p_min=1e-3, loss=loss, generator=_seeded(2))
+        counts = torch.zeros(n)
+        for factor in noise:
+            mask = bandit.sample()
+            counts += mask
+            bandit.update(mask, mean * factor)
+        spearman[loss] = rank_correlation(counts, mean), rank_correlation(bandit.probs, mean)
+    assert spearman["rank"][0] > 0.85 and spearman["rank"][1] > 0.75
+    # The released code's loss on the same norms: driven by the few largest ones.
+    assert spearman["shifted"][0] < spearman["rank"][0] - 0.25
+
+
+# --------------------------------------------------------------------------- inclusion
+
+
+def test_update_uses_the_true_inclusion_probability_as_importance_weight():
+    p_min, alpha = 0.01, 0.05
+    for loss in ("shifted", "paper", "rank"):
+        a = LayerBandit(6, 0.5, p_min=p_min, alpha_p=alpha, loss=loss)
+        b = LayerBandit(6, 0.5, p_min=p_min, alpha_p=alpha, loss=loss)
+        active = torch.tensor([True, True, False, True, True, False])
+        norms = torch.tensor([0.5, 0.2, 0.0, 0.9, 0.1, 0.0])
+        q = torch.tensor([0.9, 0.6, 0.3, 0.75, 0.5, 1.0], dtype=torch.float64)
+        a.update(active, norms)  # drawn by the bandit alone: q = p
+        b.update(active, norms, inclusion=q)
+        # The exponent is divided by q instead of p: compare with the reference.
+        p = np.full(6, 0.5)
+        z = norms.numpy() / p
+        if loss == "rank":
+            k = np.array([1 / 3, 2 / 3, 0, 0, 1, 0])
+        else:
+            ref = z[active.numpy()].max() if loss == "shifted" else 1.0 / p_min * 0.9
+            k = np.where(active.numpy(), ref**2 - z**2, 0.0)
+            if loss == "paper":
+                k = np.where(active.numpy(), (0.9 / p_min) ** 2 - z**2, 0.0)
+        want = _bisect_projection(np.log(p) - alpha * k / q.numpy(), 3.0, p_min, 1.0)
+        np.testing.assert_allclose(b.probs.numpy(), want, rtol=0, atol=1e-9)
+        assert not torch.allclose(a.probs, b.probs)
+
+
+def test_update_rejects_bad_inclusion():
+    bandit = LayerBandit(4, 0.5, p_min=0.01)
+    active = torch.tensor([True, False, True, False])
+    with pytest.raises(ValueError, match="4 entries"):
+        bandit.update(active, torch.ones(4), inclusion=torch.ones(3))
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        bandit.update(active, torch.ones(4), inclusion=torch.tensor([0.0, 0.5, 0.5, 0.5]))
+    # Inactive entries are ignored.
+    assert bandit.update(active, torch.ones(4), inclusion=torch.tensor([0.5, 0.0, 1.0, 7.0]))

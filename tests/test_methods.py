@@ -95,26 +95,67 @@ def test_registry_builds_every_method_with_its_paper_defaults():
     )
     assert make_callback("slsam_rst").schedule == "random"
     assert make_callback("slsam_looksam").schedule == "interval"
-    assert set(METHODS) >= set(expected) | {"adamw", "slsam_rst", "slsam_looksam"}
+    assert make_callback("slsam_robust").bandit_loss == "rank"
+    assert set(METHODS) >= set(expected) | {"adamw", "slsam_rst", "slsam_looksam", "slsam_robust"}
     with pytest.raises(ValueError, match="Unknown method 'sgd'"):
         make_callback("sgd")
     with pytest.raises(ValueError, match="fixes schedule='random'"):
         RST(schedule="interval")
 
 
-def test_asam_perturbation_is_weight_scaled():
+def _asam_reference(net: nn.Module, grads, rho: float, eta: float, active=None):
+    """ASAM's ascent as its reference code computes it (SamsungLabs/ASAM ``ascent_step``):
+    ``T_w = |w| + eta`` for parameters named like weights, 1 for the others; one norm of
+    ``T_w g`` over all; ``e = rho * T_w^2 g / ||T_w g||``."""
+    named = list(net.named_parameters())
+    use = [active is None or active[i] for i in range(len(named))]
+    scale = [
+        (p.detach().abs() + eta) if "weight" in name else torch.ones_like(p) for name, p in named
+    ]
+    tg = [t * g for t, g, on in zip(scale, grads, use) if on]
+    norm = torch.sqrt(sum(x.square().sum() for x in tg))
+    return [
+        rho * t * t * g / norm if on else torch.zeros_like(g) for t, g, on in zip(scale, grads, use)
+    ]
+
+
+def test_asam_perturbation_follows_the_reference():
     cb = SAM(rho=RHO, adaptive=True)
     net, x, y, engine, opt = _setup(cb)
+    with torch.no_grad():
+        net[0].weight.zero_()  # a zero-valued weight tensor is still perturbed (eta)
     rec = Recorder(net, x, y)
     g = _grads(net, x, y)
     w = [p.detach().clone() for p in net.parameters()]
     engine.train_step(rec, opt)
-    scaled = [wi.abs() * gi for wi, gi in zip(w, g)]
-    norm = torch.sqrt(sum(s.square().sum() for s in scaled))
-    for before, during, wi, si in zip(w, rec.passes[1]["weights"], w, scaled):
-        torch.testing.assert_close(
-            during - before, RHO * wi.abs() * si / norm, atol=1e-7, rtol=1e-4
-        )
+    expected = _asam_reference(net_at(w, net), g, RHO, 0.01)
+    for before, during, want in zip(w, rec.passes[1]["weights"], expected):
+        torch.testing.assert_close(during - before, want, atol=1e-7, rtol=1e-4)
+    zero_weight = [n for n, _ in net.named_parameters()].index("0.weight")
+    assert float((rec.passes[1]["weights"][zero_weight] - w[zero_weight]).abs().max()) > 0
+    # Biases are perturbed unscaled: rho * g / ||T g|| (not rho * |b|^2 g / ...).
+    bias = [n for n, _ in net.named_parameters()].index("3.bias")
+    ratio = (rec.passes[1]["weights"][bias] - w[bias]) / g[bias]
+    torch.testing.assert_close(ratio, ratio.flatten()[0].expand_as(ratio))
+
+
+def net_at(weights, net):
+    moved = copy.deepcopy(net)
+    with torch.no_grad():
+        for p, w in zip(moved.parameters(), weights):
+            p.copy_(w)
+    return moved
+
+
+def test_asam_radius_and_eta_defaults():
+    assert SAM().rho == 0.01 and SparseLayerSAM().rho == 0.01
+    assert SAM(adaptive=True).rho == 0.5  # ASAM's reference radius
+    assert SparseLayerSAM(adaptive=True).rho == 0.5
+    assert SAM(rho=0.2, adaptive=True).rho == 0.2
+    assert SAM(adaptive=True).perturbation.eta == 0.01
+    assert SAM(adaptive=True, adaptive_eta=0.0).perturbation.eta == 0.0
+    with pytest.raises(ValueError, match="adaptive_eta"):
+        SAM(adaptive=True, adaptive_eta=-1.0)
 
 
 # -- Random-SL-SAM and Top-SL-SAM -----------------------------------------------------------
@@ -333,7 +374,7 @@ def test_sl_sam_with_looksam_interval_keeps_sparse_layers_and_the_interval():
     assert set(engine.vertical) <= {id(p) for p in net.parameters()}
 
 
-def test_asam_on_sl_sam_perturbs_only_active_tensors_weight_scaled():
+def test_asam_on_sl_sam_perturbs_only_active_tensors_as_the_reference():
     cb = SparseLayerSAM(rho=RHO, layer_ratio=0.4, adaptive=True, seed=2)
     net, x, y, engine, opt = _setup(cb)
     g = _grads(net, x, y)
@@ -341,11 +382,10 @@ def test_asam_on_sl_sam_perturbs_only_active_tensors_weight_scaled():
     rec = Recorder(net, x, y)
     result = engine.train_step(rec, opt)
     active = result.active_mask.tolist()
-    scaled = [wi.abs() * gi for wi, gi, on in zip(w, g, active) if on]
-    norm = torch.sqrt(sum(s.square().sum() for s in scaled))
-    for i, (before, during) in enumerate(zip(w, rec.passes[1]["weights"])):
-        expected = RHO * before.abs().square() * g[i] / norm if active[i] else 0 * before
-        torch.testing.assert_close(during - before, expected, atol=1e-7, rtol=1e-4)
+    assert 0 < sum(active) < len(active)
+    expected = _asam_reference(net_at(w, net), g, RHO, 0.01, active)
+    for before, during, want in zip(w, rec.passes[1]["weights"], expected):
+        torch.testing.assert_close(during - before, want, atol=1e-7, rtol=1e-4)
 
 
 def test_depth_cut_freezes_everything_below_the_cut_and_shortens_backprop():
@@ -372,3 +412,153 @@ def test_depth_cut_freezes_everything_below_the_cut_and_shortens_backprop():
     assert [again.selection.sample().tolist() for _ in range(5)] == [
         engine.selection.sample().tolist() for _ in range(5)
     ]
+
+
+# -- learning only from drawn steps; the short-run remedies -----------------------------------
+
+
+def test_sl_s2_sam_first_step_is_dense_and_does_not_teach_the_bandit():
+    """The first step of SL-S2-SAM trains every layer without a draw: the bandit must not
+    learn from it (its 1/p weights would treat an all-ones mask as a rare draw)."""
+    cb = SLS2SAM(rho=RHO, layer_ratio=0.25, alpha_p=0.5, seed=3)
+    net, x, y, engine, opt = _setup(cb)
+    uniform = engine.selection.probs
+    first = engine.train_step(Recorder(net, x, y), opt)
+    assert first.kind == "plain" and bool(first.active_mask.all())
+    torch.testing.assert_close(engine.selection.probs, uniform, rtol=0, atol=0)
+    assert engine.selection.num_updates == 0 and not first.drawn
+    second = engine.train_step(Recorder(net, x, y), opt)
+    assert second.drawn and engine.selection.num_updates == 1
+    assert not torch.allclose(engine.selection.probs, uniform)
+
+
+def test_dense_warmup_and_min_updates_follow_the_run_length():
+    from lightning_slsam.selection import DenseWarmup
+
+    net = make_mlp()
+    cb = SparseLayerSAM(dense_warmup=0.25, seed=0)
+    engine = cb.build_engine(net, total_steps=40)
+    assert isinstance(engine.selection, DenseWarmup) and engine.selection.steps == 10
+    assert engine.selection.inner.budget == pytest.approx(0.2 * 8)
+    assert SparseLayerSAM(dense_warmup=7).build_engine(net).selection.steps == 7
+    # A floor of 10 updates per layer over 20 steps needs half the layers each step.
+    cb = SparseLayerSAM(min_updates=10, seed=0)
+    engine = cb.build_engine(net, total_steps=20)
+    assert cb.effective_ratio == 0.5 and engine.selection.budget == pytest.approx(4.0)
+    cb = SparseLayerSAM(min_updates=10, seed=0)
+    cb.build_engine(net, total_steps=1000)
+    assert cb.effective_ratio == 0.2  # long enough: the ratio is kept
+    random = RandomSLSAM(dense_warmup=5, min_updates=10)
+    assert random.build_engine(net, total_steps=20).selection.inner.ratio == 0.5
+
+
+def test_fractional_options_without_a_run_length_fail_clearly():
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    for cb in (SparseLayerSAM(dense_warmup=0.3), SparseLayerSAM(min_updates=5)):
+        with pytest.raises(MisconfigurationException, match="run's length"):
+            cb.build_engine(make_mlp())
+    for bad in ({"dense_warmup": -1}, {"dense_warmup": 1.5}, {"min_updates": -2},
+                {"min_updates": 0.5}):  # fmt: skip
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SparseLayerSAM(**bad)
+
+
+def test_warmup_layer_ratio_falls_from_one_to_the_target():
+    net = nn.Sequential(*[nn.Linear(4, 4) for _ in range(25)])  # 50 tensors
+    cb = SparseLayerSAM(rho=RHO, dense_warmup=20, seed=1)
+    engine = cb.build_engine(net)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 4), torch.randint(0, 4, (8,))
+    sizes = [
+        int(engine.train_step(lambda: F.cross_entropy(net(x), y), opt).active_mask.sum())
+        for _ in range(60)
+    ]
+    assert sizes[0] == 50
+    assert sum(sizes[:5]) / 5 > 40 and abs(sum(sizes[30:]) / 30 - 10) < 3
+    assert engine.selection.inner.num_updates == 60  # the bandit learns through the warm-up
+
+
+def test_head_always_active_finds_a_fresh_timm_and_transformers_head():
+    import timm
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    from lightning_slsam.layers import find_new_head
+
+    vit = timm.create_model(
+        "vit_tiny_patch16_224", img_size=32, patch_size=8, depth=1, num_classes=7
+    )
+    assert find_new_head(vit) == ["head.weight", "head.bias"]
+    bert = BertForSequenceClassification(
+        BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                   intermediate_size=32, vocab_size=50, num_labels=3)
+    )  # fmt: skip
+    assert find_new_head(bert) == ["classifier.weight", "classifier.bias"]
+    llama = LlamaForCausalLM(
+        LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=2, intermediate_size=32, vocab_size=50)
+    )  # fmt: skip
+    assert find_new_head(llama) == []  # a language model's lm_head is pretrained
+
+    cb = SparseLayerSAM(head_always_active=True, seed=0)
+    engine = cb.build_engine(bert)
+    assert engine.partition.always_active_names == ["classifier.weight", "classifier.bias"]
+    assert "classifier.weight" not in [n for g in engine.partition.param_names for n in g]
+
+
+def test_head_always_active_uses_the_module_hook_and_warns_when_nothing_is_found():
+    class WithHook(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.out = nn.Linear(3, 3), nn.Linear(3, 2)
+
+        def sam_head_parameters(self):
+            return ["out.weight", "out.bias"]
+
+    cb = SparseLayerSAM(head_always_active=True)
+    assert cb.build_engine(WithHook()).partition.always_active_names == ["out.weight", "out.bias"]
+    with pytest.warns(UserWarning, match="found no freshly initialised head"):
+        SparseLayerSAM(head_always_active=True).build_engine(make_mlp())
+    with pytest.raises(ValueError, match="head_always_active"):
+        SparseLayerSAM(head_always_active="yes")
+
+
+def test_presets_set_the_remedies_and_explicit_options_win():
+    from lightning_slsam import PRESETS
+
+    paper = SparseLayerSAM()
+    assert paper.preset == "paper" and paper.bandit_loss == "shifted"
+    assert (paper.dense_warmup, paper.min_updates, paper.alpha_p) == (0, 0, 1e-3)
+    assert not paper.head_always_active and not paper.vectors_always_active
+    robust = SparseLayerSAM(preset="robust")
+    for key, value in PRESETS["robust"].items():
+        assert getattr(robust, key) == value
+    assert robust.alpha_p == 0.03  # the rank loss's own step size
+    mixed = SparseLayerSAM(preset="robust", dense_warmup=0, bandit_loss="shifted")
+    assert mixed.dense_warmup == 0 and mixed.bandit_loss == "shifted" and mixed.alpha_p == 1e-3
+    assert mixed.head_always_active
+    assert make_callback("slsam_robust").preset == "robust"
+    with pytest.raises(ValueError, match="preset"):
+        SparseLayerSAM(preset="fast")
+
+
+def test_vectors_always_active_trains_every_bias_and_norm_weight_every_step():
+    net = make_mlp()  # 3 Linear (weight, bias) + 1 LayerNorm (weight, bias)
+    engine = SparseLayerSAM(vectors_always_active=True, seed=0).build_engine(net)
+    assert engine.partition.always_active_names == ["0.bias", "2.weight", "2.bias", "3.bias",
+                                                    "5.bias"]  # fmt: skip
+    assert engine.partition.names == ["0.weight", "3.weight", "5.weight"]
+    x, y = make_data(16).tensors
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    for _ in range(5):
+        engine.train_step(lambda: F.cross_entropy(net(x), y), opt)
+        for name, p in net.named_parameters():
+            if p.dim() == 1:
+                assert not torch.equal(p.detach(), before[name])  # updated every step
+                before[name] = p.detach().clone()

@@ -414,7 +414,12 @@ def test_random_configs_train_correctly_or_fail_at_setup_naming_the_option(metho
     kwargs = {k: OPTION_VALUES[k][i % len(OPTION_VALUES[k])] for k, i in options.items()}
     trainer_flags = {k: TRAINER_VALUES[k][i % len(TRAINER_VALUES[k])] for k, i in flags.items()}
     named = set(kwargs) | {k for k, v in trainer_flags.items() if v not in (None, 1, "32-true")}
-    invalid = {k for k, v in kwargs.items() if (k, v) in INVALID}
+    # Compared with their types: True == 1, but replay_dropout=True is valid and 1 is not.
+    invalid = {
+        k
+        for k, v in kwargs.items()
+        if any((k, type(v)) == (a, type(b)) and v == b for a, b in INVALID)
+    }
     model = _PerSample(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.1),
                                      nn.Linear(8, 3)))  # fmt: skip
     reached = _Reached()
