@@ -5,13 +5,20 @@
 
 Every (method, seed) pair is one ``lightning-slsam fit`` run in a process of its own (so
 peak memory is measured per run), on the task config plus the method's callback from
-:data:`lightning_slsam.METHODS` and a recorder. The table gives, per method, the best
-validation metric over the run (mean ± std over seeds, as the SL-SAM paper reports), the
-final one, the active ratio, the training time per epoch (batches only, validation
-excluded) and the peak memory, the last two also relative to SAM. Plots: the metric against
-the active ratio (the paper's Figure 1) and each layer's activation frequency in SL-SAM's
-first run (its Figure 3). Extra arguments after ``--`` go to every ``fit`` run, e.g.
-``-- --trainer.max_epochs=1``.
+:data:`lightning_slsam.METHODS` and a recorder. Runs go seed by seed, every method within a
+seed, so a slow spell of a shared machine spreads over the methods instead of landing on
+one. The table gives, per method, the best validation metric over the run (mean ± std over
+seeds, as the SL-SAM paper reports), the final one, the active ratio, the training time per
+epoch (batches only, validation excluded; each run's total over its epochs, median over the
+seeds) and the peak memory, the last two also relative to SAM, and for the bandit methods
+how the selection behaved (Spearman correlation of each layer's activation frequency with
+its mean gradient norm, final entropy, layers at the floor). Plots: the metric against the
+active ratio (the paper's Figure 1), each bandit method's per-layer activation frequency
+and final probability (its Figure 3), and the entropy and floor count over the steps.
+
+``--variant LABEL=METHOD`` adds a configuration of a method under its own name, e.g.
+``--variant warm=slsam --option warm.dense_warmup=0.3 --methods slsam,warm``. Extra
+arguments after ``--`` go to every ``fit`` run, e.g. ``-- --trainer.max_epochs=1``.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_slsam.callback import SAMCallback
 from lightning_slsam.methods import METHODS, make_callback
+from lightning_slsam.metrics import normalized_entropy, rank_correlation
 
 __all__ = ["RunRecorder", "main"]
 
@@ -53,6 +61,8 @@ class RunRecorder(Callback):
         self.path, self.monitor, self.mode = path, monitor, mode
         self.values: list[float] = []
         self.epoch_times: list[float] = []
+        self.entropy: list[float] = []
+        self.floor: list[float] = []
         self._epoch = 0.0
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -67,6 +77,12 @@ class RunRecorder(Callback):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self._epoch += time.perf_counter() - self._start
+        sam = _sam_callback(trainer)
+        if sam is not None and sam.engine is not None:
+            self.entropy.append(normalized_entropy(sam.engine.selection.probs))
+            floor = sam._selection_metrics().get("slsam/floor_layers")
+            if floor is not None:
+                self.floor.append(floor)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.epoch_times.append(self._epoch)
@@ -79,7 +95,7 @@ class RunRecorder(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
-        sam = next((cb for cb in trainer.callbacks if isinstance(cb, SAMCallback)), None)
+        sam = _sam_callback(trainer)
         best = (max if self.mode == "max" else min)(self.values) if self.values else None
         if torch.cuda.is_available():
             memory = torch.cuda.max_memory_allocated() / 2**20
@@ -97,17 +113,46 @@ class RunRecorder(Callback):
             "active_ratio": sam.mean_active_ratio if sam is not None else 1.0,
             "layer_frequency_png": sam.frequency_plot_path if sam is not None else None,
             "layer_frequency_csv": sam.frequency_csv_path if sam is not None else None,
+            "entropy": self.entropy,
+            "floor_layers": self.floor,
         }
+        if sam is not None and sam.engine is not None:
+            engine = sam.engine
+            record["spearman_frequency_norm"] = rank_correlation(
+                engine.frequencies(), engine.mean_norms()
+            )
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         with open(self.path, "w") as handle:
             json.dump(record, handle, indent=2)
 
 
+def _sam_callback(trainer: pl.Trainer) -> SAMCallback | None:
+    return next((cb for cb in trainer.callbacks if isinstance(cb, SAMCallback)), None)
+
+
+def _parse_variants(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, str]:
+    """``["warm=slsam"]`` -> ``{"warm": "slsam"}``: a label for a configuration of a method."""
+    variants: dict[str, str] = {}
+    for item in items:
+        label, _, method = item.partition("=")
+        if not label or method not in METHODS or label in METHODS or "." in label:
+            parser.error(
+                f"--variant {item!r} must read LABEL=METHOD with METHOD one of {sorted(METHODS)}"
+                " and LABEL a new name"
+            )
+        variants[label] = method
+    return variants
+
+
 def _parse_options(
-    parser: argparse.ArgumentParser, items: list[str], methods: list[str]
+    parser: argparse.ArgumentParser,
+    items: list[str],
+    methods: list[str],
+    variants: dict[str, str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """``["slsam.layer_ratio=0.25"]`` -> ``{"slsam": {"layer_ratio": 0.25}}`` (YAML values),
     checked by building each method's callback with them."""
+    variants = variants or {}
     options: dict[str, dict[str, Any]] = {}
     for item in items:
         name, _, value = item.partition("=")
@@ -117,16 +162,23 @@ def _parse_options(
         options.setdefault(method, {})[key] = yaml.safe_load(value)
     for method, kwargs in options.items():
         try:
-            make_callback(method, **kwargs)
+            make_callback(variants.get(method, method), **kwargs)
         except (TypeError, ValueError) as err:
             parser.error(f"--option for {method}: {err}")
     return options
 
 
 def _method_config(
-    method: str, seed: int, out: str, monitor: str, mode: str, options: dict[str, Any]
+    method: str,
+    seed: int,
+    out: str,
+    monitor: str,
+    mode: str,
+    options: dict[str, Any],
+    base: str | None = None,
 ) -> dict[str, Any]:
-    cls, preset = METHODS[method]
+    """The config of one run of ``method`` (a label of ``base`` when given)."""
+    cls, preset = METHODS[base or method]
     preset = {**preset, **options}
     run_dir = os.path.join(out, "runs", method, f"seed{seed}")
     callbacks: list[dict[str, Any]] = []
@@ -160,9 +212,14 @@ def summarize(records: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, A
     for method, runs in records.items():
         best = [r["best"] for r in runs if r["best"] is not None]
         final = [r["final"] for r in runs if r["final"] is not None]
-        # The median over every epoch of every run: one run slowed by a busy machine does
-        # not move it, as it would move a mean.
-        epoch = [t for r in runs for t in r["epoch_times"]]
+        # Each run's training time per epoch (its total over its epochs, so a costlier
+        # first epoch counts), then the median over the seeds: one run slowed by a busy
+        # machine does not move it, as it would move a mean.
+        epoch = [statistics.mean(r["epoch_times"]) for r in runs if r["epoch_times"]]
+        spearman = [r.get("spearman_frequency_norm") for r in runs]
+        spearman = [x for x in spearman if x is not None and x == x]
+        entropy = [r["entropy"][-1] for r in runs if r.get("entropy")]
+        floor = [r["floor_layers"][-1] for r in runs if r.get("floor_layers")]
         rows[method] = {
             "seeds": len(runs),
             "best": _stats(best) if best else (None, None),
@@ -170,6 +227,9 @@ def summarize(records: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, A
             "active_ratio": statistics.mean(r["active_ratio"] for r in runs),
             "epoch_time_s": statistics.median(epoch) if epoch else None,
             "peak_memory_mb": statistics.mean(r["peak_memory_mb"] for r in runs),
+            "spearman": statistics.mean(spearman) if spearman else None,
+            "final_entropy": statistics.mean(entropy) if entropy else None,
+            "final_floor": statistics.mean(floor) if floor else None,
         }
     base = rows.get("sam") or rows.get("adasam")
     for row in rows.values():
@@ -190,21 +250,31 @@ def render(rows: dict[str, dict[str, Any]], monitor: str, task: str) -> str:
         " parameter fraction with a gradient, summed over a step's passes (AdamW 1.0x, SAM"
         " 2.0x). Epoch time: training batches only, median over every epoch of every seed."
         " Memory: peak RSS of the run's process on"
-        " a CPU (CUDA: max_memory_allocated). Percentages relative to SAM.",
+        " a CPU (CUDA: max_memory_allocated). Percentages relative to SAM. Selection:"
+        " Spearman correlation of the layers' activation frequencies with their mean"
+        " first-pass gradient norms, final normalised entropy of the distribution (1.0 ="
+        " uniform), layers at the floor p_min at the end (bandit methods).",
         "",
         f"| method | seeds | best {monitor} | final {monitor} | active ratio | epoch time (s) |"
-        " peak memory (MB) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        " peak memory (MB) | Spearman | entropy | at floor |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def num(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
     for method, row in rows.items():
         (bm, bs), (fm, fs) = row["best"], row["final"]
         best = "-" if bm is None else f"{bm:.4f} ± {bs:.4f}"
         final = "-" if fm is None else f"{fm:.4f} ± {fs:.4f}"
         epoch = row["epoch_time_s"]
+        floor = row.get("final_floor")
         lines.append(
             f"| {method} | {row['seeds']} | {best} | {final} | {row['active_ratio']:.3f}x"
             f" | {'-' if epoch is None else f'{epoch:.1f}'}{pct(row['epoch_time_s_vs_sam'])}"
-            f" | {row['peak_memory_mb']:.0f}{pct(row['peak_memory_mb_vs_sam'])} |"
+            f" | {row['peak_memory_mb']:.0f}{pct(row['peak_memory_mb_vs_sam'])}"
+            f" | {num(row.get('spearman'), '.2f')} | {num(row.get('final_entropy'), '.3f')}"
+            f" | {num(floor, '.0f')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -232,6 +302,37 @@ def plot(rows: dict[str, dict[str, Any]], monitor: str, path: str) -> None:
     plt.close(fig)
 
 
+def plot_selection(records: dict[str, list[dict[str, Any]]], path: str) -> bool:
+    """Entropy of the layer distribution and layers at the floor over the steps, per method
+    (mean over the seeds). Returns False (no file) when no method has a learning selection."""
+    traced = {m: runs for m, runs in records.items() if any(r.get("floor_layers") for r in runs)}
+    if not traced:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_e, ax_f) = plt.subplots(1, 2, figsize=(12, 4.2), constrained_layout=True)
+    for method, runs in traced.items():
+        for key, ax in (("entropy", ax_e), ("floor_layers", ax_f)):
+            series = [r[key] for r in runs if r.get(key)]
+            length = min(len(x) for x in series)
+            mean = [statistics.mean(x[i] for x in series) for i in range(length)]
+            ax.plot(range(1, length + 1), mean, label=method, lw=1.3)
+    ax_e.set_ylabel("normalised entropy (1.0 = uniform)")
+    ax_f.set_ylabel("layers at the floor p_min")
+    for ax in (ax_e, ax_f):
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax_e.set_title("How far the layer distribution moved from uniform")
+    ax_f.set_title("How many layers the bandit pushed to the floor")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
@@ -257,6 +358,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="override a method's option, e.g. slsam.layer_ratio=0.25",
     )
     parser.add_argument("--methods", default="adamw,sam,slsam", help="names from METHODS")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL=METHOD",
+        help="a configuration of METHOD under its own name, set with --option LABEL.KEY=VALUE",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="reuse the runs of an interrupted compare in --out (each run.json) with the same"
+        " configuration, and train only the missing ones",
+    )
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=42, help="first seed")
     parser.add_argument("--monitor", default="val_acc")
@@ -267,27 +381,43 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return _render_saved(args.render, args.monitor)
     if not args.config:
         parser.error("--config is required (or --render OUT)")
+    variants = _parse_variants(parser, args.variant)
     methods = [m.strip() for m in args.methods.split(",")]
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in METHODS and m not in variants]
     if unknown:
-        parser.error(f"unknown method(s) {unknown}; choose from {sorted(METHODS)}")
+        parser.error(
+            f"unknown method(s) {unknown}; choose from {sorted(METHODS)} or a --variant label"
+        )
     for path in args.config:
         if not os.path.isfile(path):
             parser.error(f"--config {path!r} is not a file")
-    options = _parse_options(parser, args.option, methods)
+    options = _parse_options(parser, args.option, methods, variants)
     if args.seeds < 1:
         parser.error("--seeds must be >= 1")
     os.makedirs(os.path.join(args.out, "configs"), exist_ok=True)
 
-    records: dict[str, list[dict[str, Any]]] = {}
-    for method in methods:
-        for seed in range(args.seed, args.seed + args.seeds):
-            config = _method_config(method, seed, args.out, args.monitor, args.mode,
-                                    options.get(method, {}))  # fmt: skip
-            config_path = os.path.join(args.out, "configs", f"{method}_seed{seed}.yaml")
+    runs = [(seed, m) for seed in range(args.seed, args.seed + args.seeds) for m in methods]
+    records: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    started, trained = time.perf_counter(), 0
+    for index, (seed, method) in enumerate(runs, 1):
+        config = _method_config(method, seed, args.out, args.monitor, args.mode,
+                                options.get(method, {}), variants.get(method))  # fmt: skip
+        config_path = os.path.join(args.out, "configs", f"{method}_seed{seed}.yaml")
+        run_json = config["trainer"]["callbacks"][-1]["init_args"]["path"]
+        # The task and the extra arguments, as a comment: --resume reuses a run only if
+        # this whole text is unchanged.
+        origin = json.dumps({"task": args.config, "extra": extra})
+        config_text = f"# {origin}\n" + yaml.safe_dump(config)
+        if args.resume and _same_file(config_path, config_text) and os.path.isfile(run_json):
+            print(f"== run {index}/{len(runs)}: {method}, seed {seed} (kept)", flush=True)
+        else:
             with open(config_path, "w") as handle:
-                yaml.safe_dump(config, handle)
-            print(f"== {method}, seed {seed}", flush=True)
+                handle.write(config_text)
+            eta = ""
+            if trained:
+                left = (time.perf_counter() - started) / trained * (len(runs) - index + 1)
+                eta = f", about {left / 60:.0f} min left"
+            print(f"== run {index}/{len(runs)}: {method}, seed {seed}{eta}", flush=True)
             configs = [arg for path in args.config for arg in ("--config", path)]
             command = [sys.executable, "-m", "lightning_slsam.cli", "fit", *configs,
                        "--config", config_path, *extra]  # fmt: skip
@@ -296,11 +426,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 raise SystemExit(
                     f"the {method} run with seed {seed} failed (exit {done.returncode})"
                 )
-            run_json = config["trainer"]["callbacks"][-1]["init_args"]["path"]
-            with open(run_json) as handle:
-                records.setdefault(method, []).append(json.load(handle))
+            trained += 1
+        with open(run_json) as handle:
+            records[method].append(json.load(handle))
 
     return _write(records, args.config, args.monitor, args.out)
+
+
+def _same_file(path: str, text: str) -> bool:
+    if not os.path.isfile(path):
+        return False
+    with open(path) as handle:
+        return handle.read() == text
 
 
 def _render_saved(out: str, monitor: str) -> dict[str, Any]:
@@ -326,14 +463,21 @@ def _write(
     with open(os.path.join(out, "comparison.json"), "w") as handle:
         json.dump({"task": configs, "rows": rows, "runs": records}, handle, indent=2)
     plot(rows, monitor, os.path.join(out, "accuracy_vs_active_ratio.png"))
-    layers = next(
-        (r[0]["layer_frequency_png"] for m, r in records.items()
-         if m.startswith("slsam") and r[0]["layer_frequency_png"]),
-        None,
-    )  # fmt: skip
-    if layers and os.path.isfile(layers):
-        shutil.copy(layers, os.path.join(out, "layer_frequency.png"))
+    saved = ["comparison.md/.json", "accuracy_vs_active_ratio.png"]
+    if plot_selection(records, os.path.join(out, "selection_over_steps.png")):
+        saved.append("selection_over_steps.png")
+    # Each bandit method's first run: per-layer frequency and final probability.
+    first_bandit = True
+    for method, runs in records.items():
+        png = runs[0].get("layer_frequency_png") if runs else None
+        if not (png and os.path.isfile(png) and any(r.get("floor_layers") for r in runs)):
+            continue
+        names = ["layer_frequency.png"] if first_bandit else []
+        names.append(f"layer_frequency_{method}.png")
+        for name in names:
+            shutil.copy(png, os.path.join(out, name))
+        saved += names
+        first_bandit = False
     print(table)
-    print(f"Saved in {out}: comparison.md/.json, accuracy_vs_active_ratio.png"
-          + (", layer_frequency.png" if layers else ""))  # fmt: skip
+    print(f"Saved in {out}: {', '.join(saved)}")
     return {"rows": rows, "records": records}
