@@ -72,3 +72,40 @@ def test_compare_options_override_a_method_and_are_checked(tmp_path):
     for bad in ("slsam.layer_ratio=3", "sam.rho=0.1", "slsam=0.2", "slsam.no_such=1"):
         with pytest.raises(SystemExit):
             _parse_options(parser, [bad], ["slsam"])
+
+
+def test_compare_variants_run_interleaved_resume_and_report_the_selection(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    args = ["compare", "--config", TASK, "--methods", "slsam,ranked", "--seeds", "2",
+            "--variant", "ranked=slsam", "--option", "ranked.bandit_loss=rank",
+            "--option", "ranked.alpha_p=0.5", "--out", str(out), "--", *TINY]  # fmt: skip
+    main(args)
+    printed = capsys.readouterr().out
+    # Seed by seed, every method within a seed, with the run count.
+    order = [line.split(": ", 1)[1] for line in printed.splitlines() if line.startswith("== run")]
+    assert order[0] == "slsam, seed 42" and order[1].startswith("ranked, seed 42")
+    assert order[2].startswith("slsam, seed 43") and "== run 4/4" in printed
+    result = json.loads((out / "comparison.json").read_text())
+    ranked = result["runs"]["ranked"][0]
+    config = (out / "configs" / "ranked_seed42.yaml").read_text()
+    assert "bandit_loss: rank" in config and "lightning_slsam.SparseLayerSAM" in config
+    assert len(ranked["entropy"]) == 4 and len(ranked["floor_layers"]) == 4
+    assert ranked["entropy"][-1] < 1.0  # alpha 0.5: the distribution moved
+    assert -1 <= ranked["spearman_frequency_norm"] <= 1
+    row = result["rows"]["ranked"]
+    assert row["final_entropy"] == sum(r["entropy"][-1] for r in result["runs"]["ranked"]) / 2
+    assert (out / "selection_over_steps.png").stat().st_size > 5000
+    assert (out / "layer_frequency_ranked.png").is_file()
+    table = (out / "comparison.md").read_text()
+    assert "| Spearman | entropy | at floor |" in table and "| ranked | 2 |" in table
+    # --resume keeps every finished run with an unchanged configuration.
+    main([*args[: -len(TINY) - 1], "--resume", "--", *TINY])
+    assert printed.count("(kept)") == 0
+    assert capsys.readouterr().out.count("(kept)") == 4
+
+
+def test_compare_rejects_bad_variants(tmp_path):
+    for variant in ("slsam=sam", "x=nosuch", "=slsam", "a.b=slsam"):
+        with pytest.raises(SystemExit):
+            main(["compare", "--config", TASK, "--methods", "slsam", "--variant", variant,
+                  "--out", str(tmp_path)])  # fmt: skip

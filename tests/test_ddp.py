@@ -17,7 +17,7 @@ import torch
 WORKER = os.path.join(os.path.dirname(__file__), "ddp_worker.py")
 METHODS = [
     "sam", "slsam", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
-    "ssamf", "looksam", "slsam_rst", "slsam_looksam",
+    "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_robust",
 ]  # fmt: skip
 # ESAM's data selection ranks each process's own samples: not the one-process choice.
 PER_RANK_DATA = {"esam"}

@@ -164,14 +164,22 @@ def test_epoch_interval_scheduler_and_plateau():
     assert t.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**2)
 
 
-def test_resume_equals_uninterrupted(tmp_path):
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"alpha_p": 0.05},
+        # The rank loss and a dense warm-up that spans the checkpoint (steps 0-11 of 16).
+        {"bandit_loss": "rank", "alpha_p": 0.5, "dense_warmup": 12},
+    ],
+)
+def test_resume_equals_uninterrupted(tmp_path, options):
     data = make_data(64)
     net = make_mlp(seed=5)
 
     def run(max_epochs, ckpt_path=None, callbacks=()):
         L.seed_everything(7)
         model = LitModel(copy.deepcopy(net))
-        cb = SparseLayerSAM(layer_ratio=0.3, alpha_p=0.05)
+        cb = SparseLayerSAM(layer_ratio=0.3, **options)
         t = trainer(callbacks=[cb, *callbacks], max_epochs=max_epochs, enable_checkpointing=True)
         t.fit(model, loader(data, 16), ckpt_path=ckpt_path)
         return model, cb
