@@ -22,10 +22,14 @@ from lightning_slsam import SAMMixin, SparseLayerSAM
 from lightning_slsam.metrics import normalized_entropy
 
 
-def bandit(model_name: str, iterations: int = 300, layer_ratio: float = 0.2) -> dict:
-    """Milliseconds per step of SL-SAM's selection and bookkeeping on ``model_name``."""
+def bandit(
+    model_name: str, iterations: int = 300, layer_ratio: float = 0.2, loss: str = "shifted"
+) -> dict:
+    """Milliseconds per step of SL-SAM's selection and bookkeeping on ``model_name``, with
+    the bandit ``loss`` (``"shifted"``: the paper's default; ``"rank"``: scale-free)."""
     work = make_workload(model_name, 1)
-    engine = SparseLayerSAM(layer_ratio=layer_ratio, seed=0).build_engine(work.model)
+    cb = SparseLayerSAM(layer_ratio=layer_ratio, bandit_loss=loss, seed=0)
+    engine = cb.build_engine(work.model)
     n = engine.partition.num_layers
     gen = torch.Generator().manual_seed(0)
     norms = torch.rand(n, generator=gen, dtype=torch.float64)

@@ -75,6 +75,9 @@ def targets(result: dict) -> list[dict]:
         add(f"{model}: SAM time / hand-written SAM", t["sam"] / t["sam_reference"], 1.02)
         bandit = data["bandit"]["ms_per_step"]["total"] / 1000
         add(f"{model}: SL-SAM selection cost / SL-SAM step", bandit / t["slsam"], 0.01)
+        if "bandit_rank" in data:
+            rank = data["bandit_rank"]["ms_per_step"]["total"] / 1000
+            add(f"{model}: rank-loss selection cost / SL-SAM step", rank / t["slsam"], 0.01)
         if model == "minilm":
             add("minilm: cost-aware SL-SAM time / SAM", t["slsam_depth"] / t["sam"], 0.55)
     if "lightning_adamw" in result:
@@ -111,7 +114,12 @@ def render(result: dict) -> str:
             "",
             f"{t['num_layers']} layers; {t['rounds']} timed rounds after {t['warmup']} warm-up."
             f" SL-SAM's selection and bookkeeping: {data['bandit']['ms_per_step']['total']:.2f}"
-            " ms per step.",
+            " ms per step"
+            + (
+                f" ({data['bandit_rank']['ms_per_step']['total']:.2f} with the rank loss)."
+                if "bandit_rank" in data
+                else "."
+            ),
             "",
             "| method | step (s) | time / SAM | memory (MB) | memory / SAM | active ratio |",
             "|---|---:|---:|---:|---:|---:|",
@@ -173,7 +181,11 @@ def main(argv: list[str] | None = None) -> dict:
     for model in models:
         print(f"== {model}: step times", flush=True)
         timing = step_time.measure(model, METHODS, args.rounds, args.warmup, device=device)
-        result["models"][model] = {"time": timing, "bandit": overhead.bandit(model)}
+        result["models"][model] = {
+            "time": timing,
+            "bandit": overhead.bandit(model),
+            "bandit_rank": overhead.bandit(model, loss="rank"),
+        }
     print("== memory, one process per method", flush=True)
     jobs = [(m, n) for m in models for n in METHODS]
     threads = 1 if not cuda else 0
