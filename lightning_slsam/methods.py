@@ -602,23 +602,25 @@ class SSAMF(SAMCallback):
         }
 
 
-#: Method name -> (callback class or ``None`` for plain AdamW, preset options).
+#: Method name -> (callback class or ``None`` for plain AdamW, preset options). The SL-SAM
+#: methods name ``preset="paper"``: comparisons and the paper's recipes run the paper's
+#: SL-SAM whatever the class's default.
 METHODS: dict[str, tuple[type[SAMCallback] | None, dict[str, Any]]] = {
     "adamw": (None, {}),
     "sam": (SAM, {}),
     "adasam": (SAM, {}),
-    "slsam": (SparseLayerSAM, {}),
+    "slsam": (SparseLayerSAM, {"preset": "paper"}),
     "random_slsam": (RandomSLSAM, {}),
     "top_slsam": (TopSLSAM, {}),
     "s2sam": (S2SAM, {}),
-    "sl_s2sam": (SLS2SAM, {}),
+    "sl_s2sam": (SLS2SAM, {"preset": "paper"}),
     "rst": (RST, {}),
     "esam": (ESAM, {}),
     "ssamf": (SSAMF, {}),
     "looksam": (LookSAM, {}),
-    "slsam_rst": (SparseLayerSAM, {"schedule": "random"}),
-    "slsam_looksam": (SparseLayerSAM, {"schedule": "interval"}),
-    "slsam_depth": (SparseLayerSAM, {"backprop_depth": 0.5}),
+    "slsam_rst": (SparseLayerSAM, {"preset": "paper", "schedule": "random"}),
+    "slsam_looksam": (SparseLayerSAM, {"preset": "paper", "schedule": "interval"}),
+    "slsam_depth": (SparseLayerSAM, {"preset": "paper", "backprop_depth": 0.5}),
     "slsam_robust": (SparseLayerSAM, {"preset": "robust"}),
 }
 

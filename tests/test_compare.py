@@ -66,8 +66,10 @@ def test_compare_options_override_a_method_and_are_checked(tmp_path):
     assert options == {"slsam": {"layer_ratio": 0.25, "rho": 0.05}}
     config = _method_config("slsam", 7, str(tmp_path), "val_score", "max", options["slsam"])
     callback = config["trainer"]["callbacks"][0]
-    assert callback == {"class_path": "lightning_slsam.SparseLayerSAM",
-                        "init_args": {"layer_ratio": 0.25, "rho": 0.05}}  # fmt: skip
+    assert callback == {
+        "class_path": "lightning_slsam.SparseLayerSAM",
+        "init_args": {"preset": "paper", "layer_ratio": 0.25, "rho": 0.05},
+    }
     assert config["seed_everything"] == 7
     for bad in ("slsam.layer_ratio=3", "sam.rho=0.1", "slsam=0.2", "slsam.no_such=1"):
         with pytest.raises(SystemExit):
