@@ -121,7 +121,7 @@ def test_recipe_configs_carry_the_paper_hyperparameters():
                              ("sl_s2sam_llama", "SLS2SAM", 0.5)):  # fmt: skip
         callback = _yaml(RECIPES, "methods", f"{name}.yaml")["trainer"]["callbacks"][0]
         assert callback["class_path"] == f"lightning_slsam.{cls}"
-        assert callback["init_args"] == {"rho": 0.01, "layer_ratio": ratio}
+        assert callback["init_args"] == {"preset": "paper", "rho": 0.01, "layer_ratio": ratio}
 
 
 # --- DeiT / CIFAR ---------------------------------------------------------------------
