@@ -124,6 +124,10 @@ class SAMCallback(Callback):
         check_masks: debug mode for DDP: every step, check (one small all-gather) that all
             processes drew the same layers and step kind, and raise a clear error on every
             process if not, instead of a hang or a silent divergence. Default ``False``.
+        dense_one_pass: with ``schedule="random"`` or ``"interval"``, the steps that run
+            one pass (RST's plain steps, LookSAM's reuse steps) train every layer, as a
+            plain optimizer step; only the SAM steps are sparse. Default ``False`` (they
+            train the sampled layers).
         plot: write the per-layer activation chart (PNG) at the end of fit.
 
     Attributes:
@@ -165,6 +169,7 @@ class SAMCallback(Callback):
         replay_dropout: bool = False,
         sync_first_pass: bool = True,
         check_masks: bool = False,
+        dense_one_pass: bool = False,
         plot: bool = True,
     ) -> None:
         super().__init__()
@@ -177,6 +182,7 @@ class SAMCallback(Callback):
             ("replay_dropout", replay_dropout),
             ("sync_first_pass", sync_first_pass),
             ("check_masks", check_masks),
+            ("dense_one_pass", dense_one_pass),
             ("plot", plot),
             ("head_always_active", head_always_active),
             ("vectors_always_active", vectors_always_active),
@@ -242,6 +248,7 @@ class SAMCallback(Callback):
         self.replay_dropout = replay_dropout
         self.sync_first_pass = sync_first_pass
         self.check_masks = check_masks
+        self.dense_one_pass = dense_one_pass
         self.plot = plot
         self._averager: GradientAverager | None = None
 
@@ -453,6 +460,7 @@ class SAMCallback(Callback):
             replay_dropout=self.replay_dropout,
             sync_first_pass=self.sync_first_pass,
             check_masks=self.check_masks,
+            dense_one_pass=self.dense_one_pass,
             **self._engine_options(),
         )
 

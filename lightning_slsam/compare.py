@@ -9,7 +9,7 @@ peak memory is measured per run), on the task config plus the method's callback 
 seed, so a slow spell of a shared machine spreads over the methods instead of landing on
 one. The table gives, per method, the best validation metric over the run (mean ± std over
 seeds, as the SL-SAM paper reports), the final one, the active ratio, the training time per
-epoch (batches only, validation excluded; each run's total over its epochs, median over the
+epoch (batches only, validation excluded; each run's mean over all its epochs, median over the
 seeds) and the peak memory, the last two also relative to SAM, and for the bandit methods
 how the selection behaved (Spearman correlation of each layer's activation frequency with
 its mean gradient norm, final entropy, layers at the floor). Plots: the metric against the
@@ -248,7 +248,8 @@ def render(rows: dict[str, dict[str, Any]], monitor: str, task: str) -> str:
         "",
         f"`{monitor}`: best over the run and final, mean ± std over seeds. Active ratio:"
         " parameter fraction with a gradient, summed over a step's passes (AdamW 1.0x, SAM"
-        " 2.0x). Epoch time: training batches only, median over every epoch of every seed."
+        " 2.0x). Epoch time: training batches only, each run's mean over all its epochs (a"
+        " costlier warm-up counts), median over the seeds."
         " Memory: peak RSS of the run's process on"
         " a CPU (CUDA: max_memory_allocated). Percentages relative to SAM. Selection:"
         " Spearman correlation of the layers' activation frequencies with their mean"

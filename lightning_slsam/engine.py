@@ -157,6 +157,8 @@ class SparseSAMEngine:
             before the ascent (default). ``False`` perturbs every process with its own
             gradient (SAM's m-sharpness): no first-pass gradient traffic, only the
             per-layer norm vector is averaged.
+        dense_one_pass: the steps that run one pass ("plain" and "reuse" kinds) train
+            every layer instead of the selection's draw (default ``False``).
 
     Attributes:
         counts: steps in which each layer was updated (int64, CPU).
@@ -181,6 +183,7 @@ class SparseSAMEngine:
         replay_dropout: bool = False,
         sync_first_pass: bool = True,
         check_masks: bool = False,
+        dense_one_pass: bool = False,
     ) -> None:
         if not (isinstance(data_ratio, (int, float)) and 0 < data_ratio <= 1):
             raise ValueError(f"`data_ratio` must be in (0, 1], got {data_ratio!r}.")
@@ -197,6 +200,7 @@ class SparseSAMEngine:
         self.replay_dropout = bool(replay_dropout)
         self.sync_first_pass = bool(sync_first_pass)
         self.check_masks = bool(check_masks)
+        self.dense_one_pass = bool(dense_one_pass)
         self._context = StepContext()
         n = partition.num_layers
         self.counts = torch.zeros(n, dtype=torch.int64)
@@ -272,12 +276,15 @@ class SparseSAMEngine:
         self._context = context if context is not None else StepContext()
         kind = self.schedule.kind(self.num_steps)
         # Single-step SAM has no previous gradient at first: a plain step on every layer,
-        # whose gradients the next steps perturb along.
+        # whose gradients the next steps perturb along. With dense_one_pass, the steps of
+        # a schedule that run one pass (RST's plain steps, LookSAM's reuse steps) train
+        # every layer too. The selection draws (and learns) on the other steps only.
         warmup = kind == "single" and not self.last_grad
-        mask = self._all.clone() if warmup else self.selection.sample()
+        forced = warmup or (self.dense_one_pass and kind in ("plain", "reuse"))
+        mask = self._all.clone() if forced else self.selection.sample()
         if self.check_masks and self._context.averager is not None:
             self._check_same_draw(mask, kind)
-        result = StepResult(None, mask, self.partition.trainable_numel, kind, drawn=not warmup)
+        result = StepResult(None, mask, self.partition.trainable_numel, kind, drawn=not forced)
         try:
             if self.fisher is not None and self.fisher.due(self.num_steps):
                 self._refresh_fisher(forward_backward, zero_grad, result)

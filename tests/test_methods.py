@@ -562,3 +562,20 @@ def test_vectors_always_active_trains_every_bias_and_norm_weight_every_step():
             if p.dim() == 1:
                 assert not torch.equal(p.detach(), before[name])  # updated every step
                 before[name] = p.detach().clone()
+
+
+def test_dense_one_pass_trains_every_layer_on_the_plain_steps_only():
+    net = nn.Sequential(*[nn.Linear(4, 4) for _ in range(15)])  # 30 tensors
+    cb = SparseLayerSAM(schedule="random", dense_one_pass=True, alpha_p=0.5, seed=2)
+    engine = cb.build_engine(net)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 4), torch.randint(0, 4, (8,))
+    results = [engine.train_step(lambda: F.cross_entropy(net(x), y), opt) for _ in range(40)]
+    plain = [r for r in results if r.kind == "plain"]
+    sam = [r for r in results if r.kind == "sam"]
+    assert 10 < len(plain) < 30 and len(sam) == 40 - len(plain)
+    assert all(bool(r.active_mask.all()) and not r.drawn and r.num_backward == 1 for r in plain)
+    assert all(r.drawn and int(r.active_mask.sum()) < 30 for r in sam)
+    assert engine.selection.num_updates == len(sam)  # the bandit learns from its draws only
+    with pytest.raises(ValueError, match="dense_one_pass"):
+        SparseLayerSAM(dense_one_pass=1)
