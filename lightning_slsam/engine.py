@@ -159,6 +159,13 @@ class SparseSAMEngine:
             per-layer norm vector is averaged.
         dense_one_pass: the steps that run one pass ("plain" and "reuse" kinds) train
             every layer instead of the selection's draw (default ``False``).
+        update_scale: inverse-inclusion update scaling (beyond the paper; ``None``, the
+            default, disables it). On a step whose layers the selection drew, each active
+            layer's update -- the change the optimizer made to its weights -- is multiplied
+            by ``min(1 / q, update_scale)``, with ``q`` the probability that the layer was
+            drawn (:meth:`~lightning_slsam.selection.LayerSelection.inclusion`). A layer
+            active in a fraction ``q`` of the steps then moves, in expectation, as far as
+            it would if it were trained every step. Must be ``>= 1``.
 
     Attributes:
         counts: steps in which each layer was updated (int64, CPU).
@@ -184,7 +191,14 @@ class SparseSAMEngine:
         sync_first_pass: bool = True,
         check_masks: bool = False,
         dense_one_pass: bool = False,
+        update_scale: float | None = None,
     ) -> None:
+        if update_scale is not None and not (
+            isinstance(update_scale, (int, float)) and 1.0 <= update_scale < float("inf")
+        ):
+            raise ValueError(
+                f"`update_scale` must be None or a finite number >= 1, got {update_scale!r}."
+            )
         if not (isinstance(data_ratio, (int, float)) and 0 < data_ratio <= 1):
             raise ValueError(f"`data_ratio` must be in (0, 1], got {data_ratio!r}.")
         if bn_stats not in BN_STATS:
@@ -201,6 +215,9 @@ class SparseSAMEngine:
         self.sync_first_pass = bool(sync_first_pass)
         self.check_masks = bool(check_masks)
         self.dense_one_pass = bool(dense_one_pass)
+        self.update_scale = None if update_scale is None else float(update_scale)
+        # This step's inclusion probabilities, when its update is scaled.
+        self._inclusion: Tensor | None = None
         self._context = StepContext()
         n = partition.num_layers
         self.counts = torch.zeros(n, dtype=torch.int64)
@@ -282,6 +299,8 @@ class SparseSAMEngine:
         warmup = kind == "single" and not self.last_grad
         forced = warmup or (self.dense_one_pass and kind in ("plain", "reuse"))
         mask = self._all.clone() if forced else self.selection.sample()
+        scaled = self.update_scale is not None and not forced
+        self._inclusion = self.selection.inclusion() if scaled else None
         if self.check_masks and self._context.averager is not None:
             self._check_same_draw(mask, kind)
         result = StepResult(None, mask, self.partition.trainable_numel, kind, drawn=not forced)
@@ -538,7 +557,10 @@ class SparseSAMEngine:
         elif not bool(finite[k1:k].all()):
             reason = "non-finite loss or gradient in the second pass"
         else:
+            scaled = self._before_scaled_update(result.active_mask)
             optimizer_step(False)
+            if scaled is not None:
+                self._scale_update(*scaled)
             norms = host[k:].double()
             self.norm_sums += torch.where(update_mask, norms, 0.0)
             self.norm_counts += update_mask.to(torch.int64)
@@ -556,6 +578,33 @@ class SparseSAMEngine:
         )
         optimizer_step(True)
         return False
+
+    def _before_scaled_update(
+        self, mask: Tensor
+    ) -> tuple[list[Tensor], list[Tensor], list[float]] | None:
+        """With ``update_scale``: the drawn tensors whose update is scaled, a copy of their
+        weights before the optimizer step, and each one's factor minus 1."""
+        if self._inclusion is None or self.update_scale is None:
+            return None
+        factors = (1.0 / self._inclusion.clamp(min=1e-300)).clamp(max=self.update_scale)
+        params: list[Tensor] = []
+        extra: list[float] = []
+        for on, factor, group in zip(mask.tolist(), factors.tolist(), self.partition.params):
+            if on and factor > 1.0:
+                params.extend(group)
+                extra.extend([factor - 1.0] * len(group))
+        if not params:
+            return None
+        # The perturbation's backup was restored before this point: its pool is free.
+        return params, self.perturbation.pool.copy(params), extra
+
+    @staticmethod
+    @torch.no_grad()
+    def _scale_update(params: list[Tensor], before: list[Tensor], extra: list[float]) -> None:
+        """``w <- w + (f - 1) * (w - w_before)``: the optimizer's change times ``f``."""
+        torch._foreach_sub_(before, params)  # w_before - w
+        torch._foreach_mul_(before, extra)  # (f - 1) * (w_before - w)
+        torch._foreach_sub_(params, before)
 
     def _with_grad(self, active: list[Tensor]) -> tuple[list[Tensor], list[Tensor], Tensor]:
         """Active tensors that received a gradient, their grads and group slots.

@@ -68,8 +68,9 @@ BANDIT_LOSSES = ("shifted", "paper", "rank")
 
 #: What each :class:`SparseLayerSAM` preset sets; an option given explicitly wins.
 #: ``"paper"``: the SL-SAM paper and its released code. ``"robust"``: the short-fine-tune
-#: remedies measured in ``docs/results.md`` (scale-free bandit, dense warm-up over the
-#: first 30% of the run, the fresh head and every 1-D tensor trained every step).
+#: remedies measured in ``docs/results.md``: the scale-free bandit, a dense warm-up over
+#: the first 30% of the run, the fresh task head trained every step and inverse-inclusion
+#: update scaling.
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": {
         "bandit_loss": "shifted",
@@ -77,6 +78,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "min_updates": 0,
         "head_always_active": False,
         "vectors_always_active": False,
+        "scale_updates": False,
     },
     "robust": {
         "bandit_loss": "rank",
@@ -84,6 +86,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "min_updates": 0,
         "head_always_active": True,
         "vectors_always_active": False,
+        "scale_updates": True,
     },
 }
 
@@ -108,19 +111,54 @@ def _warmup(value: int | float) -> int | float:
 
 
 class _LayerSubset(SAMCallback):
-    """What the methods that sample a subset of layers share: the layer ratio, its dense
-    warm-up and its floor for short runs."""
+    """What the methods that sample a subset of layers share: the layer ratio, and the
+    short-run remedies that do not depend on how the subset is drawn (a dense warm-up, a
+    floor on each layer's updates, update scaling)."""
 
     layer_ratio: float
     dense_warmup: int | float
     min_updates: int
+    scale_updates: bool
+    max_update_scale: float | None
 
-    def _init_subset(self, layer_ratio: float, dense_warmup: int | float, min_updates: int) -> None:
+    def _init_subset(
+        self,
+        layer_ratio: float,
+        dense_warmup: int | float,
+        min_updates: int,
+        scale_updates: bool,
+        max_update_scale: float | None,
+    ) -> None:
         self.layer_ratio = _ratio("layer_ratio", layer_ratio)
         self.dense_warmup = _warmup(dense_warmup)
         if isinstance(min_updates, bool) or not (isinstance(min_updates, int) and min_updates >= 0):
             raise ValueError(f"`min_updates` must be an integer >= 0, got {min_updates!r}.")
         self.min_updates = min_updates
+        if not isinstance(scale_updates, bool):
+            raise ValueError(f"`scale_updates` must be True or False, got {scale_updates!r}.")
+        self.scale_updates = scale_updates
+        cap = max_update_scale
+        if cap is not None and (
+            isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 1 <= cap < math.inf
+        ):
+            raise ValueError(
+                f"`max_update_scale` must be None (1 / layer_ratio) or a finite number >= 1,"
+                f" got {cap!r}."
+            )
+        self.max_update_scale = None if cap is None else float(cap)
+
+    @property
+    def update_scale(self) -> float | None:
+        """The cap on the update factor ``1 / q`` in use (``None``: no scaling):
+        ``max_update_scale``, by default ``1 / layer_ratio`` (the ratio in use)."""
+        if not self.scale_updates:
+            return None
+        if self.max_update_scale is not None:
+            return self.max_update_scale
+        return 1.0 / self.effective_ratio
+
+    def _engine_options(self) -> dict[str, Any]:
+        return {**super()._engine_options(), "update_scale": self.update_scale}
 
     def _needs_total_steps(self) -> bool:
         return (
@@ -169,6 +207,8 @@ class _LayerSubset(SAMCallback):
             "layer_ratio": self.layer_ratio,
             "dense_warmup": self.dense_warmup,
             "min_updates": self.min_updates,
+            "scale_updates": self.scale_updates,
+            "max_update_scale": self.max_update_scale,
         }
 
 
@@ -199,9 +239,10 @@ class SparseLayerSAM(_LayerSubset):
     The defaults are the paper's (``preset="paper"``). Beyond the paper, for short
     fine-tunes (see ``docs/results.md``): a scale-free bandit loss (``bandit_loss="rank"``),
     a dense warm-up (``dense_warmup``), the fresh task head and the 1-D tensors trained
-    every step (``head_always_active``, ``vectors_always_active``) and a floor on each
-    layer's updates (``min_updates``); ``preset="robust"`` switches on the measured
-    combination (:data:`PRESETS`).
+    every step (``head_always_active``, ``vectors_always_active``), a floor on each
+    layer's updates (``min_updates``) and inverse-inclusion update scaling
+    (``scale_updates``); ``preset="robust"`` switches on the measured combination
+    (:data:`PRESETS`).
 
     Args:
         rho: SAM perturbation radius (> 0). ``None``: the paper's 0.01 (0.5 with
@@ -232,6 +273,13 @@ class SparseLayerSAM(_LayerSubset):
             :class:`~lightning_slsam.callback.SAMCallback`). ``None``: the preset's.
         vectors_always_active: train every 1-D tensor (biases, normalisation weights)
             every step. ``None``: the preset's.
+        scale_updates: multiply each drawn layer's update (the optimizer's change to its
+            weights) by ``1 / q``, ``q`` its probability of being drawn that step, capped at
+            ``max_update_scale``: every layer then moves as far per step, in expectation,
+            as in dense training, at no extra gradient work. ``None``: the preset's
+            (``"paper"``: off, ``"robust"``: on).
+        max_update_scale: the cap on that factor (>= 1); ``None`` (default): ``1 /
+            layer_ratio``.
         preset: ``"paper"`` (default: the paper's SL-SAM) or ``"robust"``; the options
             left at ``None`` take its values (:data:`PRESETS`).
         **kwargs: the common options of :class:`~lightning_slsam.callback.SAMCallback`,
@@ -256,6 +304,8 @@ class SparseLayerSAM(_LayerSubset):
         min_updates: int | None = None,
         head_always_active: bool | None = None,
         vectors_always_active: bool | None = None,
+        scale_updates: bool | None = None,
+        max_update_scale: float | None = None,
         preset: str = "paper",
         **kwargs: Any,
     ) -> None:
@@ -272,6 +322,8 @@ class SparseLayerSAM(_LayerSubset):
             head_always_active = chosen["head_always_active"]
         if vectors_always_active is None:
             vectors_always_active = chosen["vectors_always_active"]
+        if scale_updates is None:
+            scale_updates = chosen["scale_updates"]
         _ratio("backprop_depth", backprop_depth)
         if bandit_loss not in BANDIT_LOSSES:
             raise ValueError(
@@ -290,7 +342,7 @@ class SparseLayerSAM(_LayerSubset):
             **kwargs,
         )
         self.preset = preset
-        self._init_subset(layer_ratio, dense_warmup, min_updates)
+        self._init_subset(layer_ratio, dense_warmup, min_updates, scale_updates, max_update_scale)
         self.p_min = float(p_min)
         self.alpha_p = probe_bandit.alpha_p
         self.bandit_loss = bandit_loss
@@ -390,6 +442,9 @@ class RandomSLSAM(_LayerSubset):
         layer_ratio: probability of each layer per step, in (0, 1]. Paper: 0.2.
         dense_warmup: as :class:`SparseLayerSAM` (default 0).
         min_updates: as :class:`SparseLayerSAM` (default 0).
+        scale_updates: as :class:`SparseLayerSAM` (default ``False``); with uniform
+            sampling every drawn layer's update is scaled by ``1 / layer_ratio``.
+        max_update_scale: as :class:`SparseLayerSAM`.
         **kwargs: the common options of :class:`~lightning_slsam.callback.SAMCallback`.
     """
 
@@ -400,9 +455,11 @@ class RandomSLSAM(_LayerSubset):
         layer_ratio: float = 0.2,
         dense_warmup: int | float = 0,
         min_updates: int = 0,
+        scale_updates: bool = False,
+        max_update_scale: float | None = None,
         **kwargs: Any,
     ) -> None:
-        self._init_subset(layer_ratio, dense_warmup, min_updates)
+        self._init_subset(layer_ratio, dense_warmup, min_updates, scale_updates, max_update_scale)
         super().__init__(**kwargs)
 
     def _selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
