@@ -1,0 +1,218 @@
+"""Step time of the short-fine-tune configurations over a whole run, interleaved in one process.
+
+    python benchmarks/short_runs_time.py                      # vision 92 and 276, text 454
+    python benchmarks/short_runs_time.py --tasks vision92 --configs sam,slsam,slsam_scale
+
+The comparisons of ``docs/results.md`` (``examples/scripts/compare_short_runs.sh``) train
+each configuration in a process of its own, one after the other, over hours; on a shared
+machine their epoch times drift with the load. This benchmark gives the time figures the
+goal is judged on: every configuration trains its own copy of the task's model on the
+task's own batches for the whole run (so a dense warm-up and a bandit that concentrates on
+large tensors cost what they cost over the run), one step of each configuration per
+round in a rotating order, so a slow spell of the machine slows all of them alike.
+
+The configurations are the comparison's, read from its script (one table for both), plus
+the baselines (AdamW without a callback, SAM, SL-SAM, Random-SL-SAM). Reported per
+configuration: the mean step time over the run, its ratio to SAM's, and the active ratio.
+Writes ``benchmarks/results/short_runs_time.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import importlib
+import json
+import os
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import yaml
+from step_time import interleaved, machine
+
+from lightning_slsam import make_callback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+SCRIPT = os.path.join(ROOT, "examples", "scripts", "compare_short_runs.sh")
+#: name: (task config, epochs)
+TASKS = {
+    "vision92": ("examples/configs/tasks/efficientnet_digits.yaml", 4),
+    "vision276": ("examples/configs/tasks/efficientnet_digits.yaml", 12),
+    "text454": ("examples/configs/tasks/minilm_rotten_tomatoes.yaml", 2),
+}
+BASELINES = {"adamw": ("adamw", {}), "sam": ("sam", {}), "slsam": ("slsam", {}),
+             "random_slsam": ("random_slsam", {})}  # fmt: skip
+TIME_GOAL = 0.75
+
+
+def script_variants(path: str = SCRIPT) -> dict[str, tuple[str, dict[str, Any]]]:
+    """The comparison script's variant table: label -> (method, options)."""
+    with open(path) as handle:
+        text = handle.read()
+    variants = {}
+    for label, spec in re.findall(r'^\s*\[(\w+)\]="([^"]+)"', text, re.M):
+        method, *options = spec.split()
+        variants[label] = (
+            method,
+            {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in options)},
+        )
+    return variants
+
+
+def _build(entry: dict[str, Any]) -> Any:
+    module_name, _, name = entry["class_path"].rpartition(".")
+    cls = getattr(importlib.import_module(module_name), name)
+    return cls(**(entry.get("init_args") or {}))
+
+
+def load_task(config: str, epochs: int) -> tuple[torch.nn.Module, list, Callable, float]:
+    """The task's module, its training batches for ``epochs`` epochs, the loss its
+    ``training_step`` computes (per-sample cross-entropy) and its learning rate."""
+    with open(os.path.join(ROOT, config)) as handle:
+        spec = yaml.safe_load(handle)
+    torch.manual_seed(spec.get("seed_everything", 0))
+    module, data = _build(spec["model"]), _build(spec["data"])
+    data.setup("fit")
+    batches = [batch for _ in range(epochs) for batch in data.train_dataloader()]
+    if isinstance(batches[0], dict):  # the text task's tokenized batches
+
+        def loss(model, batch, index=None):
+            part = batch if index is None else {k: v[index] for k, v in batch.items()}
+            inputs = {k: v for k, v in part.items() if k != "labels"}
+            logits = model.model(**inputs).logits.float()
+            return F.cross_entropy(logits, part["labels"], reduction="none")
+
+    else:
+
+        def loss(model, batch, index=None):
+            images, labels = batch if index is None else (batch[0][index], batch[1][index])
+            return F.cross_entropy(model(images), labels, reduction="none")
+
+    return module, batches, loss, float(module.hparams.learning_rate)
+
+
+def make_step(method: str, options: dict[str, Any], module, loss, lr, total: int) -> Callable:
+    """One training step of ``method`` with ``options`` on ``module`` (its own AdamW)."""
+    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=lr)
+    module.train()
+    if method == "adamw":
+
+        def adamw(batch):
+            opt.zero_grad(set_to_none=True)
+            loss(module, batch).mean().backward()
+            opt.step()
+
+        adamw.engine = None  # type: ignore[attr-defined]
+        return adamw
+    engine = make_callback(method, seed=0, **options).build_engine(module, total_steps=total)
+
+    def step(batch):
+        engine.train_step(lambda index=None: loss(module, batch, index), opt)
+
+    step.engine = engine  # type: ignore[attr-defined]
+    return step
+
+
+def measure(task: str, labels: list[str], limit: int | None = None) -> dict[str, Any]:
+    """Every configuration of ``labels`` on ``task``; ``limit`` stops after that many steps
+    (to try the script: the run length the options see stays the task's)."""
+    config, epochs = TASKS[task]
+    table = {**BASELINES, **script_variants()}
+    module, batches, loss, lr = load_task(config, epochs)
+    steps = {
+        label: make_step(*table[label], copy.deepcopy(module), loss, lr, len(batches))
+        for label in labels
+    }
+    batches = batches[:limit] if limit else batches
+    print(f"== {task}: {len(batches)} steps x {len(labels)} configurations", flush=True)
+    times = interleaved(steps, batches, warmup=0)
+    sam = statistics.mean(times["sam"]) if "sam" in times else None
+    rows = {}
+    for label in labels:
+        engine = steps[label].engine
+        mean = statistics.mean(times[label])
+        done = max(engine.num_steps - engine.num_skipped, 1) if engine is not None else 1
+        rows[label] = {
+            "method": table[label][0],
+            "options": table[label][1],
+            "mean_step_s": mean,
+            "median_step_s": statistics.median(times[label]),
+            "ratio_to_sam": mean / sam if sam else None,
+            "active_ratio": 1.0 if engine is None else engine.active_ratio_sum / done,
+        }
+    return {"task": task, "config": config, "steps": len(batches), "configs": rows}
+
+
+def render(results: list[dict[str, Any]], stamp: str) -> str:
+    lines = [
+        "# Step time of the short-fine-tune configurations over a whole run",
+        "",
+        "Produced by `python benchmarks/short_runs_time.py`: each configuration trains its own"
+        " copy of the task's model on the task's batches for the whole run, interleaved step"
+        " by step in one process. Mean step time over the run (a dense warm-up counts), its"
+        f" ratio to SAM's (goal: at most {TIME_GOAL}x), and the active ratio. {stamp}",
+    ]
+    for result in results:
+        lines += [
+            "",
+            f"## {result['task']}: `{os.path.basename(result['config'])}`, {result['steps']} steps",
+            "",
+            "| configuration | mean step (s) | time / SAM | active ratio |",
+            "|---|---:|---:|---:|",
+        ]
+        for label, row in result["configs"].items():
+            ratio = row["ratio_to_sam"]
+            lines.append(
+                f"| {label} | {row['mean_step_s']:.3f} | {'-' if ratio is None else f'{ratio:.3f}'}"
+                f" | {row['active_ratio']:.3f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default=",".join(TASKS), help=f"from {list(TASKS)}")
+    parser.add_argument(
+        "--configs", default="all", help="labels (baselines and the script's variants), or all"
+    )
+    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--limit", type=int, help="stop each run after this many steps")
+    args = parser.parse_args(argv)
+    tasks = args.tasks.split(",")
+    known = {**BASELINES, **script_variants()}
+    labels = list(known) if args.configs == "all" else args.configs.split(",")
+    bad = [t for t in tasks if t not in TASKS] + [c for c in labels if c not in known]
+    if bad:
+        parser.error(
+            f"unknown task(s) or configuration(s) {bad}; known: {list(TASKS)}, {list(known)}"
+        )
+    if "sam" not in labels:
+        labels.insert(0, "sam")
+    results = []
+    for task in tasks:
+        # The budget remedy changes nothing but the vision 92 run (see the script).
+        chosen = [c for c in labels if c != "slsam_budget" or task == "vision92"]
+        results.append(measure(task, chosen, args.limit))
+    stamp = (
+        f"Machine: {machine()['processor']}, {torch.get_num_threads()} threads, torch"
+        f" {torch.__version__}, {dt.date.today().isoformat()}."
+    )
+    os.makedirs(args.out, exist_ok=True)
+    text = render(results, stamp)
+    with open(os.path.join(args.out, "short_runs_time.md"), "w") as handle:
+        handle.write(text)
+    with open(os.path.join(args.out, "short_runs_time.json"), "w") as handle:
+        json.dump({"machine": machine(), "results": results}, handle, indent=2)
+    print(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
