@@ -14,7 +14,8 @@ round in a rotating order, so a slow spell of the machine slows all of them alik
 The configurations are the comparison's, read from its script (one table for both), plus
 the baselines (AdamW without a callback, SAM, SL-SAM, Random-SL-SAM). Reported per
 configuration: the mean step time over the run, its ratio to SAM's, and the active ratio.
-Writes ``benchmarks/results/short_runs_time.{md,json}``.
+Writes ``benchmarks/results/short_runs_time.{md,json}``; a task measured by an earlier
+invocation keeps its table there unless this one measures it again.
 """
 
 from __future__ import annotations
@@ -151,20 +152,21 @@ def measure(task: str, labels: list[str], limit: int | None = None) -> dict[str,
     return {"task": task, "config": config, "steps": len(batches), "configs": rows}
 
 
-def render(results: list[dict[str, Any]], stamp: str) -> str:
+def render(results: list[dict[str, Any]]) -> str:
     lines = [
         "# Step time of the short-fine-tune configurations over a whole run",
         "",
         "Produced by `python benchmarks/short_runs_time.py`: each configuration trains its own"
         " copy of the task's model on the task's batches for the whole run, interleaved step"
         " by step in one process. Mean step time over the run (a dense warm-up counts), its"
-        f" ratio to SAM's (goal: at most {TIME_GOAL}x), and the active ratio. {stamp}",
+        f" ratio to SAM's (goal: at most {TIME_GOAL}x), and the active ratio.",
     ]
     for result in results:
         lines += [
             "",
             f"## {result['task']}: `{os.path.basename(result['config'])}`, {result['steps']} steps",
             "",
+            *([result["stamp"], ""] if result.get("stamp") else []),
             "| configuration | mean step (s) | time / SAM | active ratio |",
             "|---|---:|---:|---:|",
         ]
@@ -196,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     if "sam" not in labels:
         labels.insert(0, "sam")
+    load = os.getloadavg()[0]  # other work on the machine when the measurement began
     results = []
     for task in tasks:
         # The budget remedy changes nothing but the vision 92 run (see the script).
@@ -203,10 +206,20 @@ def main(argv: list[str] | None = None) -> None:
         results.append(measure(task, chosen, args.limit))
     stamp = (
         f"Machine: {machine()['processor']}, {torch.get_num_threads()} threads, torch"
-        f" {torch.__version__}, {dt.date.today().isoformat()}."
+        f" {torch.__version__}, {dt.date.today().isoformat()}, load average {load:.1f} at the"
+        " start."
     )
     os.makedirs(args.out, exist_ok=True)
-    text = render(results, stamp)
+    # A task measured earlier (another invocation, e.g. one task per quiet spell) keeps its
+    # table unless measured again; each table carries its own machine line.
+    for result in results:
+        result["stamp"] = stamp
+    previous = os.path.join(args.out, "short_runs_time.json")
+    if os.path.exists(previous):
+        with open(previous) as handle:
+            kept = [r for r in json.load(handle)["results"] if r["task"] not in tasks]
+        results = sorted(kept + results, key=lambda r: list(TASKS).index(r["task"]))
+    text = render(results)
     with open(os.path.join(args.out, "short_runs_time.md"), "w") as handle:
         handle.write(text)
     with open(os.path.join(args.out, "short_runs_time.json"), "w") as handle:
