@@ -314,19 +314,23 @@ def plot_selection(records: dict[str, list[dict[str, Any]]], path: str) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_e, ax_f) = plt.subplots(1, 2, figsize=(12, 4.2), constrained_layout=True)
-    for method, runs in traced.items():
+    fig, (ax_e, ax_f) = plt.subplots(1, 2, figsize=(12, 4.6), constrained_layout=True)
+    for n, (method, runs) in enumerate(traced.items()):
+        # Ten colours, then the same colours dashed: every line stays distinguishable.
+        style = {"color": f"C{n % 10}", "ls": "-" if n < 10 else "--", "lw": 1.3}
         for key, ax in (("entropy", ax_e), ("floor_layers", ax_f)):
             series = [r[key] for r in runs if r.get(key)]
             length = min(len(x) for x in series)
             mean = [statistics.mean(x[i] for x in series) for i in range(length)]
-            ax.plot(range(1, length + 1), mean, label=method, lw=1.3)
+            ax.plot(range(1, length + 1), mean, label=method, **style)
     ax_e.set_ylabel("normalised entropy (1.0 = uniform)")
     ax_f.set_ylabel("layers at the floor p_min")
     for ax in (ax_e, ax_f):
         ax.set_xlabel("training step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    # One legend for both panels, below them, so no line is hidden behind it.
+    fig.legend(*ax_e.get_legend_handles_labels(), loc="outside lower center", fontsize=8,
+               ncol=min(len(traced), 4), frameon=False)  # fmt: skip
     ax_e.set_title("How far the layer distribution moved from uniform")
     ax_f.set_title("How many layers the bandit pushed to the floor")
     fig.savefig(path, dpi=120)
