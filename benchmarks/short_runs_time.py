@@ -164,7 +164,8 @@ def render(results: list[dict[str, Any]]) -> str:
     for result in results:
         lines += [
             "",
-            f"### {result['task']}: `{os.path.basename(result['config'])}`, {result['steps']} steps",
+            f"### {result['task']}: `{os.path.basename(result['config'])}`,"
+            f" {result['steps']} steps",
             "",
             *([result["stamp"], ""] if result.get("stamp") else []),
             "| configuration | mean step (s) | time / SAM | active ratio |",
