@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 	touch $(STAMP)
 
 demo: install
-	$(VENV)/bin/lightning-slsam fit
+	$(VENV)/bin/lightning-slsam fit --demo
 
 lint: install
 	$(PY) -m ruff check .

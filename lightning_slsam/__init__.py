@@ -26,6 +26,7 @@ from lightning_slsam.methods import (
     SparseLayerSAM,
     TopSLSAM,
     make_callback,
+    make_callbacks,
 )
 from lightning_slsam.mixin import SAMMixin
 from lightning_slsam.perturbation import FisherMask, SAMPerturbation
@@ -86,4 +87,5 @@ __all__ = [
     "find_new_head",
     "kl_projection",
     "make_callback",
+    "make_callbacks",
 ]

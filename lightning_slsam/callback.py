@@ -9,6 +9,9 @@ on the module runs the training step through it.
 
 from __future__ import annotations
 
+import difflib
+import glob
+import inspect
 import math
 import os
 import re
@@ -62,6 +65,77 @@ _PROGRESS_BAR = {
     "sl_ratio": "slsam/active_ratio",
     "sl_entropy": "slsam/entropy",
 }
+
+
+#: Strategies that shard or wrap parameters, refused at setup on any number of devices.
+_SHARDED_STRATEGIES = {"DeepSpeedStrategy", "XLAStrategy", "FSDPStrategy", "ModelParallelStrategy"}
+
+#: Lightning warnings that do not apply under a SAM callback, silenced during its fit only.
+#: ModelCheckpoint warns that step checkpoints under manual optimization hold the post-step
+#: weights: that is what automatic optimization saves too, and the mixin restores the
+#: unperturbed weights before stepping. Lightning also warns that scheduler `monitor` and
+#: `strict` keys are ignored; the mixin honours them.
+_FIT_WARNINGS = (
+    ("Using ModelCheckpoint with manual optimization", UserWarning),
+    ("The lr scheduler dict contains the key", RuntimeWarning),
+)
+
+
+_RECORD_STEM = "slsam_layer_frequency"
+_RATIO_METRIC = "slsam/mean_active_ratio"
+
+
+def _record_dir(trainer: pl.Trainer) -> str:
+    """Where the end-of-fit record goes: the logger's folder, or without a logger
+    ``<default_root_dir>/slsam_records`` (one ``version_N`` folder per run)."""
+    if trainer.loggers:
+        return trainer.log_dir or trainer.default_root_dir
+    return os.path.join(trainer.default_root_dir, "slsam_records")
+
+
+def _fresh_stem(directory: str, versioned: bool) -> str:
+    """A path stem for the record that overwrites no earlier run's: a new ``version_N``
+    folder, or a ``_N`` suffix when the folder holds a record already."""
+    if versioned:
+        taken = glob.glob(os.path.join(directory, "version_*"))
+        numbers = [int(m.group(1)) for p in taken if (m := re.search(r"version_(\d+)$", p))]
+        directory = os.path.join(directory, f"version_{max(numbers, default=-1) + 1}")
+    os.makedirs(directory, exist_ok=True)
+    stem, k = os.path.join(directory, _RECORD_STEM), 0
+    while os.path.exists(stem + ".csv") or os.path.exists(stem + ".png"):
+        k += 1
+        stem = os.path.join(directory, f"{_RECORD_STEM}_{k}")
+    return stem
+
+
+def accepted_options(cls: type) -> list[str]:
+    """The keyword options ``cls(...)`` accepts: every named parameter of the ``__init__``
+    methods along its MRO up to :class:`SAMCallback` (subclasses pass ``**kwargs`` on)."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is not None:
+            for param in inspect.signature(init).parameters.values():
+                keyword = param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
+                if keyword and param.name not in ("self", *names):
+                    names.append(param.name)
+        if klass is SAMCallback:
+            break
+    return names
+
+
+def check_options(cls: type, options: dict[str, Any]) -> None:
+    """Raise a ``TypeError`` naming ``cls``, the unknown option and the closest valid one."""
+    accepted = accepted_options(cls)
+    for key in options:
+        if key not in accepted:
+            close = difflib.get_close_matches(key, accepted, n=1)
+            hint = (
+                f"did you mean {close[0]!r}?"
+                if close
+                else f"valid options: {', '.join(sorted(accepted))}."
+            )
+            raise TypeError(f"{cls.__name__} has no option {key!r}; {hint}")
 
 
 class SAMCallback(Callback):
@@ -145,6 +219,14 @@ class SAMCallback(Callback):
     default_schedule: ClassVar[str] = "every_step"
     #: Whether another ``schedule`` may be chosen (RST, LookSAM and S2 methods fix theirs).
     schedule_fixed: ClassVar[bool] = False
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> SAMCallback:
+        # An unknown option is named with the class the user wrote (Python's own error
+        # would name SAMCallback.__init__, where the keywords end up), with the closest
+        # valid name.
+        if kwargs:
+            check_options(cls, kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -261,6 +343,7 @@ class SAMCallback(Callback):
         self._pending_state: dict[str, Any] | None = None
         self._buffer: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         self._fresh: StepResult | None = None
+        self._warning_filters: list[Any] = []
 
     # -- what each method chooses ---------------------------------------------------------
     def _selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
@@ -334,8 +417,10 @@ class SAMCallback(Callback):
             )
         strategy = trainer.strategy
         bases = {cls.__name__ for cls in type(strategy).__mro__}
-        sharded = bases & {"DeepSpeedStrategy", "XLAStrategy"}
-        if trainer.world_size > 1 and (not isinstance(strategy, DDPStrategy) or sharded):
+        sharded = bases & _SHARDED_STRATEGIES
+        # A sharded strategy is refused on one device too: its wrapping (flat parameters,
+        # DTensors, ZeRO partitions) is there whatever the world size.
+        if sharded or (trainer.world_size > 1 and not isinstance(strategy, DDPStrategy)):
             raise MisconfigurationException(
                 f"{name} does not support {type(strategy).__name__}: SAM methods perturb,"
                 " back up and restore whole parameter tensors between two passes and sync"
@@ -344,22 +429,27 @@ class SAMCallback(Callback):
                 " 'ddp_spawn' (any precision, gradient accumulation and clipping work there),"
                 " or a single device."
             )
-        # ModelCheckpoint warns that step checkpoints under manual optimization hold the
-        # post-step weights: that is what automatic optimization saves too, and the mixin
-        # restores the unperturbed weights before stepping. Lightning also warns that
-        # scheduler `monitor`/`strict` keys are ignored; the mixin honours them.
-        warnings.filterwarnings(
-            "ignore", message="Using ModelCheckpoint with manual optimization", category=UserWarning
-        )
-        warnings.filterwarnings(
-            "ignore", message="The lr scheduler dict contains the key", category=RuntimeWarning
-        )
+        # The filters hold for this fit only (removed at teardown): other Trainers in the
+        # process still see these warnings.
+        self._remove_warning_filters()
+        for message, category in _FIT_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
+            self._warning_filters.append(warnings.filters[0])
         others = [cb for cb in trainer.callbacks if isinstance(cb, SAMCallback)]
         if len(others) > 1:
             raise MisconfigurationException(
                 f"{len(others)} SAM callbacks are attached to the Trainer"
                 f" ({', '.join(type(cb).__name__ for cb in others)}); keep exactly one."
             )
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._remove_warning_filters()
+
+    def _remove_warning_filters(self) -> None:
+        for entry in self._warning_filters:
+            if entry in warnings.filters:
+                warnings.filters.remove(entry)
+        self._warning_filters = []
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if len(trainer.optimizers) != 1:
@@ -550,9 +640,12 @@ class SAMCallback(Callback):
         if self.engine is None or self.partition is None:
             return
         # trainer.log_dir is a collective under DDP: every rank asks, rank 0 writes.
-        directory = trainer.log_dir or trainer.default_root_dir
+        directory = _record_dir(trainer)
         if trainer.is_global_zero:
-            self._write_record(directory)
+            self._write_record(_fresh_stem(directory, versioned=not trainer.loggers))
+        # The summary also goes to callback_metrics: under ddp_spawn they are what the
+        # launching process gets back (see summary()).
+        trainer.callback_metrics[_RATIO_METRIC] = torch.tensor(self.mean_active_ratio)
         engine = self.engine
         message = (
             f"{type(self).__name__}: mean active ratio {self.mean_active_ratio:.3f}x over the"
@@ -564,12 +657,29 @@ class SAMCallback(Callback):
             message += f" Per-layer activation chart: {self.frequency_plot_path}"
         rank_zero_info(message)
 
-    def _write_record(self, directory: str) -> None:
+    def summary(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """The run's mean active ratio and per-layer chart, after ``fit``.
+
+        Works in the process that called ``fit`` under ``ddp_spawn`` too, where the training
+        ran in child processes: the ratio then comes from ``trainer.callback_metrics`` and
+        the chart is the newest one in the run's record folder.
+        """
+        ratio, chart = self.mean_active_ratio, self.frequency_plot_path
+        if math.isnan(ratio) and _RATIO_METRIC in trainer.callback_metrics:
+            ratio = float(trainer.callback_metrics[_RATIO_METRIC])
+        if chart is None and not math.isnan(ratio):
+            found = glob.glob(
+                os.path.join(_record_dir(trainer), "**", f"{_RECORD_STEM}*.png"), recursive=True
+            )
+            chart = max(found, key=os.path.getmtime) if found else None
+        return {"mean_active_ratio": ratio, "layer_frequency_png": chart}
+
+    def _write_record(self, stem: str) -> None:
         assert self.engine is not None and self.partition is not None
         steps = self.engine.num_steps - self.engine.num_skipped
         probs = self.engine.selection.probs
         self.frequency_csv_path = write_layer_frequency_csv(
-            os.path.join(directory, "slsam_layer_frequency.csv"),
+            stem + ".csv",
             self.partition.names,
             self.partition.numel,
             self.engine.counts,
@@ -579,7 +689,7 @@ class SAMCallback(Callback):
         )
         if self.plot:
             self.frequency_plot_path = plot_layer_frequency(
-                os.path.join(directory, "slsam_layer_frequency.png"),
+                stem + ".png",
                 self.partition.names,
                 self.engine.counts,
                 steps,

@@ -40,7 +40,7 @@ import yaml
 from lightning.pytorch.callbacks import Callback
 
 from lightning_slsam.callback import SAMCallback
-from lightning_slsam.methods import METHODS, make_callback
+from lightning_slsam.methods import METHODS, make_callbacks
 from lightning_slsam.metrics import normalized_entropy, rank_correlation
 
 __all__ = ["RunRecorder", "main"]
@@ -162,7 +162,7 @@ def _parse_options(
         options.setdefault(method, {})[key] = yaml.safe_load(value)
     for method, kwargs in options.items():
         try:
-            make_callback(variants.get(method, method), **kwargs)
+            make_callbacks(variants.get(method, method), **kwargs)
         except (TypeError, ValueError) as err:
             parser.error(f"--option for {method}: {err}")
     return options
@@ -377,7 +377,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         " configuration, and train only the missing ones",
     )
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=42, help="first seed")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="first seed (default: the task config's seed_everything, else 42)",
+    )
     parser.add_argument("--monitor", default="val_acc")
     parser.add_argument("--mode", default="max", choices=["max", "min"])
     parser.add_argument("--out", default="runs/compare")
@@ -401,7 +406,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error("--seeds must be >= 1")
     os.makedirs(os.path.join(args.out, "configs"), exist_ok=True)
 
-    runs = [(seed, m) for seed in range(args.seed, args.seed + args.seeds) for m in methods]
+    first, origin = _first_seed(args.seed, args.config)
+    seeds = list(range(first, first + args.seeds))
+    print(f"== seeds {', '.join(map(str, seeds))} ({origin})", flush=True)
+    runs = [(seed, m) for seed in seeds for m in methods]
     records: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     started, trained = time.perf_counter(), 0
     for index, (seed, method) in enumerate(runs, 1):
@@ -436,6 +444,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             records[method].append(json.load(handle))
 
     return _write(records, args.config, args.monitor, args.out)
+
+
+def _first_seed(given: int | None, configs: list[str]) -> tuple[int, str]:
+    """The first seed and where it came from: ``--seed``, else the last task config's
+    integer ``seed_everything``, else 42."""
+    seed, source = None, None
+    for path in configs:
+        with open(path) as handle:
+            loaded = yaml.safe_load(handle)
+        value = loaded.get("seed_everything") if isinstance(loaded, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            seed, source = value, path
+    if given is not None:
+        if seed is not None and seed != given:
+            return given, f"--seed; the config's seed_everything {seed} is replaced"
+        return given, "--seed"
+    if seed is not None:
+        return seed, f"seed_everything of {source}"
+    return 42, "default: no integer seed_everything in the config"
 
 
 def _same_file(path: str, text: str) -> bool:

@@ -30,6 +30,7 @@ name (``make_callback``)  class                       paper defaults
 
 from __future__ import annotations
 
+import difflib
 import math
 from typing import Any
 
@@ -62,6 +63,7 @@ __all__ = [
     "SparseLayerSAM",
     "TopSLSAM",
     "make_callback",
+    "make_callbacks",
 ]
 
 BANDIT_LOSSES = ("shifted", "paper", "rank")
@@ -682,20 +684,40 @@ METHODS: dict[str, tuple[type[SAMCallback] | None, dict[str, Any]]] = {
 }
 
 
-def make_callback(name: str, **kwargs: Any) -> SAMCallback | None:
-    """The callback of method ``name`` (see :data:`METHODS`), or ``None`` for AdamW.
+def make_callback(name: str, **kwargs: Any) -> SAMCallback:
+    """The callback of method ``name`` (see :data:`METHODS`).
 
     ``kwargs`` override the method's defaults, e.g. ``make_callback("slsam", layer_ratio=0.3)``.
+    Plain AdamW has no callback: ``make_callback("adamw")`` raises, and
+    :func:`make_callbacks` gives a list that is empty for it.
     """
-    key = name.lower().replace("-", "_")
-    if key not in METHODS:
-        raise ValueError(f"Unknown method {name!r}; choose one of {sorted(METHODS)}.")
-    cls, preset = METHODS[key]
+    cls, preset = _lookup(name)
+    if cls is None:
+        raise ValueError(
+            f"Method {name!r} is plain AdamW, which needs no callback: leave it out of"
+            f" Trainer(callbacks=...), or use make_callbacks({name!r}), which returns []."
+        )
+    return cls(**{**preset, **kwargs})
+
+
+def make_callbacks(name: str, **kwargs: Any) -> list[SAMCallback]:
+    """``[make_callback(name, **kwargs)]``, or ``[]`` for plain AdamW: ready for
+    ``Trainer(callbacks=...)`` whatever the method."""
+    cls, _ = _lookup(name)
     if cls is None:
         if kwargs:
             raise ValueError(f"Method {name!r} (plain AdamW) takes no options, got {kwargs}.")
-        return None
-    return cls(**{**preset, **kwargs})
+        return []
+    return [make_callback(name, **kwargs)]
+
+
+def _lookup(name: str) -> tuple[type[SAMCallback] | None, dict[str, Any]]:
+    key = name.lower().replace("-", "_")
+    if key not in METHODS:
+        close = difflib.get_close_matches(key, METHODS, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"Unknown method {name!r}.{hint} Choose one of {sorted(METHODS)}.")
+    return METHODS[key]
 
 
 def _is_ratio(value: Any) -> bool:

@@ -105,11 +105,12 @@ def test_fit_with_own_config_and_overrides(tiny_config, tmp_path, capsys):
     assert saved["data"]["init_args"]["group_by_length"] is True
 
 
-def test_demo_config_is_the_default(tmp_path, capsys):
+def test_demo_flag_runs_the_demo(tmp_path, capsys):
     # The demo itself (pretrained MiniLM, real data), cut to two steps on a few sentences.
     main(
         [
             "fit",
+            "--demo",
             "--trainer.max_epochs=1",
             "--trainer.max_steps=2",
             "--trainer.limit_val_batches=1",
@@ -126,7 +127,7 @@ def test_demo_config_is_the_default(tmp_path, capsys):
 
 def test_print_config_shows_the_demo(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--print_config"])
+        main(["fit", "--demo", "--print_config"])
     assert exit_info.value.code in (0, None)
     out = capsys.readouterr().out
     assert "lightning_slsam.SparseLayerSAM" in out
@@ -135,21 +136,47 @@ def test_print_config_shows_the_demo(capsys):
     assert yaml.safe_load(out)["seed_everything"] == 42
 
 
-def test_demo_config_is_injected_only_without_a_config():
+def test_demo_config_is_injected_only_with_the_demo_flag():
     demo = demo_config_path()
     assert Path(demo).is_file()
-    assert _with_demo_config(["fit", "--trainer.max_steps=3"]) == [
+    assert _with_demo_config(["fit", "--demo", "--trainer.max_steps=3"]) == [
         "fit",
         "--config",
         demo,
         "--trainer.max_steps=3",
     ]
-    for given in (["fit", "--config", "a.yaml"], ["fit", "-c", "a.yaml"], ["fit", "--config=a"]):
+    # Before the subcommand too; a user config after it overrides the demo's values.
+    assert _with_demo_config(["--demo", "fit", "--config", "a.yaml"]) == [
+        "fit",
+        "--config",
+        demo,
+        "--config",
+        "a.yaml",
+    ]
+    for given in (["fit", "--trainer.max_steps=3"], ["fit", "-c", "a.yaml"], ["--help"]):
         assert _with_demo_config(given) == given
-    assert _with_demo_config(["--help"]) == ["--help"]
 
 
 def test_bad_override_exits(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--data.batch_size=zero"])
     assert exit_info.value.code != 0
+
+
+def test_summary_names_every_validation_metric_monitor_first(tiny_config, tmp_path, capsys):
+    config = yaml.safe_load(Path(tiny_config).read_text())
+    config["trainer"]["enable_checkpointing"] = True
+    config["trainer"]["callbacks"].append(
+        {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"dirpath": str(tmp_path / "ckpt"), "monitor": "val_loss"},
+        }
+    )
+    path = tmp_path / "monitored.yaml"
+    path.write_text(yaml.safe_dump(config))
+    main(["fit", "--config", str(path), "--trainer.max_steps=2",
+          "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1"])  # fmt: skip
+    finals = [line.split(":")[0].strip() for line in capsys.readouterr().out.splitlines()
+              if line.strip().startswith("final ")]  # fmt: skip
+    # The checkpoint's monitor first, then every other val* metric; not only val_acc.
+    assert finals == ["final val_loss", "final val_acc"]

@@ -87,6 +87,8 @@ def test_compare_variants_run_interleaved_resume_and_report_the_selection(tmp_pa
     order = [line.split(": ", 1)[1] for line in printed.splitlines() if line.startswith("== run")]
     assert order[0] == "slsam, seed 42" and order[1].startswith("ranked, seed 42")
     assert order[2].startswith("slsam, seed 43") and "== run 4/4" in printed
+    # From the second run on, the time left is estimated.
+    assert "min left" not in order[0] and all("min left" in o for o in order[1:])
     result = json.loads((out / "comparison.json").read_text())
     ranked = result["runs"]["ranked"][0]
     config = (out / "configs" / "ranked_seed42.yaml").read_text()

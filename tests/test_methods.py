@@ -84,7 +84,8 @@ def test_registry_builds_every_method_with_its_paper_defaults():
     for name, cls in expected.items():
         cb = make_callback(name)
         assert type(cb) is cls and cb.rho == 0.01
-    assert make_callback("adamw") is None
+    with pytest.raises(ValueError, match="needs no callback"):
+        make_callback("adamw")
     assert make_callback("SL-SAM".replace("SL-SAM", "slsam")).layer_ratio == 0.2
     assert make_callback("rst").sam_probability == 0.5
     assert (make_callback("esam").weight_ratio, make_callback("esam").data_ratio) == (0.5, 0.5)

@@ -1,0 +1,250 @@
+"""What a new user meets first: the console script's help and errors, the demo config only
+on request, compare's seeds, callback construction, records and warnings."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import LitModel, loader, make_data, make_mlp, trainer
+
+from lightning_slsam import SAM, RandomSLSAM, SparseLayerSAM, make_callback, make_callbacks
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:lightning.pytorch.cli")
+
+ROOT = Path(__file__).resolve().parent.parent
+VISION = str(ROOT / "examples" / "configs" / "tasks" / "efficientnet_digits.yaml")
+SCRIPT = Path(sys.executable).with_name("lightning-slsam")
+
+
+def console(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run the installed ``lightning-slsam`` console script."""
+    assert SCRIPT.is_file(), f"the console script is not installed next to {sys.executable}"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(
+        [str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def first_line(text: str) -> str:
+    return next(line for line in text.splitlines() if line.strip())
+
+
+# -- 1. compare is discoverable ---------------------------------------------------------
+def test_help_and_the_missing_subcommand_error_list_compare():
+    shown = console("--help")
+    assert shown.returncode == 0
+    assert "{fit,validate,test,predict,compare}" in first_line(shown.stdout)
+    assert re.search(r"^\s+compare\s+train several methods", shown.stdout, re.M)
+    missing = console()
+    assert "{fit,validate,test,predict,compare}" in first_line(missing.stderr)
+
+
+# -- 2. the demo config is used only on request -------------------------------------------
+def test_demo_values_are_never_merged_into_a_users_run():
+    own = console(
+        "fit",
+        "--model=lightning_slsam.tasks.vision.ImageClassifier",
+        "--data=lightning_slsam.tasks.vision.DigitsDataModule",
+        "--print_config",
+    )
+    assert own.returncode == 0, own.stderr
+    config = yaml.safe_load(own.stdout)
+    assert not config["trainer"].get("callbacks")  # no SL-SAM callback from the demo
+    assert config["trainer"].get("max_time") is None
+    assert config["trainer"].get("val_check_interval") in (None, 1.0)
+    assert config["trainer"].get("logger") in (None, True)
+    nothing = console("fit")
+    assert nothing.returncode == 2
+    assert first_line(nothing.stderr) == (
+        "lightning-slsam: error: `lightning-slsam fit` needs a run: give --config RUN.yaml"
+        " (or --model and --data class paths), or --demo for the packaged demo (MiniLM-L6"
+        " on Rotten Tomatoes)."
+    )
+    demo = console("fit", "--demo", "--print_config")
+    assert demo.returncode == 0, demo.stderr
+    shown = yaml.safe_load(demo.stdout)
+    assert shown["trainer"]["callbacks"][0]["class_path"] == "lightning_slsam.SparseLayerSAM"
+    assert shown["seed_everything"] == 42
+
+
+# -- 3. compare honours the config's seed ---------------------------------------------------
+def test_compare_takes_the_first_seed_from_the_config(tmp_path, capsys):
+    from lightning_slsam.cli import main
+
+    seeded = tmp_path / "seed.yaml"
+    seeded.write_text("seed_everything: 0\n")
+    out = tmp_path / "cmp"
+    tiny = ["--trainer.max_steps=2", "--trainer.max_epochs=1", "--trainer.limit_val_batches=1",
+            "--model.init_args.pretrained=false", "--data.init_args.val_fraction=0.5"]  # fmt: skip
+    main(["compare", "--config", VISION, "--config", str(seeded), "--methods", "adamw",
+          "--seeds", "2", "--out", str(out), "--", *tiny])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert f"== seeds 0, 1 (seed_everything of {seeded})" in printed
+    assert sorted(os.listdir(out / "configs")) == ["adamw_seed0.yaml", "adamw_seed1.yaml"]
+    from lightning_slsam.compare import _first_seed
+
+    assert _first_seed(5, [VISION, str(seeded)]) == (
+        5,
+        "--seed; the config's seed_everything 0 is replaced",
+    )
+    assert _first_seed(None, [VISION])[0] == 42
+
+
+# -- 4. option typos and invalid values: one line, no traceback ------------------------------
+@pytest.mark.parametrize(
+    ("init_args", "message"),
+    [
+        ("{layer_ration: 0.2}", "SparseLayerSAM has no option 'layer_ration'; did you mean"
+         " 'layer_ratio'?"),
+        ("{layer_ratio: 1.5}", "SparseLayerSAM: layer_ratio=1.5 is invalid: use a value in"
+         " (0, 1]."),
+    ],
+)  # fmt: skip
+def test_a_bad_callback_option_in_yaml_is_one_line(tmp_path, init_args, message):
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "trainer:\n  callbacks:\n    - class_path: lightning_slsam.SparseLayerSAM\n"
+        f"      init_args: {init_args}\n"
+    )
+    done = console("fit", "--config", VISION, "--config", str(config))
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[0] == (
+        f"lightning-slsam: error: {config}: trainer.callbacks[0]: {message}"
+    )
+    assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1
+
+
+def test_a_bad_callback_flag_names_the_users_class():
+    done = console(
+        "fit",
+        "--config",
+        VISION,
+        "--trainer.callbacks+=lightning_slsam.RandomSLSAM",
+        "--trainer.callbacks.layer_ration=0.3",
+    )
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "lightning-slsam: error: --trainer.callbacks.layer_ration=0.3: RandomSLSAM has no"
+        " option 'layer_ration'; did you mean 'layer_ratio'?"
+    ]
+
+
+def test_python_typos_name_the_class_written():
+    with pytest.raises(TypeError, match=r"^SparseLayerSAM has no option 'layer_ration'; did"):
+        SparseLayerSAM(layer_ration=0.3)
+    with pytest.raises(TypeError, match=r"^RandomSLSAM has no option 'rhoo'; did you mean 'rho'"):
+        RandomSLSAM(rhoo=0.1)
+    with pytest.raises(TypeError, match=r"^SAM has no option 'xyz'; valid options: .*\brho\b"):
+        SAM(xyz=1)
+    assert SparseLayerSAM(layer_ratio=0.3).layer_ratio == 0.3  # valid ones still work
+
+
+# -- 5. no None callback ------------------------------------------------------------------------
+def test_make_callback_never_returns_none():
+    with pytest.raises(ValueError, match="plain AdamW, which needs no callback"):
+        make_callback("adamw")
+    assert make_callbacks("adamw") == []
+    (only,) = make_callbacks("slsam", layer_ratio=0.3)
+    assert isinstance(only, SparseLayerSAM) and only.layer_ratio == 0.3
+    with pytest.raises(ValueError, match="Did you mean 'slsam'"):
+        make_callback("slsamm")
+
+
+# -- 6. ddp_spawn: the launching process prints the run's summary -------------------------------
+def test_ddp_spawn_parent_prints_the_summary(tmp_path):
+    tiny = ["--trainer.limit_train_batches=3", "--trainer.max_epochs=1",
+            "--trainer.limit_val_batches=1",
+            "--model.init_args.pretrained=false", "--trainer.enable_progress_bar=false",
+            "--trainer.callbacks+=lightning_slsam.SparseLayerSAM",
+            "--trainer.strategy=ddp_spawn", "--trainer.devices=2", "--trainer.accelerator=cpu",
+            f"--trainer.logger.init_args.save_dir={tmp_path}"]  # fmt: skip
+    done = console("fit", "--config", VISION, *tiny, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ratio = re.search(r"SparseLayerSAM mean active ratio: (\S+)x", done.stdout)
+    assert ratio, done.stdout
+    assert 0.0 < float(ratio.group(1)) < 2.0  # not nan
+    chart = re.search(r"per-layer chart: (\S+\.png)", done.stdout)
+    assert chart and Path(chart.group(1)).is_file() and str(tmp_path) in chart.group(1)
+    assert re.search(r"final val_acc: [01]\.\d{4}", done.stdout)
+    assert re.search(r"final val_loss: \d+\.\d{4}", done.stdout)
+
+
+# -- 7. records never overwrite, warnings filtered only during our fit, sharded refused ----------
+def fit_once(callback, **kwargs) -> None:
+    model = LitModel(make_mlp())
+    trainer([callback], max_steps=3, **kwargs).fit(model, loader(make_data()))
+
+
+def test_records_without_a_logger_never_overwrite(tmp_path):
+    first, second = SparseLayerSAM(seed=0, plot=False), SparseLayerSAM(seed=1, plot=False)
+    fit_once(first, default_root_dir=str(tmp_path))
+    before = Path(first.frequency_csv_path).read_text()
+    fit_once(second, default_root_dir=str(tmp_path))
+    assert first.frequency_csv_path != second.frequency_csv_path
+    assert Path(first.frequency_csv_path).read_text() == before
+    assert Path(first.frequency_csv_path).parent == tmp_path / "slsam_records" / "version_0"
+    assert Path(second.frequency_csv_path).parent == tmp_path / "slsam_records" / "version_1"
+    assert not list(Path.cwd().glob("slsam_layer_frequency*"))
+
+
+def test_records_in_a_reused_log_folder_get_a_new_name(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    paths = []
+    for seed in (0, 1):
+        callback = SparseLayerSAM(seed=seed, plot=False)
+        logger = CSVLogger(str(tmp_path), name="run", version="fixed")
+        fit_once(callback, logger=logger)
+        paths.append(Path(callback.frequency_csv_path))
+    assert [p.name for p in paths] == ["slsam_layer_frequency.csv", "slsam_layer_frequency_1.csv"]
+    assert paths[0].parent == paths[1].parent == tmp_path / "run" / "fixed"
+
+
+def test_warning_filters_hold_only_during_the_fit():
+    def ours(entry) -> bool:
+        return entry[1] is not None and "manual optimization" in entry[1].pattern
+
+    fit_once(SAM(plot=False))
+    assert not [entry for entry in warnings.filters if ours(entry)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        warnings.warn("Using ModelCheckpoint with manual optimization ...", UserWarning, 2)
+    assert len(caught) == 1  # another Trainer's warning is not hidden
+
+
+@pytest.mark.parametrize("name", ["FSDPStrategy", "ModelParallelStrategy"])
+def test_a_single_device_sharded_strategy_is_refused(name):
+    # Lightning builds FSDPStrategy on GPUs only, so the callback's setup is called with a
+    # one-device trainer holding the strategy, as Lightning would call it there.
+    from types import SimpleNamespace
+
+    import lightning.pytorch.strategies as strategies
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    callback = SparseLayerSAM(plot=False)
+    one_device = SimpleNamespace(
+        strategy=getattr(strategies, name)(), world_size=1, callbacks=[callback]
+    )
+    with pytest.raises(MisconfigurationException, match=f"does not support {name}"):
+        callback.setup(one_device, LitModel(make_mlp()), "fit")
+
+
+# -- 7. the README's snippet says how long to train -------------------------------------
+def test_snippets_give_their_trainer_a_length():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    calls = []
+    for page in pages:
+        for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S):
+            found = re.findall(r"\bTrainer\((.*?)\)\n", block, re.S)
+            calls += [(page.name, call) for call in found]
+    assert any(name == "README.md" for name, _ in calls)
+    # Lightning's default (1000 epochs, with a warning) is never what a snippet means.
+    missing = [(name, call) for name, call in calls if not re.search(r"max_(epochs|steps)", call)]
+    assert not missing, missing
