@@ -138,7 +138,22 @@ def check_options(cls: type, options: dict[str, Any]) -> None:
             raise TypeError(f"{cls.__name__} has no option {key!r}; {hint}")
 
 
-class SAMCallback(Callback):
+class _ChecksOptions:
+    """Names an unknown option with the class the user wrote (Python's own error would
+    name ``SAMCallback.__init__``, where the keywords end up), with the closest valid name.
+
+    A base of its own rather than ``SAMCallback.__new__``: jsonargparse reads a class's own
+    ``__new__`` as its signature, and would then accept none of ``SAMCallback``'s options
+    passed on by a subclass's ``**kwargs``.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            check_options(cls, kwargs)
+        return super().__new__(cls)
+
+
+class SAMCallback(Callback, _ChecksOptions):
     """Base of the plugin's SAM methods; use a method class such as ``SparseLayerSAM``.
 
     Options shared by every method:
@@ -219,14 +234,6 @@ class SAMCallback(Callback):
     default_schedule: ClassVar[str] = "every_step"
     #: Whether another ``schedule`` may be chosen (RST, LookSAM and S2 methods fix theirs).
     schedule_fixed: ClassVar[bool] = False
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> SAMCallback:
-        # An unknown option is named with the class the user wrote (Python's own error
-        # would name SAMCallback.__init__, where the keywords end up), with the closest
-        # valid name.
-        if kwargs:
-            check_options(cls, kwargs)
-        return super().__new__(cls)
 
     def __init__(
         self,
