@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 
-from lightning_slsam import METHODS, LayerBandit, SparseLayerSAM, make_callback
+from lightning_slsam import METHODS, LayerBandit, SparseLayerSAM, make_callback, make_callbacks
 
 WORKER = os.path.join(os.path.dirname(__file__), "fault_worker.py")
 
@@ -471,8 +471,9 @@ def test_same_seed_same_result_for_every_method(method):
         L.seed_everything(seed)
         model = _PerSample(nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), nn.Tanh(),
                                          nn.Linear(16, 3)))  # fmt: skip
-        callback = make_callback(method)
-        t = trainer(callbacks=[callback] if callback else [], max_steps=6)
+        callbacks = make_callbacks(method)
+        callback = callbacks[0] if callbacks else None
+        t = trainer(callbacks=callbacks, max_steps=6)
         t.fit(model, ResumableLoader(make_data(96), batch_size=16, shuffle=True))
         probs = getattr(callback, "probs", None) if callback else None
         return _weights(model), probs
