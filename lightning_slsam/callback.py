@@ -27,6 +27,13 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
+from lightning_slsam.compat import (
+    attached_trainer,
+    epoch_ends_with_this_batch,
+    gradient_scaler,
+    is_compiled,
+    loss_scale_reader,
+)
 from lightning_slsam.distributed import GradientAverager
 from lightning_slsam.engine import SparseSAMEngine, StepContext, StepResult
 from lightning_slsam.layers import (
@@ -480,7 +487,7 @@ class SAMCallback(Callback, _ChecksOptions):
             self.engine = self._build_engine(partition, pl_module)
         self.partition = partition
         self._averager = GradientAverager() if trainer.world_size > 1 else None
-        if not self.engine.selection.always_all and _is_compiled(pl_module):
+        if not self.engine.selection.always_all and is_compiled(pl_module):
             raise MisconfigurationException(
                 f"{type(self).__name__} freezes a different set of layers every step, and"
                 " torch.compile guards on requires_grad: the compiled model would be"
@@ -563,7 +570,7 @@ class SAMCallback(Callback, _ChecksOptions):
 
     @staticmethod
     def _trainer_of(module: torch.nn.Module | None) -> pl.Trainer | None:
-        return getattr(module, "_trainer", None) if module is not None else None
+        return attached_trainer(module)
 
     # -- the step (called by SAMMixin) ------------------------------------------------------
     def _accumulate(
@@ -574,7 +581,7 @@ class SAMCallback(Callback, _ChecksOptions):
         The epoch's last batch closes a partial group, as Lightning's own accumulation does.
         """
         self._buffer.append((args, kwargs))
-        last = trainer.fit_loop.epoch_loop._num_ready_batches_reached()
+        last = epoch_ends_with_this_batch(trainer)
         if len(self._buffer) < self.accumulate_grad_batches and not last:
             return None
         group, self._buffer = self._buffer, []
@@ -589,9 +596,8 @@ class SAMCallback(Callback, _ChecksOptions):
     ) -> StepResult:
         if self.engine is None:
             raise RuntimeError(f"{type(self).__name__} ran a step before on_fit_start.")
-        scaler = getattr(pl_module.trainer.precision_plugin, "scaler", None)
         context = StepContext(
-            grad_scale=scaler._get_scale_async if scaler is not None else None,
+            grad_scale=loss_scale_reader(gradient_scaler(pl_module.trainer)),
             averager=self._averager,
         )
         result = self.engine.step(forward_backward, zero_grad, optimizer_step, context)
@@ -741,6 +747,11 @@ class SAMCallback(Callback, _ChecksOptions):
         self.engine.load_state_dict(engine_state)
 
 
+def find_sam_callback(trainer: pl.Trainer) -> SAMCallback | None:
+    """The SAM callback attached to ``trainer`` (setup refuses more than one), if any."""
+    return next((cb for cb in trainer.callbacks if isinstance(cb, SAMCallback)), None)
+
+
 def default_seed() -> int:
     """The run's seed: ``seed_everything``'s when set (it survives later ``manual_seed``
     calls, e.g. in model constructors, and is what DDP workers are seeded with), else
@@ -774,7 +785,7 @@ def estimated_stepping_batches(trainer: pl.Trainer) -> float:
     (``math.inf`` when the run has no finite length).
     """
     total = trainer.estimated_stepping_batches  # also sets up the train dataloader
-    sam = next((cb for cb in trainer.callbacks if isinstance(cb, SAMCallback)), None)
+    sam = find_sam_callback(trainer)
     k = sam.accumulate_grad_batches if sam is not None else 1
     if k == 1 or not math.isfinite(total):
         return total
@@ -784,15 +795,6 @@ def estimated_stepping_batches(trainer: pl.Trainer) -> float:
     per_epoch = math.ceil(batches / k)  # the epoch's last batch closes a partial group
     steps = per_epoch * max(trainer.max_epochs or 1, 1)
     return min(steps, trainer.max_steps) if trainer.max_steps != -1 else steps
-
-
-def _is_compiled(module: torch.nn.Module) -> bool:
-    """Whether ``module`` (or a submodule) runs through torch.compile."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    if getattr(module, "_compiler_ctx", None):  # trainer.fit(torch.compile(model))
-        return True
-    return any(isinstance(m, OptimizedModule) for m in module.modules())
 
 
 def _describe_mismatch(saved: list[list[str]], current: list[list[str]]) -> str:

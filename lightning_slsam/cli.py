@@ -30,10 +30,10 @@ from typing import Any
 import yaml
 from jsonargparse import Namespace
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_slsam.callback import SAMCallback
+from lightning_slsam.callback import SAMCallback, find_sam_callback
+from lightning_slsam.compat import add_cli_subcommand, spawns_processes
 
 __all__ = ["SLSAMCLI", "demo_config_path", "main"]
 
@@ -57,24 +57,12 @@ class SLSAMCLI(LightningCLI):
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
         # Lists `compare` (handled by main() before this parser runs) beside Lightning's
-        # subcommands, so that --help and the missing-subcommand error show it. Checked
-        # against Lightning 2.6: the parent adds its subcommands to the action returned by
-        # parser.add_subcommands(), captured here.
-        added: list[Any] = []
-        add_subcommands = parser.add_subcommands
-
-        def capture(*args: Any, **options: Any) -> Any:
-            added.append(add_subcommands(*args, **options))
-            return added[-1]
-
-        parser.add_subcommands = capture  # type: ignore[method-assign]
-        try:
-            super()._add_subcommands(parser, **kwargs)
-        finally:
-            del parser.add_subcommands
-        if added:
-            compare = LightningArgumentParser(description=_COMPARE_HELP)
-            added[0].add_subcommand("compare", compare, help=_COMPARE_HELP)
+        # subcommands, so that --help and the missing-subcommand error show it.
+        compare = LightningArgumentParser(description=_COMPARE_HELP)
+        add_cli_subcommand(
+            lambda: super(SLSAMCLI, self)._add_subcommands(parser, **kwargs),
+            parser, "compare", compare, _COMPARE_HELP,
+        )  # fmt: skip
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         if isinstance(args, (dict, Namespace)):
@@ -92,7 +80,7 @@ class SLSAMCLI(LightningCLI):
     def before_fit(self) -> None:
         # Under ddp_spawn the training runs in child processes: fixing the log folder's
         # version here makes the children write where this process will look afterwards.
-        if isinstance(self.trainer.strategy.launcher, _MultiProcessingLauncher):
+        if spawns_processes(self.trainer.strategy):
             _ = self.trainer.log_dir
 
     def after_fit(self) -> None:
@@ -105,7 +93,7 @@ class SLSAMCLI(LightningCLI):
             lines.append("  final validation metrics: n/a (no validation ran)")
         for name, value in metrics.items():
             lines.append(f"  final {name}: {value:.4f} (after {trainer.global_step} steps)")
-        sam = next((cb for cb in trainer.callbacks if isinstance(cb, SAMCallback)), None)
+        sam = find_sam_callback(trainer)
         if sam is None:
             lines.append("  method: AdamW (no SAM callback in trainer.callbacks)")
         else:

@@ -39,7 +39,7 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import Callback
 
-from lightning_slsam.callback import SAMCallback
+from lightning_slsam.callback import find_sam_callback
 from lightning_slsam.methods import METHODS, make_callbacks
 from lightning_slsam.metrics import normalized_entropy, rank_correlation
 
@@ -77,7 +77,7 @@ class RunRecorder(Callback):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self._epoch += time.perf_counter() - self._start
-        sam = _sam_callback(trainer)
+        sam = find_sam_callback(trainer)
         if sam is not None and sam.engine is not None:
             self.entropy.append(normalized_entropy(sam.engine.selection.probs))
             floor = sam._selection_metrics().get("slsam/floor_layers")
@@ -95,7 +95,7 @@ class RunRecorder(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
-        sam = _sam_callback(trainer)
+        sam = find_sam_callback(trainer)
         best = (max if self.mode == "max" else min)(self.values) if self.values else None
         if torch.cuda.is_available():
             memory = torch.cuda.max_memory_allocated() / 2**20
@@ -124,10 +124,6 @@ class RunRecorder(Callback):
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         with open(self.path, "w") as handle:
             json.dump(record, handle, indent=2)
-
-
-def _sam_callback(trainer: pl.Trainer) -> SAMCallback | None:
-    return next((cb for cb in trainer.callbacks if isinstance(cb, SAMCallback)), None)
 
 
 def _parse_variants(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, str]:

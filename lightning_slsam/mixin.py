@@ -34,6 +34,14 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
+from lightning_slsam.compat import (
+    attached_trainer,
+    automatic_scheduler_configs,
+    carry_step_progress,
+    epoch_ends_with_this_batch,
+    gradient_scaler,
+)
+
 if TYPE_CHECKING:
     from lightning_slsam.callback import SAMCallback
 
@@ -42,20 +50,17 @@ __all__ = ["SAMMixin"]
 
 def _sam_controller(module: Any) -> SAMCallback | None:
     """The SAM callback attached to ``module``'s Trainer, if any."""
-    from lightning_slsam.callback import SAMCallback
+    from lightning_slsam.callback import find_sam_callback
 
-    trainer = getattr(module, "_trainer", None)
-    if trainer is None:
-        return None
-    found = [cb for cb in trainer.callbacks if isinstance(cb, SAMCallback)]
-    return found[0] if found else None
+    trainer = attached_trainer(module)
+    return find_sam_callback(trainer) if trainer is not None else None
 
 
 def _wrap_training_step(user_step: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(user_step)
     def training_step(self: SAMMixin, *args: Any, **kwargs: Any) -> Any:
         # Nested calls (super().training_step, or our own passes) run the user's code.
-        if self._slsam_pass or self._trainer is None:
+        if self._slsam_pass or attached_trainer(self) is None:
             return user_step(self, *args, **kwargs)
         controller = _sam_controller(self)
         if controller is None:
@@ -89,24 +94,8 @@ def scheduler_configs(module: Any, trainer: Any) -> list[Any]:
     Same scheduler objects, but with ``monitor`` / ``strict`` / ``reduce_on_plateau``
     kept, which Lightning discards under manual optimization.
     """
-    current = list(trainer.lr_scheduler_configs)
     raw = getattr(module, "_slsam_optim_conf", None)
-    if raw is None or not current:
-        return current
-    try:
-        from lightning.pytorch.core.optimizer import (
-            _configure_optimizers,
-            _configure_schedulers_automatic_opt,
-        )
-    except ImportError:  # a Lightning without these helpers: keep its own configs
-        return current
-    _, schedulers, monitor = _configure_optimizers(raw)
-    # Raises Lightning's own clear error for e.g. a ReduceLROnPlateau without `monitor`.
-    rebuilt = _configure_schedulers_automatic_opt(schedulers, monitor)
-    same = len(rebuilt) == len(current) and all(
-        a.scheduler is b.scheduler for a, b in zip(rebuilt, current)
-    )
-    return rebuilt if same else current
+    return automatic_scheduler_configs(raw, list(trainer.lr_scheduler_configs))
 
 
 def _loss_of(output: Any) -> tuple[Tensor, Tensor | None]:
@@ -265,7 +254,7 @@ class SAMMixin:
         ``super().on_load_checkpoint(checkpoint)``.
         """
         super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
-        _carry_step_progress(checkpoint, automatic=self.automatic_optimization)
+        carry_step_progress(checkpoint, automatic=self.automatic_optimization)
 
     @property
     def sam_pass(self) -> int:
@@ -307,7 +296,7 @@ class SAMMixin:
         Runs before Lightning's own check, so the error can point to the plugin's options.
         """
         controller = _sam_controller(self)
-        trainer = self._trainer
+        trainer = attached_trainer(self)
         if controller is not None and trainer is not None:
             if trainer.gradient_clip_val:
                 raise MisconfigurationException(
@@ -334,7 +323,7 @@ class SAMMixin:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        trainer = self._trainer
+        trainer = attached_trainer(self)
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         self._slsam_step_plateau_schedulers()
 
@@ -348,7 +337,7 @@ class SAMMixin:
         def zero_grad() -> None:
             optimizer.zero_grad(set_to_none=True)
 
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        scaler = gradient_scaler(trainer)
 
         def optimizer_step(skip: bool) -> None:
             if skip and scaler is not None:
@@ -370,8 +359,7 @@ class SAMMixin:
 
     # -- LR schedulers (Lightning steps them only under automatic optimization) ----------
     def _slsam_step_schedulers(self, trainer: Any, batch_idx: int) -> None:
-        epoch_loop = trainer.fit_loop.epoch_loop
-        last_batch = epoch_loop._num_ready_batches_reached()
+        last_batch = epoch_ends_with_this_batch(trainer)
         self._slsam_update_schedulers("step", batch_idx + 1, plateau=False)
         if last_batch:
             self._slsam_update_schedulers("epoch", trainer.current_epoch + 1, plateau=False)
@@ -387,7 +375,7 @@ class SAMMixin:
             self._slsam_update_schedulers(interval, index, plateau=True)
 
     def _slsam_update_schedulers(self, interval: str, index: int, plateau: bool) -> None:
-        trainer = self._trainer
+        trainer = attached_trainer(self)
         for config in trainer.lr_scheduler_configs:
             if config.reduce_on_plateau != plateau or config.interval != interval:
                 continue
@@ -406,21 +394,3 @@ class SAMMixin:
                         )
                     continue
             self.lr_scheduler_step(config.scheduler, monitor_val)  # type: ignore[attr-defined]
-
-
-def _carry_step_progress(checkpoint: dict[str, Any], automatic: bool) -> None:
-    loop = checkpoint.get("loops", {}).get("fit_loop", {})
-    auto = loop.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer")
-    manual = loop.get("epoch_loop.manual_optimization.optim_step_progress")
-    if not auto or not manual or "step" not in auto:
-        return
-    done_auto = auto["step"]["total"]["completed"]
-    done_manual = manual["total"]["completed"]
-    # Each switch copies the count over, so the mode that ran last has the larger count.
-    if automatic and done_manual > done_auto:
-        auto["step"] = {k: dict(v) for k, v in manual.items()}
-        auto["zero_grad"] = {k: {**v, "started": v["completed"]} for k, v in manual.items()}
-    elif not automatic and done_auto > done_manual:
-        loop["epoch_loop.manual_optimization.optim_step_progress"] = {
-            k: dict(v) for k, v in auto["step"].items()
-        }

@@ -1,0 +1,167 @@
+"""Every use of private Lightning and torch internals, in one place.
+
+The plugin runs SAM's two passes under Lightning's manual optimization and needs a few
+things Lightning keeps private. Each one is wrapped here, with what it does and the
+versions it was checked against: Lightning 2.6.6 and torch 2.14.1. When a new Lightning
+or torch release breaks one of them, this module is the only one to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "add_cli_subcommand",
+    "attached_trainer",
+    "automatic_scheduler_configs",
+    "carry_step_progress",
+    "epoch_ends_with_this_batch",
+    "gradient_scaler",
+    "is_compiled",
+    "loss_scale_reader",
+    "spawns_processes",
+]
+
+
+def attached_trainer(module: Any) -> Any:
+    """The Trainer ``module`` is attached to, or ``None``.
+
+    Lightning 2.6.6: ``LightningModule._trainer``; the public ``trainer`` property raises
+    when none is attached.
+    """
+    return getattr(module, "_trainer", None) if module is not None else None
+
+
+def epoch_ends_with_this_batch(trainer: Any) -> bool:
+    """Whether the batch being trained is the epoch's last one.
+
+    Lightning 2.6.6: ``fit_loop.epoch_loop._num_ready_batches_reached()``, the test its own
+    gradient accumulation uses to close a partial group at the end of an epoch.
+    """
+    return bool(trainer.fit_loop.epoch_loop._num_ready_batches_reached())
+
+
+def gradient_scaler(trainer: Any) -> Any:
+    """The mixed-precision gradient scaler of ``trainer`` (``None`` without one).
+
+    Lightning 2.6.6: the ``scaler`` attribute of ``MixedPrecision`` (16-bit AMP) and
+    ``FSDPPrecision``; other precision plugins have none.
+    """
+    return getattr(trainer.precision_plugin, "scaler", None)
+
+
+def loss_scale_reader(scaler: Any) -> Callable[[], Tensor] | None:
+    """A function returning the scaler's current loss scale as a device tensor, without a
+    host synchronisation (``None`` for ``scaler=None``).
+
+    torch 2.14.1: ``GradScaler._get_scale_async()``; the public ``get_scale()`` syncs.
+    """
+    return scaler._get_scale_async if scaler is not None else None
+
+
+def automatic_scheduler_configs(raw: Any, current: list[Any]) -> list[Any]:
+    """The LR scheduler configs that automatic optimization would build from
+    ``configure_optimizers``'s raw output ``raw``: the same scheduler objects as
+    ``current`` (the Trainer's, under manual optimization) but with ``monitor``, ``strict``
+    and ``reduce_on_plateau`` kept, which Lightning drops under manual optimization.
+
+    Lightning 2.6.6: ``lightning.pytorch.core.optimizer._configure_optimizers`` and
+    ``_configure_schedulers_automatic_opt``. Without them ``current`` is returned.
+    """
+    if raw is None or not current:
+        return current
+    try:
+        from lightning.pytorch.core.optimizer import (
+            _configure_optimizers,
+            _configure_schedulers_automatic_opt,
+        )
+    except ImportError:
+        return current
+    _, schedulers, monitor = _configure_optimizers(raw)
+    # Raises Lightning's own clear error for e.g. a ReduceLROnPlateau without `monitor`.
+    rebuilt = _configure_schedulers_automatic_opt(schedulers, monitor)
+    same = len(rebuilt) == len(current) and all(
+        a.scheduler is b.scheduler for a, b in zip(rebuilt, current)
+    )
+    return rebuilt if same else current
+
+
+def is_compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` (or a submodule) runs through ``torch.compile``.
+
+    Lightning 2.6.6 marks a module given to ``trainer.fit(torch.compile(model))`` with
+    ``_compiler_ctx``; torch 2.14.1 wraps compiled submodules in
+    ``torch._dynamo.eval_frame.OptimizedModule``.
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if getattr(module, "_compiler_ctx", None):
+        return True
+    return any(isinstance(m, OptimizedModule) for m in module.modules())
+
+
+def spawns_processes(strategy: Any) -> bool:
+    """Whether ``strategy`` trains in spawned child processes (``ddp_spawn``).
+
+    Lightning 2.6.6: its launcher is a ``_MultiProcessingLauncher``.
+    """
+    from lightning.pytorch.strategies.launchers.multiprocessing import (
+        _MultiProcessingLauncher,
+    )
+
+    return isinstance(getattr(strategy, "launcher", None), _MultiProcessingLauncher)
+
+
+def add_cli_subcommand(
+    add_lightning_subcommands: Callable[[], None], parser: Any, name: str, subparser: Any, help: str
+) -> None:
+    """Run ``LightningCLI._add_subcommands`` (``add_lightning_subcommands``) and add one
+    more subcommand beside ``fit``, ``validate``, ... so that ``--help`` and the
+    missing-subcommand error list it.
+
+    Lightning 2.6.6: ``_add_subcommands`` adds its subcommands to the action returned by
+    ``parser.add_subcommands()``; that action is captured here.
+    """
+    added: list[Any] = []
+    original = parser.add_subcommands
+
+    def capture(*args: Any, **options: Any) -> Any:
+        added.append(original(*args, **options))
+        return added[-1]
+
+    parser.add_subcommands = capture
+    try:
+        add_lightning_subcommands()
+    finally:
+        del parser.add_subcommands
+    if added:
+        added[0].add_subcommand(name, subparser, help=help)
+
+
+def carry_step_progress(checkpoint: dict[str, Any], automatic: bool) -> None:
+    """Copy the optimizer-step count of the optimization mode that ran last into the mode
+    that resumes (``automatic``), in a checkpoint being loaded.
+
+    Lightning 2.6.6 counts steps separately in the loop state under
+    ``epoch_loop.automatic_optimization.optim_progress`` and
+    ``epoch_loop.manual_optimization.optim_step_progress``.
+    """
+    loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    auto = loop.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer")
+    manual = loop.get("epoch_loop.manual_optimization.optim_step_progress")
+    if not auto or not manual or "step" not in auto:
+        return
+    done_auto = auto["step"]["total"]["completed"]
+    done_manual = manual["total"]["completed"]
+    # Each switch copies the count over, so the mode that ran last has the larger count.
+    if automatic and done_manual > done_auto:
+        auto["step"] = {k: dict(v) for k, v in manual.items()}
+        auto["zero_grad"] = {k: {**v, "started": v["completed"]} for k, v in manual.items()}
+    elif not automatic and done_auto > done_manual:
+        loop["epoch_loop.manual_optimization.optim_step_progress"] = {
+            k: dict(v) for k, v in auto["step"].items()
+        }
