@@ -28,7 +28,6 @@ import re
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 GroupingFn = Callable[[str, nn.Parameter], Hashable | None]
@@ -62,21 +61,13 @@ class LayerPartition:
 
     def __post_init__(self) -> None:
         self.numel = [sum(p.numel() for p in group) for group in self.params]
-        # Flat views let the hot path work on one list of tensors plus an index map.
+        # A flat view lets the hot path work on one list of tensors.
         self.flat_params: list[nn.Parameter] = [p for group in self.params for p in group]
-        self.flat_layer_index = torch.tensor(
-            [i for i, group in enumerate(self.params) for _ in group], dtype=torch.long
-        )
 
     @property
     def num_layers(self) -> int:
         """Number of sampled layers (bandit arms)."""
         return len(self.names)
-
-    @property
-    def num_tensors(self) -> int:
-        """Number of sampled parameter tensors."""
-        return len(self.flat_params)
 
     @property
     def trainable_numel(self) -> int:

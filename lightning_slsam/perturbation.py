@@ -246,7 +246,6 @@ class FisherMask:
         self.fisher_samples = fisher_samples
         self.mask_interval = mask_interval
         self.masks: dict[int, Tensor] = {}
-        self.num_refreshes = 0
 
     def due(self, step: int) -> bool:
         """Whether the mask must be recomputed before optimizer step ``step``."""
@@ -266,7 +265,6 @@ class FisherMask:
             n = param.numel()
             self.masks[id(param)] = chosen[offset : offset + n].view_as(param).to(param.dtype)
             offset += n
-        self.num_refreshes += 1
 
     def masks_for(self, params: list[Tensor]) -> list[Tensor]:
         """The masks of ``params`` (all ones for a tensor the Fisher pass did not see)."""
