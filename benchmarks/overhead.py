@@ -45,7 +45,7 @@ def bandit(
             mask, norms * (1 + torch.rand(n, generator=gen, dtype=torch.float64))
         )
         t3 = time.perf_counter()
-        engine._numel(mask)
+        engine.freezer.numel(mask)
         engine.counts += mask.to(torch.int64)
         normalized_entropy(engine.selection.probs)
         t4 = time.perf_counter()

@@ -1,0 +1,237 @@
+"""What a training step runs its gradient passes through, and what it reports.
+
+The training loop hands the engine a :class:`ForwardBackward` callable (the one contract
+between the engine and any loop: Lightning's mixin, :meth:`SparseSAMEngine.train_step`,
+or your own), and gets a :class:`StepResult` back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from lightning_slsam.distributed import GradientAverager
+from lightning_slsam.freezing import LayerFreezer
+from lightning_slsam.perturbation import tensor_norms
+from lightning_slsam.schedules import STEP_KINDS
+
+__all__ = [
+    "ForwardBackward",
+    "GradientPass",
+    "PassOutput",
+    "StepCall",
+    "StepContext",
+    "StepResult",
+    "average_grads",
+    "check_same_draw",
+    "gradient_pass",
+]
+
+
+@dataclass
+class PassOutput:
+    """What ``forward_backward`` returns when it has more than the loss to report.
+
+    Attributes:
+        loss: the detached (scalar) loss of the pass.
+        per_sample: detached per-sample losses, one tensor per micro-batch, if known.
+    """
+
+    loss: Tensor
+    per_sample: list[Tensor | None] | None = None
+
+
+class ForwardBackward(Protocol):
+    """The callable a step runs its passes through (given by the training loop).
+
+    ``forward_backward(subsets=None, backward=True)`` computes the loss on the current
+    batch (each micro-batch ``i`` restricted to the sample indices ``subsets[i]`` when
+    given, skipped when that index tensor is empty), back-propagates it when ``backward``
+    and returns it detached -- as a tensor, or as a :class:`PassOutput` carrying per-sample
+    losses (needed by ESAM's data selection). Methods that address single samples (ESAM,
+    SSAM-F) also read its ``batch_sizes`` attribute (samples per micro-batch). Simple
+    callables without arguments serve every other method.
+    """
+
+    def __call__(
+        self, subsets: list[Tensor] | None = None, backward: bool = True
+    ) -> Tensor | PassOutput: ...
+
+
+@dataclass
+class StepContext:
+    """How the surrounding trainer scales gradients and talks to other processes.
+
+    Attributes:
+        grad_scale: returns the current loss scale of a gradient scaler (a tensor on the
+            gradients' device) when one is in use: the per-layer norms the selection learns
+            from are divided by it. Everything else SAM computes is scale-free.
+        averager: averages gradients across processes (DDP); ``None`` on one process.
+    """
+
+    grad_scale: Callable[[], Tensor] | None = None
+    averager: GradientAverager | None = None
+
+
+@dataclass
+class StepResult:
+    """What happened in one step.
+
+    Attributes:
+        loss: first-pass loss, detached.
+        active_mask: bool ``[num_layers]`` CPU mask of the layers the optimizer updated.
+        pass_numel: parameters with a gradient in each training backward pass.
+        trainable_numel: parameters that could take part (the ratios' denominator).
+        kind: ``"sam"``, ``"plain"``, ``"reuse"`` or ``"single"``.
+        extra_backward: backward passes outside the training passes (SSAM-F's Fisher).
+        allreduce_bytes: bytes this process all-reduced across processes this step.
+        skipped: whether the update was skipped; ``skip_reason`` says why.
+        drawn: whether the selection drew the active set. A forced dense step (the plain
+            first step of single-step SAM) is not a draw, and the selection does not learn
+            from it.
+    """
+
+    loss: Tensor | None
+    active_mask: Tensor
+    trainable_numel: int
+    kind: str
+    pass_numel: list[int] = field(default_factory=list)
+    extra_backward: int = 0
+    allreduce_bytes: int = 0
+    skipped: bool = False
+    skip_reason: str | None = None
+    drawn: bool = True
+
+    @property
+    def num_backward(self) -> int:
+        """Backward passes run, extra ones included."""
+        return len(self.pass_numel) + self.extra_backward
+
+    @property
+    def active_ratio_per_pass(self) -> list[float]:
+        """Fraction of trainable parameters with a gradient, per training pass."""
+        return [n / max(self.trainable_numel, 1) for n in self.pass_numel]
+
+    @property
+    def active_ratio(self) -> float:
+        """The SL-SAM paper's "Active Ratio": that fraction summed over the training passes
+        (plain AdamW 1.0, SAM 2.0)."""
+        return sum(self.active_ratio_per_pass)
+
+
+@dataclass
+class StepCall:
+    """One step being run: its result so far, the loop's callables and context."""
+
+    result: StepResult
+    forward_backward: ForwardBackward
+    zero_grad: Callable[[], None]
+    optimizer_step: Callable[[bool], None]
+    context: StepContext
+
+
+@dataclass
+class GradientPass:
+    """One gradient pass's results (all on the device)."""
+
+    output: PassOutput
+    active: list[Tensor]
+    params: list[Tensor]  # active tensors that received a gradient
+    grads: list[Tensor]
+    slots: Tensor  # each tensor's normalisation group
+    norms: Tensor  # per-tensor gradient norms
+    layer_norms: Tensor  # per-layer gradient norms
+
+    def scalars(self) -> list[Tensor]:
+        """The pass's loss and a finiteness probe of its gradients."""
+        return [self.output.loss, self.norms.sum()]
+
+
+def as_output(value: Tensor | PassOutput) -> PassOutput:
+    return value if isinstance(value, PassOutput) else PassOutput(value, None)
+
+
+def gradient_pass(
+    freezer: LayerFreezer,
+    call: StepCall,
+    active: list[Tensor],
+    mask: Tensor,
+    subsets: list[Tensor] | None = None,
+    sync: bool = True,
+) -> GradientPass:
+    """One forward/backward on the ``active`` tensors; gradients and norms kept on device.
+
+    Under multi-process training the gradients are averaged across processes first
+    (``sync``); otherwise the per-layer norms alone are.
+    """
+    result = call.result
+    call.zero_grad()
+    fb = call.forward_backward
+    output = as_output(fb(subsets=subsets) if subsets else fb())
+    if result.loss is None:
+        result.loss = output.loss
+    result.pass_numel.append(freezer.numel(mask))
+    averager = call.context.averager
+    if averager is not None and sync:
+        result.allreduce_bytes += average_grads(active, averager)
+    params, grads, slots = freezer.with_grad(active)
+    norms = tensor_norms(grads, output.loss.device)
+    layer_norms = freezer.layer_norms(norms, slots)
+    if averager is not None and not sync:
+        result.allreduce_bytes += averager.average_([layer_norms])
+    return GradientPass(output, active, params, grads, slots, norms, layer_norms)
+
+
+@torch.no_grad()
+def average_grads(active: list[Tensor], averager: GradientAverager) -> int:
+    """Average the active tensors' gradients across processes.
+
+    Every process sends every active tensor (the sets are equal on all ranks), a zero
+    gradient standing in for a missing one; a presence flag per tensor travels in the
+    same collective, so a tensor no process used keeps ``grad=None``, as on one process.
+    """
+    if not active:
+        return 0
+    present = torch.tensor(
+        [p.grad is not None for p in active], dtype=active[0].dtype, device=active[0].device
+    )
+    grads = []
+    for param in active:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        grads.append(param.grad)
+    sent = averager.average_([*grads, present])
+    for param, flag in zip(active, present.tolist()):
+        if flag == 0:
+            param.grad = None
+    return sent
+
+
+def check_same_draw(mask: Tensor, kind: str, step: int, averager: GradientAverager) -> None:
+    """Debug mode under DDP: every process must draw the same layers and step kind.
+
+    Two checksums of the mask and the kind are gathered from every process (one small
+    collective); on a mismatch every process raises the same error before touching a
+    weight, instead of hanging in a gradient all-reduce of different tensors.
+    """
+    index = torch.arange(1, mask.numel() + 1, dtype=torch.int64, device=mask.device)
+    bits = mask.to(torch.int64)
+    code = STEP_KINDS.index(kind) if kind in STEP_KINDS else len(STEP_KINDS)
+    value = torch.stack([(bits * index).sum(), (bits * (index * index % 1_000_003)).sum(),
+                         bits.sum() * 8 + code])  # fmt: skip
+    seen = averager.gather(value).cpu()
+    differ = [rank for rank in range(len(seen)) if not torch.equal(seen[rank], seen[0])]
+    if differ:
+        counts = seen[:, 2] // 8
+        raise RuntimeError(
+            f"check_masks: at step {step} process(es) {differ} drew other layers"
+            f" or another step kind than process 0 (active layers per process:"
+            f" {counts.tolist()}). The processes' selection generators have diverged:"
+            " keep the callback's `seed` the same on every process (the default, None,"
+            " takes the `seed_everything` seed of rank 0) and do not draw from the"
+            " callback's generators yourself."
+        )
