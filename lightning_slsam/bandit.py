@@ -47,10 +47,10 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from collections.abc import Callable
 
 import torch
 
+from lightning_slsam.checks import check_value
 from lightning_slsam.selection import LayerSelection
 
 __all__ = ["LayerBandit", "kl_projection"]
@@ -165,17 +165,6 @@ def kl_projection(
     return torch.empty_like(q).scatter_(0, order, q)
 
 
-def _param(name: str, value: object, ok: Callable[[float], bool], hint: str) -> float:
-    """Return ``value`` as a finite float passing ``ok``, else raise a ValueError naming it."""
-    try:
-        v = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        v = math.nan
-    if not (math.isfinite(v) and ok(v)):
-        raise ValueError(f"{name}={value!r} is invalid: {hint}")
-    return v
-
-
 def _validated(
     num_layers: int, layer_ratio: float, p_min: float, alpha_p: float | None, loss: str
 ) -> tuple[int, float, float, float, str]:
@@ -191,14 +180,14 @@ def _validated(
     if not integral or num_layers < 1:
         raise ValueError(f"num_layers={num_layers!r} is invalid: pass an int >= 1.")
     n = int(num_layers)
-    ratio = _param("layer_ratio", layer_ratio, lambda v: 0 < v <= 1, "use a value in (0, 1].")
-    floor = _param("p_min", p_min, lambda v: 0 < v < 1, "use a value in (0, 1), e.g. 1e-3.")
+    ratio = check_value("layer_ratio", layer_ratio, lambda v: 0 < v <= 1, "use a value in (0, 1].")
+    floor = check_value("p_min", p_min, lambda v: 0 < v < 1, "use a value in (0, 1), e.g. 1e-3.")
     if floor * n > ratio * n * (1.0 + _REL_TOL):
         raise ValueError(
             f"p_min={p_min!r} is too large for {n} layers at layer_ratio={ratio}: the floors "
             f"alone exceed the budget s={ratio * n:g}; use p_min <= s/N = {ratio:g}."
         )
-    step = _param("alpha_p", alpha_p, lambda v: v >= 0, "use a finite value >= 0, e.g. 1e-3.")
+    step = check_value("alpha_p", alpha_p, lambda v: v >= 0, "use a finite value >= 0, e.g. 1e-3.")
     return n, ratio, floor, step, loss
 
 

@@ -39,6 +39,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_slsam.bandit import LayerBandit, kl_projection
 from lightning_slsam.callback import SAMCallback
+from lightning_slsam.checks import check_ratio, is_ratio
 from lightning_slsam.perturbation import FisherMask
 from lightning_slsam.selection import (
     DenseWarmup,
@@ -93,12 +94,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _ratio(name: str, value: float) -> float:
-    if not (isinstance(value, (int, float)) and 0 < value <= 1):
-        raise ValueError(f"`{name}` must be in (0, 1], got {value!r}.")
-    return float(value)
-
-
 def _warmup(value: int | float) -> int | float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"`dense_warmup` must be a number, got {value!r}.")
@@ -131,7 +126,7 @@ class _LayerSubset(SAMCallback):
         scale_updates: bool,
         max_update_scale: float | None,
     ) -> None:
-        self.layer_ratio = _ratio("layer_ratio", layer_ratio)
+        self.layer_ratio = check_ratio("layer_ratio", layer_ratio)
         self.dense_warmup = _warmup(dense_warmup)
         if isinstance(min_updates, bool) or not (isinstance(min_updates, int) and min_updates >= 0):
             raise ValueError(f"`min_updates` must be an integer >= 0, got {min_updates!r}.")
@@ -326,7 +321,7 @@ class SparseLayerSAM(_LayerSubset):
             vectors_always_active = chosen["vectors_always_active"]
         if scale_updates is None:
             scale_updates = chosen["scale_updates"]
-        _ratio("backprop_depth", backprop_depth)
+        check_ratio("backprop_depth", backprop_depth)
         if bandit_loss not in BANDIT_LOSSES:
             raise ValueError(
                 f"`bandit_loss` must be one of {BANDIT_LOSSES}, got {bandit_loss!r}: 'shifted'"
@@ -335,7 +330,7 @@ class SparseLayerSAM(_LayerSubset):
             )
         # A throw-away bandit validates the bandit options now rather than at setup
         # (p_min * N <= s reduces to p_min <= layer_ratio for every N).
-        probe = max(1, math.ceil(1.0 / layer_ratio)) if _is_ratio(layer_ratio) else 1
+        probe = max(1, math.ceil(1.0 / layer_ratio)) if is_ratio(layer_ratio) else 1
         probe_bandit = LayerBandit(probe, layer_ratio, p_min, alpha_p, bandit_loss)
         super().__init__(
             rho=rho,
@@ -485,7 +480,7 @@ class TopSLSAM(SAMCallback):
     method = "top_slsam"
 
     def __init__(self, layer_ratio: float = 0.2, **kwargs: Any) -> None:
-        self.layer_ratio = _ratio("layer_ratio", layer_ratio)
+        self.layer_ratio = check_ratio("layer_ratio", layer_ratio)
         super().__init__(**kwargs)
 
     def _selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
@@ -597,8 +592,8 @@ class ESAM(SAMCallback):
     method = "esam"
 
     def __init__(self, weight_ratio: float = 0.5, data_ratio: float = 0.5, **kwargs: Any) -> None:
-        self.weight_ratio = _ratio("weight_ratio", weight_ratio)
-        self.data_ratio = _ratio("data_ratio", data_ratio)
+        self.weight_ratio = check_ratio("weight_ratio", weight_ratio)
+        self.data_ratio = check_ratio("data_ratio", data_ratio)
         super().__init__(**kwargs)
 
     def _selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
@@ -718,7 +713,3 @@ def _lookup(name: str) -> tuple[type[SAMCallback] | None, dict[str, Any]]:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"Unknown method {name!r}.{hint} Choose one of {sorted(METHODS)}.")
     return METHODS[key]
-
-
-def _is_ratio(value: Any) -> bool:
-    return isinstance(value, (int, float)) and 0 < value <= 1

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_slsam.checks import check_ratio
+
 __all__ = [
     "AllLayers",
     "DenseWarmup",
@@ -44,12 +46,6 @@ __all__ = [
     "TopKSelection",
     "UniformSelection",
 ]
-
-
-def _check_ratio(name: str, value: float) -> float:
-    if not (isinstance(value, (int, float)) and 0 < value <= 1):
-        raise ValueError(f"`{name}` must be in (0, 1], got {value!r}.")
-    return float(value)
 
 
 def _generator(generator: torch.Generator | None) -> torch.Generator:
@@ -135,7 +131,7 @@ class UniformSelection(LayerSelection):
         self, num_layers: int, ratio: float, generator: torch.Generator | None = None
     ) -> None:
         self.num_layers = int(num_layers)
-        self.ratio = _check_ratio("layer_ratio", ratio)
+        self.ratio = check_ratio("layer_ratio", ratio)
         self._gen = _generator(generator)
 
     @property
@@ -251,7 +247,7 @@ class DepthCut(LayerSelection):
     ) -> None:
         self.inner = inner
         self.num_layers = inner.num_layers
-        self.depth = _check_ratio("backprop_depth", depth)
+        self.depth = check_ratio("backprop_depth", depth)
         self._gen = _generator(generator)
         n = self.num_layers
         if self.depth >= 0.5:
