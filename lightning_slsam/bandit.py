@@ -51,6 +51,7 @@ import warnings
 import torch
 
 from lightning_slsam.checks import check_value
+from lightning_slsam.seeding import Seeded, seeded_generator
 from lightning_slsam.selection import LayerSelection
 
 __all__ = ["LayerBandit", "kl_projection"]
@@ -191,7 +192,7 @@ def _validated(
     return n, ratio, floor, step, loss
 
 
-class LayerBandit(LayerSelection):
+class LayerBandit(LayerSelection, Seeded):
     """EXP3 sampler of active layers with a KL-projected, floor-bounded distribution.
 
     Args:
@@ -229,12 +230,9 @@ class LayerBandit(LayerSelection):
         cfg = _validated(num_layers, layer_ratio, p_min, alpha_p, loss)
         self._n, self._ratio, self._p_min, self._alpha, self._loss = cfg
         self._budget = self._ratio * self._n
-        if generator is None:
-            generator = torch.Generator()
-            generator.manual_seed(torch.initial_seed())
-        elif generator.device.type != "cpu":
+        if generator is not None and generator.device.type != "cpu":
             raise ValueError(f"generator must be a CPU torch.Generator, got {generator.device}.")
-        self._gen = generator
+        self._gen = seeded_generator(generator)
         self._probs = torch.full((self._n,), self._budget / self._n, dtype=torch.float64)
         self.num_samples = self.num_redraws = self.num_updates = self.num_skipped = 0
 
@@ -358,7 +356,7 @@ class LayerBandit(LayerSelection):
         """Everything needed to resume bit-identically, including the generator state."""
         return {
             "probs": self._probs.clone(),
-            "generator": self._gen.get_state(),
+            **self.generator_state(),
             "num_layers": self._n,
             "layer_ratio": self._ratio,
             "p_min": self._p_min,
@@ -392,7 +390,7 @@ class LayerBandit(LayerSelection):
             )
         self._n, self._ratio, self._p_min, self._alpha, self._loss = cfg
         self._budget = budget
-        self._gen.set_state(state["generator"])
+        self.load_generator_state(state)
         self._probs = probs.clone()
         for key in ("num_updates", "num_samples", "num_redraws", "num_skipped"):
             setattr(self, key, int(state[key]))

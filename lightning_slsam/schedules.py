@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from lightning_slsam.seeding import Seeded, seeded_generator
+
 __all__ = [
     "STEP_KINDS",
     "EveryStep",
@@ -54,7 +56,7 @@ class EveryStep(Schedule):
     """SAM on every step (SAM, SL-SAM and the other two-pass methods)."""
 
 
-class RandomSchedule(Schedule):
+class RandomSchedule(Schedule, Seeded):
     """RST (Zhao et al., 2022, "Randomized Sharpness-Aware Training"): each step is a SAM
     step with probability ``probability``, otherwise a plain step.
 
@@ -68,21 +70,17 @@ class RandomSchedule(Schedule):
         if not (isinstance(probability, (int, float)) and 0 <= probability <= 1):
             raise ValueError(f"`sam_probability` must be in [0, 1], got {probability!r}.")
         self.probability = float(probability)
-        if generator is None:
-            generator = torch.Generator()
-            generator.manual_seed(torch.initial_seed() + 1)
-        self._gen = generator
+        self._gen = seeded_generator(generator, offset=1)
 
     def kind(self, step: int) -> str:
         draw = torch.rand((), generator=self._gen, dtype=torch.float64)
         return "sam" if bool(draw < self.probability) else "plain"
 
     def state_dict(self) -> dict[str, Any]:
-        return {"generator": self._gen.get_state()}
+        return self.generator_state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "generator" in state:
-            self._gen.set_state(state["generator"])
+        self.load_generator_state(state)
 
 
 class IntervalSchedule(Schedule):

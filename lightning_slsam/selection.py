@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from lightning_slsam.checks import check_ratio
+from lightning_slsam.seeding import Seeded, seeded_generator
 
 __all__ = [
     "AllLayers",
@@ -46,13 +47,6 @@ __all__ = [
     "TopKSelection",
     "UniformSelection",
 ]
-
-
-def _generator(generator: torch.Generator | None) -> torch.Generator:
-    if generator is None:
-        generator = torch.Generator()
-        generator.manual_seed(torch.initial_seed())
-    return generator
 
 
 class LayerSelection:
@@ -117,7 +111,7 @@ class AllLayers(LayerSelection):
         return True
 
 
-class UniformSelection(LayerSelection):
+class UniformSelection(LayerSelection, Seeded):
     """Each layer independently with probability ``ratio`` (redrawn while empty).
 
     Args:
@@ -132,7 +126,7 @@ class UniformSelection(LayerSelection):
     ) -> None:
         self.num_layers = int(num_layers)
         self.ratio = check_ratio("layer_ratio", ratio)
-        self._gen = _generator(generator)
+        self._gen = seeded_generator(generator)
 
     @property
     def probs(self) -> Tensor:
@@ -150,11 +144,10 @@ class UniformSelection(LayerSelection):
                 return mask
 
     def state_dict(self) -> dict[str, Any]:
-        return {"generator": self._gen.get_state()}
+        return self.generator_state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "generator" in state:
-            self._gen.set_state(state["generator"])
+        self.load_generator_state(state)
 
 
 class TopKSelection(LayerSelection):
@@ -218,7 +211,7 @@ class ExpandToAll(LayerSelection):
         self.first.load_state_dict(state)
 
 
-class DepthCut(LayerSelection):
+class DepthCut(LayerSelection, Seeded):
     """Freeze every layer below a random cut, then let ``inner`` sample above it.
 
     With independent per-layer sampling some layer near the input is almost always
@@ -248,7 +241,7 @@ class DepthCut(LayerSelection):
         self.inner = inner
         self.num_layers = inner.num_layers
         self.depth = check_ratio("backprop_depth", depth)
-        self._gen = _generator(generator)
+        self._gen = seeded_generator(generator)
         n = self.num_layers
         if self.depth >= 0.5:
             self._low, self._high = 0.0, 2.0 * (1.0 - self.depth) * n
@@ -298,15 +291,14 @@ class DepthCut(LayerSelection):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"inner": self.inner.state_dict(), "generator": self._gen.get_state()}
+        return {"inner": self.inner.state_dict(), **self.generator_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state.get("inner", {}))
-        if "generator" in state:
-            self._gen.set_state(state["generator"])
+        self.load_generator_state(state)
 
 
-class DenseWarmup(LayerSelection):
+class DenseWarmup(LayerSelection, Seeded):
     """Anneal the layer ratio from 1 to ``inner``'s over the first ``steps`` steps.
 
     Short fine-tunes lose accuracy to sparse updates: a layer active in a fifth of the
@@ -334,7 +326,7 @@ class DenseWarmup(LayerSelection):
         self.inner = inner
         self.num_layers = inner.num_layers
         self.steps = steps
-        self._gen = _generator(generator)
+        self._gen = seeded_generator(generator)
         self.num_sampled = 0
         self._weight = 0.0
 
@@ -378,14 +370,13 @@ class DenseWarmup(LayerSelection):
     def state_dict(self) -> dict[str, Any]:
         return {
             "inner": self.inner.state_dict(),
-            "generator": self._gen.get_state(),
+            **self.generator_state(),
             "num_sampled": self.num_sampled,
             "weight": self._weight,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state.get("inner", {}))
-        if "generator" in state:
-            self._gen.set_state(state["generator"])
+        self.load_generator_state(state)
         self.num_sampled = int(state.get("num_sampled", 0))
         self._weight = float(state.get("weight", 0.0))
