@@ -163,6 +163,29 @@ class SparseSAMEngine:
         self.active_ratio_sum = 0.0
         self.last_result: StepResult | None = None
 
+    @classmethod
+    def from_method(
+        cls, name: str, module: torch.nn.Module, total_steps: int | None = None, **options: Any
+    ) -> SparseSAMEngine:
+        """The engine of method ``name`` (``"slsam"``, ``"sam"``, ...; see
+        :data:`~lightning_slsam.registry.SPECS`) for ``module``, with ``options``
+        overriding the method's defaults; ``total_steps``: the run's optimizer steps, needed
+        by options given as a fraction of the run.
+
+        Example:
+            >>> import torch
+            >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+            >>> engine = SparseSAMEngine.from_method("slsam", net, layer_ratio=0.5, seed=0)
+            >>> opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+            >>> x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+            >>> loss = lambda: torch.nn.functional.cross_entropy(net(x), y)
+            >>> engine.train_step(loss, opt).kind
+            'sam'
+        """
+        from lightning_slsam.registry import method_spec
+
+        return method_spec(name, **options).build_engine(module, total_steps=total_steps)
+
     @property
     def partition(self) -> LayerPartition:
         """The layers (a second ``fit`` may hand in a rebuilt, identical partition)."""
