@@ -9,14 +9,16 @@ on the module runs the training step through it.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import glob
 import inspect
 import math
 import os
 import re
+import typing
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -27,6 +29,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
+from lightning_slsam.checks import check_choice, check_flag
 from lightning_slsam.compat import (
     attached_trainer,
     epoch_ends_with_this_batch,
@@ -34,39 +37,30 @@ from lightning_slsam.compat import (
     is_compiled,
     loss_scale_reader,
 )
+from lightning_slsam.dense_specs import SAMSpec
 from lightning_slsam.distributed import GradientAverager
 from lightning_slsam.engine import SparseSAMEngine, StepContext, StepResult
-from lightning_slsam.layers import (
-    LayerPartition,
-    LayerSpec,
-    build_partition,
-    find_new_head,
-    validate_layer_spec,
-)
+from lightning_slsam.layers import LayerPartition
 from lightning_slsam.metrics import (
     normalized_entropy,
     plot_layer_frequency,
     write_layer_frequency_csv,
 )
 from lightning_slsam.mixin import SAMMixin, scheduler_configs
-from lightning_slsam.perturbation import BackupPool, SAMPerturbation
-from lightning_slsam.running import BN_STATS
-from lightning_slsam.schedules import (
-    EveryStep,
-    IntervalSchedule,
-    RandomSchedule,
-    Schedule,
-    SingleStepSchedule,
-)
-from lightning_slsam.selection import AllLayers, LayerSelection
+from lightning_slsam.perturbation import BackupPool
+from lightning_slsam.selection import LayerSelection
+from lightning_slsam.specs import SCHEDULES, MethodSpec, default_seed
 
 __all__ = ["SCHEDULES", "SAMCallback", "estimated_stepping_batches"]
 
-SCHEDULES = ("every_step", "random", "interval", "single")
-#: Default radius of SAM (the SL-SAM paper's, for every method) and of ASAM (its reference's).
-SAM_RHO = 0.01
-ASAM_RHO = 0.5
 _CLIP_ALGORITHMS = ("norm", "value")
+#: The options of the Lightning layer alone (the method's own are its spec's fields).
+_LIGHTNING_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "gradient_clip_val": (float | None, None),
+    "gradient_clip_algorithm": (str, "norm"),
+    "accumulate_grad_batches": (int, 1),
+    "plot": (bool, True),
+}
 _PROGRESS_BAR = {
     "sl_layers": "slsam/active_layers",
     "sl_ratio": "slsam/active_ratio",
@@ -145,6 +139,67 @@ def check_options(cls: type, options: dict[str, Any]) -> None:
             raise TypeError(f"{cls.__name__} has no option {key!r}; {hint}")
 
 
+def _shell_init(cls: type[SAMCallback]) -> Callable[..., None]:
+    """``cls.__init__``: keyword options, its spec's fields then the Lightning options, with
+    a signature naming each (which jsonargparse and ``help()`` read)."""
+
+    def __init__(self: SAMCallback, **options: Any) -> None:
+        SAMCallback.__init__(self, **options)
+
+    hints = typing.get_type_hints(cls.spec_class)
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    for f in dataclasses.fields(cls.spec_class):
+        if f.init:
+            params.append(
+                inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                  annotation=hints[f.name])
+            )  # fmt: skip
+    for name, (annotation, default) in _LIGHTNING_OPTIONS.items():
+        params.append(
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                              annotation=annotation)
+        )  # fmt: skip
+    __init__.__signature__ = inspect.Signature(params, return_annotation=None)  # type: ignore[attr-defined]
+    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+    spec_name = cls.spec_class.__name__
+    __init__.__doc__ = f"Options of {cls.__name__}: see the class and :class:`{spec_name}`."
+    return __init__
+
+
+def _args_section(doc: str | None) -> dict[str, str]:
+    """The entries of a Google-style docstring's ``Args:`` section, by option name."""
+    lines = inspect.cleandoc(doc or "").splitlines()
+    if "Args:" not in lines:
+        return {}
+    entries: dict[str, str] = {}
+    name = None
+    for line in lines[lines.index("Args:") + 1 :]:
+        if line and not line.startswith(" "):
+            break  # the next section
+        match = re.match(r"^    (\w+): (.*)$", line)
+        if match:
+            name = match.group(1)
+            entries[name] = match.group(2)
+        elif name is not None and line.strip():
+            entries[name] += " " + line.strip()
+    return entries
+
+
+def _with_options_doc(cls: type[SAMCallback]) -> str:
+    """``cls``'s docstring with an ``Args:`` section for every option: the spec's fields
+    (documented on the spec classes) and the Lightning options (on :class:`SAMCallback`),
+    so that ``help()`` and the CLI's ``--help`` describe each one."""
+    known: dict[str, str] = {}
+    for klass in cls.spec_class.__mro__:
+        for key, text in _args_section(klass.__doc__).items():
+            known.setdefault(key, text)
+    known.update(_args_section(SAMCallback.__doc__))
+    names = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    entries = [f"    {n}: {known[n]}" if n in known else f"    {n}: see {cls.spec_class.__name__}."
+               for n in names]  # fmt: skip
+    return inspect.cleandoc(cls.__doc__ or "") + "\n\nArgs:\n" + "\n".join(entries) + "\n"
+
+
 class _ChecksOptions:
     """Names an unknown option with the class the user wrote (Python's own error would
     name ``SAMCallback.__init__``, where the keywords end up), with the closest valid name.
@@ -163,67 +218,18 @@ class _ChecksOptions:
 class SAMCallback(Callback, _ChecksOptions):
     """Base of the plugin's SAM methods; use a method class such as ``SparseLayerSAM``.
 
-    Options shared by every method:
+    A thin Lightning shell over the method's specification (:attr:`spec_class`, pure
+    PyTorch): the method's options are the spec's fields -- the options every method takes
+    are :class:`~lightning_slsam.specs.MethodSpec`'s -- and the callback reads them from
+    it (``callback.rho``, ``callback.layer_ratio``, ...). Its own options, for the Lightning
+    training step:
 
     Args:
-        rho: SAM perturbation radius (> 0). ``None`` (default): 0.01, the SL-SAM paper's
-            value for every method, or 0.5 with ``adaptive=True`` (ASAM's reference radius,
-            which is relative to the weights).
-        adaptive: ASAM's weight-scaled perturbation ``rho * T_w^2 g / ||T_w g||`` with
-            ``T_w = |w| + adaptive_eta`` on weight tensors and 1 on biases (Kwon et al.,
-            2021, as their reference code); default ``False``.
-        adaptive_eta: ASAM's ``eta`` (>= 0; default 0.01, its reference value).
-        perturbation_norm: ``"global"`` (default; one norm over all perturbed tensors,
-            as SAM) or ``"layer"`` (one norm per layer, as SL-SAM's Algorithm 1 reads).
-        layers: what a layer is: ``"tensor"`` (default, paper), ``"module"``, a list of
-            regular expressions (one group per distinct match) or a callable
-            ``(name, param) -> key | None``.
-        always_active: regular expressions of parameter names trained every step.
-        head_always_active: also train the model's freshly initialised task head every
-            step (found by :func:`~lightning_slsam.layers.find_new_head`: timm and
-            Transformers classifiers, or the module's ``sam_head_parameters()``). Default
-            ``False`` (the paper samples the head like any layer).
-        vectors_always_active: also train every 1-D parameter tensor (biases and
-            normalisation weights) every step. Their gradients cost almost nothing next to
-            a matrix's (a reduction over the activation gradient that back-propagation
-            computes anyway), but as sampled layers they take a share of the layer budget.
-            Default ``False`` (the paper samples them like any layer).
-        always_frozen: regular expressions of parameter names never trained.
-        schedule: the iteration axis: ``"every_step"`` (SAM every step),
-            ``"random"`` (RST's coin, ``sam_probability``), ``"interval"`` (LookSAM:
-            SAM every ``sam_interval`` steps, the stored SAM component reused in
-            between with weight ``looksam_alpha``) or ``"single"`` (single-step SAM:
-            perturb along the previous step's gradient, one pass per step). ``None``
-            (default): the method's own (``"every_step"`` except for RST, LookSAM and
-            the S2 methods, which fix theirs).
-        sam_probability: with ``schedule="random"``, chance of a SAM step (RST: 0.5).
-        sam_interval: with ``schedule="interval"``, steps between SAM steps (LookSAM: 5).
-        looksam_alpha: with ``schedule="interval"``, weight of the reused component
-            (LookSAM: 0.7; 0 makes the steps in between plain steps).
-        seed: seed of the method's own generators (layer sampling, RST's coin); ``None``
-            uses the seed given to ``seed_everything`` (``PL_GLOBAL_SEED``), else
-            ``torch.initial_seed()``. Under DDP rank 0's seed is used by every process.
         gradient_clip_val: clip the update gradient at this value after unscaling;
             ``None`` or 0 disables. Use this instead of the Trainer flag.
         gradient_clip_algorithm: ``"norm"`` (default) or ``"value"``.
         accumulate_grad_batches: micro-batches per optimizer step (>= 1). Use this
             instead of the Trainer flag: every pass runs over all micro-batches.
-        bn_stats: which pass's BatchNorm running statistics a SAM step keeps:
-            ``"first"`` (default; the unperturbed pass, as official SAM code),
-            ``"second"`` or ``"both"`` (updated twice, as the SL-SAM reference code).
-        replay_dropout: give the second pass the first pass's dropout masks (default
-            ``False``: fresh masks, as official SAM code).
-        sync_first_pass: under DDP, average the first pass's gradient across processes
-            before the ascent (default; a multi-process run then equals a one-process run
-            on the global batch). ``False``: every process perturbs with its own gradient
-            (SAM's m-sharpness) and only the per-layer norms are averaged.
-        check_masks: debug mode for DDP: every step, check (one small all-gather) that all
-            processes drew the same layers and step kind, and raise a clear error on every
-            process if not, instead of a hang or a silent divergence. Default ``False``.
-        dense_one_pass: with ``schedule="random"`` or ``"interval"``, the steps that run
-            one pass (RST's plain steps, LookSAM's reuse steps) train every layer, as a
-            plain optimizer step; only the SAM steps are sparse. Default ``False`` (they
-            train the sampled layers).
         plot: write the per-layer activation chart (PNG) at the end of fit.
 
     Attributes:
@@ -242,116 +248,40 @@ class SAMCallback(Callback, _ChecksOptions):
     #: Whether another ``schedule`` may be chosen (RST, LookSAM and S2 methods fix theirs).
     schedule_fixed: ClassVar[bool] = False
 
-    def __init__(
-        self,
-        rho: float | None = None,
-        adaptive: bool = False,
-        adaptive_eta: float = 0.01,
-        perturbation_norm: str = "global",
-        layers: LayerSpec = "tensor",
-        always_active: Sequence[str] = (),
-        always_frozen: Sequence[str] = (),
-        head_always_active: bool = False,
-        vectors_always_active: bool = False,
-        schedule: str | None = None,
-        sam_probability: float = 0.5,
-        sam_interval: int = 5,
-        looksam_alpha: float = 0.7,
-        seed: int | None = None,
-        gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str = "norm",
-        accumulate_grad_batches: int = 1,
-        bn_stats: str = "first",
-        replay_dropout: bool = False,
-        sync_first_pass: bool = True,
-        check_masks: bool = False,
-        dense_one_pass: bool = False,
-        plot: bool = True,
-    ) -> None:
-        super().__init__()
-        if bn_stats not in BN_STATS:
-            raise ValueError(
-                f"`bn_stats` must be one of {BN_STATS}, got {bn_stats!r}: which pass's"
-                " BatchNorm running statistics a SAM step keeps."
-            )
-        for name, flag in (
-            ("replay_dropout", replay_dropout),
-            ("sync_first_pass", sync_first_pass),
-            ("check_masks", check_masks),
-            ("dense_one_pass", dense_one_pass),
-            ("plot", plot),
-            ("head_always_active", head_always_active),
-            ("vectors_always_active", vectors_always_active),
-        ):
-            if not isinstance(flag, bool):
-                raise ValueError(f"`{name}` must be True or False, got {flag!r}.")
-        if rho is None:
-            rho = ASAM_RHO if adaptive is True else SAM_RHO
-        self.perturbation = SAMPerturbation(
-            rho, norm=perturbation_norm, adaptive=adaptive, eta=adaptive_eta
-        )
-        validate_layer_spec(layers)
-        if schedule is None:
-            schedule = self.default_schedule
-        if schedule not in SCHEDULES:
-            raise ValueError(f"`schedule` must be one of {SCHEDULES}, got {schedule!r}.")
-        if self.schedule_fixed and schedule != self.default_schedule:
-            raise ValueError(
-                f"{type(self).__name__} fixes schedule={self.default_schedule!r}; use SAM or"
-                f" SparseLayerSAM with schedule={schedule!r} for another one."
-            )
-        # Validates every schedule option now (also those the chosen schedule ignores: a
-        # typo there would otherwise pass silently) rather than at setup.
-        _make_schedule(schedule, sam_probability, sam_interval, looksam_alpha, None)
-        _make_schedule("random", sam_probability, sam_interval, looksam_alpha, None)
-        _make_schedule("interval", sam_probability, sam_interval, looksam_alpha, None)
-        if gradient_clip_val is not None and not (
-            isinstance(gradient_clip_val, (int, float)) and gradient_clip_val >= 0
-        ):
-            raise ValueError(
-                f"`gradient_clip_val` must be None or a number >= 0, got {gradient_clip_val!r}."
-            )
-        if gradient_clip_algorithm not in _CLIP_ALGORITHMS:
-            raise ValueError(
-                f"`gradient_clip_algorithm` must be one of {_CLIP_ALGORITHMS},"
-                f" got {gradient_clip_algorithm!r}."
-            )
-        if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
-            raise ValueError(
-                "`accumulate_grad_batches` must be an integer >= 1,"
-                f" got {accumulate_grad_batches!r}."
-            )
-        if seed is not None and not isinstance(seed, int):
-            raise ValueError(f"`seed` must be an integer or None, got {seed!r}.")
-        self.rho = float(rho)
-        self.adaptive = adaptive
-        self.adaptive_eta = float(adaptive_eta)
-        self.perturbation_norm = perturbation_norm
-        self.layers = layers
-        self.always_active = list(always_active)
-        self.always_frozen = list(always_frozen)
-        self.head_always_active = head_always_active
-        self.vectors_always_active = vectors_always_active
-        self.schedule = schedule
-        self.sam_probability = float(sam_probability)
-        self.sam_interval = sam_interval
-        self.looksam_alpha = float(looksam_alpha)
-        self.seed = seed
-        self.gradient_clip_val = gradient_clip_val
-        self.gradient_clip_algorithm = gradient_clip_algorithm
-        self.accumulate_grad_batches = accumulate_grad_batches
-        self.bn_stats = bn_stats
-        self.replay_dropout = replay_dropout
-        self.sync_first_pass = sync_first_pass
-        self.check_masks = check_masks
-        self.dense_one_pass = dense_one_pass
-        self.plot = plot
-        self._averager: GradientAverager | None = None
+    #: The method's specification class (its options and how it builds its engine).
+    spec_class: ClassVar[type[MethodSpec]] = SAMSpec
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # The spec's class-level facts, readable on the callback class too.
+        cls.method = cls.spec_class.name
+        cls.default_schedule = cls.spec_class.default_schedule
+        cls.schedule_fixed = cls.spec_class.schedule_fixed
+        if "__init__" not in cls.__dict__:
+            cls.__init__ = _shell_init(cls)  # type: ignore[method-assign]
+            cls.__doc__ = _with_options_doc(cls)
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__()
+        lightning = {k: options.pop(k, default) for k, (_, default) in _LIGHTNING_OPTIONS.items()}
+        #: The method's validated options (:class:`~lightning_slsam.specs.MethodSpec`).
+        self.spec = self.spec_class(**options)
+        clip, algorithm = lightning["gradient_clip_val"], lightning["gradient_clip_algorithm"]
+        if clip is not None and not (isinstance(clip, (int, float)) and clip >= 0):
+            raise ValueError(f"`gradient_clip_val` must be None or a number >= 0, got {clip!r}.")
+        check_choice("gradient_clip_algorithm", algorithm, _CLIP_ALGORITHMS)
+        accumulate = lightning["accumulate_grad_batches"]
+        if not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(
+                f"`accumulate_grad_batches` must be an integer >= 1, got {accumulate!r}."
+            )
+        self.gradient_clip_val = clip
+        self.gradient_clip_algorithm = algorithm
+        self.accumulate_grad_batches = accumulate
+        self.plot = check_flag("plot", lightning["plot"])
+        self._averager: GradientAverager | None = None
         self.partition: LayerPartition | None = None
         self.engine: SparseSAMEngine | None = None
-        #: Optimizer steps the run will take (set at fit start; ``None`` if unknown).
-        self.total_steps: int | None = None
         self.frequency_csv_path: str | None = None
         self.frequency_plot_path: str | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -359,36 +289,28 @@ class SAMCallback(Callback, _ChecksOptions):
         self._fresh: StepResult | None = None
         self._warning_filters: list[Any] = []
 
-    # -- what each method chooses ---------------------------------------------------------
-    def _selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
-        """The layer-selection rule (default: every layer)."""
-        return AllLayers(num_layers)
+    def __getattr__(self, name: str) -> Any:
+        # The method's options and derived values (``rho``, ``layer_ratio``,
+        # ``effective_ratio``, ...) are read from its spec.
+        spec = self.__dict__.get("spec") if not name.startswith("__") else None
+        if spec is None or name == "spec":
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        try:
+            return getattr(spec, name)
+        except AttributeError:
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r}"
+            ) from None
 
-    def _selection_metrics(self) -> dict[str, float]:
+    @property
+    def total_steps(self) -> int | None:
+        """Optimizer steps the run will take (set at fit start; ``None`` if unknown)."""
+        return self.spec.total_steps
+
+    # -- what each method logs ------------------------------------------------------------
+    def selection_metrics(self) -> dict[str, float]:
         """Extra per-step metrics of the method's selection (the bandit's floor counts)."""
         return {}
-
-    def _needs_total_steps(self) -> bool:
-        """Whether an option depends on the run's length (then :attr:`total_steps` is set
-        from the Trainer at fit start)."""
-        return False
-
-    def _engine_options(self) -> dict[str, Any]:
-        """Extra engine options (ESAM's ``data_ratio``, SSAM-F's ``fisher``)."""
-        return {}
-
-    def _hyperparameters(self) -> dict[str, Any]:
-        """The method's own options, saved with its state."""
-        return {
-            "rho": self.rho,
-            "schedule": self.schedule,
-            "adaptive": self.adaptive,
-            "adaptive_eta": self.adaptive_eta,
-        }
-
-    def _adopt_selection_state(self, saved: dict[str, Any]) -> dict[str, Any]:
-        """Adapt a checkpoint's selection state to the current options (default: as is)."""
-        return saved
 
     # -- public views -------------------------------------------------------------------
     @property
@@ -473,9 +395,9 @@ class SAMCallback(Callback, _ChecksOptions):
                 " parameter groups for different learning rates)."
             )
         trainer.strategy.lr_scheduler_configs = scheduler_configs(pl_module, trainer)
-        if self._needs_total_steps():
+        if self.spec.needs_total_steps():
             total = estimated_stepping_batches(trainer)
-            self.total_steps = int(total) if math.isfinite(total) else None
+            self.spec.total_steps = int(total) if math.isfinite(total) else None
         partition = self._partition(pl_module)
         if (
             self.engine is not None
@@ -484,7 +406,7 @@ class SAMCallback(Callback, _ChecksOptions):
         ):
             self.engine.partition = partition  # a second fit() continues the same state
         else:
-            self.engine = self._build_engine(partition, pl_module)
+            self.engine = self._build_engine(partition, pl_module, self.spec.total_steps)
         self.partition = partition
         self._averager = GradientAverager() if trainer.world_size > 1 else None
         if not self.engine.selection.always_all and is_compiled(pl_module):
@@ -505,68 +427,32 @@ class SAMCallback(Callback, _ChecksOptions):
     ) -> SparseSAMEngine:
         """This method's engine for ``module`` (what ``fit`` builds at its start).
 
-        For plain PyTorch loops and benchmarks: ``engine.train_step(compute_loss, optimizer)``
-        then runs the method without Lightning. ``total_steps``: the run's optimizer steps,
+        For plain PyTorch loops and benchmarks, ``SparseSAMEngine.from_method(name, module,
+        ...)`` builds the same without Lightning. ``total_steps``: the run's optimizer steps,
         needed by options given as a fraction of the run (``dense_warmup``).
         """
         if total_steps is not None and not (isinstance(total_steps, int) and total_steps >= 1):
             raise ValueError(f"`total_steps` must be None or an integer >= 1, got {total_steps!r}.")
-        self.total_steps = total_steps
-        return self._build_engine(self._partition(module), module)
+        return self._build_engine(self._partition(module), module, total_steps)
 
     def _partition(self, module: torch.nn.Module) -> LayerPartition:
-        extra: list[str] = []
-        if self.head_always_active:
-            head = find_new_head(module)
-            if not head:
-                rank_zero_warn(
-                    f"{type(self).__name__}(head_always_active=True) found no freshly"
-                    f" initialised head in {type(module).__name__}; every layer is sampled."
-                    " Name the head with `always_active` or a `sam_head_parameters()` method."
-                )
-            extra += head
-        if self.vectors_always_active:
-            extra += [n for n, p in module.named_parameters() if p.requires_grad and p.dim() <= 1]
-        # Exact-name patterns for what the options found, minus what the user's own
-        # patterns already place (always_frozen wins).
-        placed = [re.compile(p) for p in (*self.always_frozen, *self.always_active)]
-        found = dict.fromkeys(n for n in extra if not any(p.search(n) for p in placed))
-        active = [*self.always_active, *(f"^{re.escape(name)}$" for name in found)]
-        return build_partition(module, self.layers, active, self.always_frozen)
+        return self.spec.partition(module, warn=rank_zero_warn)
 
     def _build_engine(
-        self, partition: LayerPartition, module: torch.nn.Module | None = None
+        self, partition: LayerPartition, module: torch.nn.Module, total_steps: int | None
     ) -> SparseSAMEngine:
-        seed = self.seed if self.seed is not None else default_seed()
+        seed = self.spec.seed if self.spec.seed is not None else default_seed()
         trainer = self._trainer_of(module)
         if trainer is not None and trainer.world_size > 1:
             # Every process must draw the same layers and coins: rank 0's seed for all.
             seed = trainer.strategy.broadcast(seed)
-        selection_gen = torch.Generator().manual_seed(seed)
-        schedule_gen = torch.Generator().manual_seed(seed + 1)
         try:
-            selection = self._selection(partition.num_layers, selection_gen)
-        except ValueError as err:
-            raise MisconfigurationException(
-                f"{err} (the model has {partition.num_layers} layers with layers={self.layers!r})"
-            ) from None
-        schedule = _make_schedule(
-            self.schedule, self.sam_probability, self.sam_interval, self.looksam_alpha,
-            schedule_gen,
-        )  # fmt: skip
-        return SparseSAMEngine(
-            partition,
-            selection,
-            self.perturbation,
-            schedule,
-            module=module,
-            bn_stats=self.bn_stats,
-            replay_dropout=self.replay_dropout,
-            sync_first_pass=self.sync_first_pass,
-            check_masks=self.check_masks,
-            dense_one_pass=self.dense_one_pass,
-            **self._engine_options(),
-        )
+            return self.spec.build_engine(
+                module, total_steps=total_steps, seed=seed, partition=partition,
+                warn=rank_zero_warn,
+            )  # fmt: skip
+        except ValueError as err:  # options that do not fit this model or run
+            raise MisconfigurationException(str(err)) from None
 
     @staticmethod
     def _trainer_of(module: torch.nn.Module | None) -> pl.Trainer | None:
@@ -639,7 +525,7 @@ class SAMCallback(Callback, _ChecksOptions):
             "slsam/never_selected": float(self.engine.never_selected()),
             "slsam/skipped_steps": float(self.engine.num_skipped),
         }
-        metrics.update(self._selection_metrics())
+        metrics.update(self.selection_metrics())
         if self._averager is not None:
             metrics["slsam/allreduce_bytes"] = float(result.allreduce_bytes)
         for name, value in metrics.items():
@@ -720,7 +606,7 @@ class SAMCallback(Callback, _ChecksOptions):
             "engine": self.engine.state_dict(),
             "layer_names": self.partition.names,
             "layer_tensors": self.partition.signature(),
-            "config": self._hyperparameters(),
+            "config": self.spec.hyperparameters(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -743,37 +629,15 @@ class SAMCallback(Callback, _ChecksOptions):
                 " state afresh by resuming without it."
             )
         engine_state = dict(state["engine"])
-        engine_state["selection"] = self._adopt_selection_state(engine_state["selection"])
+        engine_state["selection"] = self.spec.adopt_selection_state(
+            engine_state["selection"], self.selection.state_dict(), rank_zero_warn
+        )
         self.engine.load_state_dict(engine_state)
 
 
 def find_sam_callback(trainer: pl.Trainer) -> SAMCallback | None:
     """The SAM callback attached to ``trainer`` (setup refuses more than one), if any."""
     return next((cb for cb in trainer.callbacks if isinstance(cb, SAMCallback)), None)
-
-
-def default_seed() -> int:
-    """The run's seed: ``seed_everything``'s when set (it survives later ``manual_seed``
-    calls, e.g. in model constructors, and is what DDP workers are seeded with), else
-    ``torch.initial_seed()``."""
-    value = os.environ.get("PL_GLOBAL_SEED")
-    return int(value) if value not in (None, "") else torch.initial_seed()
-
-
-def _make_schedule(
-    name: str,
-    probability: float,
-    interval: int,
-    alpha: float,
-    generator: torch.Generator | None,
-) -> Schedule:
-    if name == "random":
-        return RandomSchedule(probability, generator)
-    if name == "interval":
-        return IntervalSchedule(interval, alpha)
-    if name == "single":
-        return SingleStepSchedule()
-    return EveryStep()
 
 
 def estimated_stepping_batches(trainer: pl.Trainer) -> float:

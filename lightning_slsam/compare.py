@@ -80,7 +80,7 @@ class RunRecorder(Callback):
         sam = find_sam_callback(trainer)
         if sam is not None and sam.engine is not None:
             self.entropy.append(normalized_entropy(sam.engine.selection.probs))
-            floor = sam._selection_metrics().get("slsam/floor_layers")
+            floor = sam.selection_metrics().get("slsam/floor_layers")
             if floor is not None:
                 self.floor.append(floor)
 
