@@ -110,17 +110,20 @@ def _fresh_stem(directory: str, versioned: bool) -> str:
 
 
 def accepted_options(cls: type) -> list[str]:
-    """The keyword options ``cls(...)`` accepts: every named parameter of the ``__init__``
-    methods along its MRO up to :class:`SAMCallback` (subclasses pass ``**kwargs`` on)."""
+    """The keyword options ``cls(...)`` accepts: the named parameters of its ``__init__``,
+    and of the base classes' while an ``__init__`` passes ``**kwargs`` on (a user's
+    subclass may); a generated ``__init__`` names every option itself."""
     names: list[str] = []
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
-        if init is not None:
-            for param in inspect.signature(init).parameters.values():
-                keyword = param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
-                if keyword and param.name not in ("self", *names):
-                    names.append(param.name)
-        if klass is SAMCallback:
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters.values()
+        for param in params:
+            keyword = param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
+            if keyword and param.name not in ("self", *names):
+                names.append(param.name)
+        if klass is SAMCallback or not any(p.kind is p.VAR_KEYWORD for p in params):
             break
     return names
 

@@ -76,3 +76,15 @@ def test_spec_options_are_checked_where_built():
     assert method_spec("slsam_robust").bandit_loss == "rank"
     with pytest.raises(ValueError, match="Did you mean 'slsam'"):
         method_spec("slsamm")
+
+
+def test_a_method_that_renames_a_common_option_names_its_own():
+    from lightning_slsam import RST, LookSAM
+
+    with pytest.raises(
+        TypeError, match=r"^LookSAM has no option 'sam_interval'; did you mean 'interval'"
+    ):
+        LookSAM(sam_interval=2)
+    with pytest.raises(TypeError, match=r"^RST has no option 'sam_probability'; did you mean"):
+        RST(sam_probability=0.2)
+    assert (LookSAM(interval=2).sam_interval, RST(probability=0.25).sam_probability) == (2, 0.25)
