@@ -108,13 +108,6 @@ class ESAMSpec(MethodSpec):
     def engine_options(self) -> dict[str, Any]:
         return {"data_ratio": self.data_ratio}
 
-    def hyperparameters(self) -> dict[str, Any]:
-        return {
-            **super().hyperparameters(),
-            "weight_ratio": self.weight_ratio,
-            "data_ratio": self.data_ratio,
-        }
-
 
 @dataclass(kw_only=True, eq=False)
 class SSAMFSpec(MethodSpec):
@@ -141,11 +134,3 @@ class SSAMFSpec(MethodSpec):
 
     def engine_options(self) -> dict[str, Any]:
         return {"fisher": FisherMask(self.sparsity, self.fisher_samples, self.mask_interval)}
-
-    def hyperparameters(self) -> dict[str, Any]:
-        return {
-            **super().hyperparameters(),
-            "sparsity": self.sparsity,
-            "fisher_samples": self.fisher_samples,
-            "mask_interval": self.mask_interval,
-        }

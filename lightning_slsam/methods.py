@@ -32,25 +32,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_slsam import dense_specs as dense
+from lightning_slsam import subset_specs as subset
 from lightning_slsam.callback import SAMCallback
-from lightning_slsam.dense_specs import (
-    ESAMSpec,
-    LookSAMSpec,
-    RSTSpec,
-    S2SAMSpec,
-    SAMSpec,
-    SSAMFSpec,
-)
 from lightning_slsam.registry import SPECS, lookup
 from lightning_slsam.selection import DenseWarmup, DepthCut
-from lightning_slsam.subset_specs import (
-    BANDIT_LOSSES,
-    PRESETS,
-    RandomSLSAMSpec,
-    SLS2SAMSpec,
-    SLSAMSpec,
-    TopSLSAMSpec,
-)
+from lightning_slsam.subset_specs import BANDIT_LOSSES, PRESETS
 
 __all__ = [
     "BANDIT_LOSSES",
@@ -77,7 +64,7 @@ class SAM(SAMCallback):
     the SL-SAM paper's "AdaSAM" baseline. Two passes on every layer: Active Ratio 2.0x.
     """
 
-    spec_class = SAMSpec
+    spec_class = dense.SAMSpec
 
 
 class SparseLayerSAM(SAMCallback):
@@ -101,7 +88,7 @@ class SparseLayerSAM(SAMCallback):
         trainer = L.Trainer(callbacks=[SparseLayerSAM(rho=0.01, layer_ratio=0.2)])
     """
 
-    spec_class = SLSAMSpec
+    spec_class = subset.SLSAMSpec
 
     @property
     def bandit(self) -> Any:
@@ -124,7 +111,7 @@ class RandomSLSAM(SAMCallback):
     probability ``layer_ratio`` every step, no bandit (then SAM on them, as SL-SAM).
     """
 
-    spec_class = RandomSLSAMSpec
+    spec_class = subset.RandomSLSAMSpec
 
 
 class TopSLSAM(SAMCallback):
@@ -135,7 +122,7 @@ class TopSLSAM(SAMCallback):
     ``slsam/never_selected`` logs that count.
     """
 
-    spec_class = TopSLSAMSpec
+    spec_class = subset.TopSLSAMSpec
 
 
 class S2SAM(SAM):
@@ -145,7 +132,7 @@ class S2SAM(SAM):
     step. One pass per step (Active Ratio 1.0x); the first step is a plain step.
     """
 
-    spec_class = S2SAMSpec
+    spec_class = dense.S2SAMSpec
 
 
 class SLS2SAM(SparseLayerSAM):
@@ -155,7 +142,7 @@ class SLS2SAM(SparseLayerSAM):
     step on every layer, which records every layer's first gradient.
     """
 
-    spec_class = SLS2SAMSpec
+    spec_class = subset.SLS2SAMSpec
 
 
 class RST(SAM):
@@ -164,7 +151,7 @@ class RST(SAM):
     generator (Active Ratio ``1 + probability``: 1.5x at the paper's 0.5).
     """
 
-    spec_class = RSTSpec
+    spec_class = dense.RSTSpec
 
 
 class LookSAM(SAM):
@@ -175,7 +162,7 @@ class LookSAM(SAM):
     ``1 + 1/interval``: 1.2x at 5).
     """
 
-    spec_class = LookSAMSpec
+    spec_class = dense.LookSAMSpec
 
 
 class ESAM(SAMCallback):
@@ -195,7 +182,7 @@ class ESAM(SAMCallback):
     types). ``data_ratio=1.0`` turns the selection off.
     """
 
-    spec_class = ESAMSpec
+    spec_class = dense.ESAMSpec
 
 
 class SSAMF(SAMCallback):
@@ -211,7 +198,7 @@ class SSAMF(SAMCallback):
     often from fewer samples.
     """
 
-    spec_class = SSAMFSpec
+    spec_class = dense.SSAMFSpec
 
 
 _CALLBACKS: dict[type, type[SAMCallback]] = {

@@ -78,6 +78,12 @@ def make_schedule(
     return EveryStep()
 
 
+def _plain(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
 @dataclass(kw_only=True, eq=False)
 class MethodSpec:
     """The options every method takes (SAM on every layer when used as is).
@@ -217,13 +223,9 @@ class MethodSpec:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
 
     def hyperparameters(self) -> dict[str, Any]:
-        """The options saved with the method's checkpoint state."""
-        return {
-            "rho": self.rho,
-            "schedule": self.schedule,
-            "adaptive": self.adaptive,
-            "adaptive_eta": self.adaptive_eta,
-        }
+        """The options saved with the method's checkpoint state: every option whose value
+        is plain data (a ``layers`` callable, say, is left out)."""
+        return {k: v for k, v in self.options().items() if _plain(v)}
 
     def adopt_selection_state(self, saved: dict[str, Any], current: dict[str, Any],
                               warn: Warn) -> dict[str, Any]:  # fmt: skip

@@ -159,16 +159,6 @@ class LayerSubsetSpec(MethodSpec):
         coins = torch.Generator().manual_seed(int(generator.initial_seed()) + 3)
         return DenseWarmup(rule, steps, coins)
 
-    def hyperparameters(self) -> dict[str, Any]:
-        return {
-            **super().hyperparameters(),
-            "layer_ratio": self.layer_ratio,
-            "dense_warmup": self.dense_warmup,
-            "min_updates": self.min_updates,
-            "scale_updates": self.scale_updates,
-            "max_update_scale": self.max_update_scale,
-        }
-
 
 @dataclass(kw_only=True, eq=False)
 class SLSAMSpec(LayerSubsetSpec):
@@ -240,16 +230,6 @@ class SLSAMSpec(LayerSubsetSpec):
             cut = torch.Generator().manual_seed(int(generator.initial_seed()) + 2)
             rule = DepthCut(bandit, self.backprop_depth, cut)
         return self._with_warmup(rule, generator)
-
-    def hyperparameters(self) -> dict[str, Any]:
-        return {
-            **super().hyperparameters(),
-            "preset": self.preset,
-            "p_min": self.p_min,
-            "alpha_p": self.alpha_p,
-            "bandit_loss": self.bandit_loss,
-            "backprop_depth": self.backprop_depth,
-        }
 
     def adopt_selection_state(self, saved: dict[str, Any], current: dict[str, Any],
                               warn: Warn) -> dict[str, Any]:  # fmt: skip
@@ -333,9 +313,6 @@ class TopSLSAMSpec(MethodSpec):
 
     def selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
         return TopKSelection(num_layers, max(1, round(self.layer_ratio * num_layers)))
-
-    def hyperparameters(self) -> dict[str, Any]:
-        return {**super().hyperparameters(), "layer_ratio": self.layer_ratio}
 
 
 @dataclass(kw_only=True, eq=False)
