@@ -32,8 +32,9 @@ from jsonargparse import Namespace
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_slsam.callback import SAMCallback, find_sam_callback
+from lightning_slsam.callback import SAMCallback
 from lightning_slsam.compat import add_cli_subcommand, spawns_processes
+from lightning_slsam.driver import find_sam_callback
 
 __all__ = ["SLSAMCLI", "demo_config_path", "main"]
 

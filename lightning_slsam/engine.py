@@ -23,20 +23,20 @@ restored exactly and nothing else changed.
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lightning_slsam.counters import StepCounters
 from lightning_slsam.extras import FisherRefresh, PassIsolation, SharpestSamples, UpdateScaling
 from lightning_slsam.freezing import LayerFreezer
 from lightning_slsam.layers import LayerPartition
 from lightning_slsam.passes import (
     ForwardBackward,
     PassOutput,
+    PlainLoopPasses,
     StepCall,
     StepContext,
     StepResult,
@@ -51,7 +51,7 @@ from lightning_slsam.steps import LookSAMReuse, PlainStep, SAMStep, SingleStep, 
 __all__ = ["PassOutput", "SparseSAMEngine", "StepContext", "StepResult"]
 
 
-class SparseSAMEngine:
+class SparseSAMEngine(StepCounters):
     """Runs SAM-method steps over a :class:`LayerPartition` (pure PyTorch).
 
     Args:
@@ -86,14 +86,8 @@ class SparseSAMEngine:
             active in a fraction ``q`` of the steps then moves, in expectation, as far as
             it would if it were trained every step. Must be ``>= 1``.
 
-    Attributes:
-        counts: steps in which each layer was updated (int64, CPU).
-        norm_sums, norm_counts: sum and number of the first-pass gradient norms measured
-            for each layer (the selection's input; :meth:`mean_norms`).
-        num_steps: steps run, skipped ones included; ``num_skipped``: skipped ones.
-        kind_counts: steps of each kind (skipped ones excluded).
-        active_ratio_sum: sum over non-skipped steps of :attr:`StepResult.active_ratio`.
-        last_result: the latest :class:`StepResult`.
+    Its counters (``counts``, ``num_steps``, ``mean_active_ratio``, ``last_result``, ...)
+    are :class:`~lightning_slsam.counters.StepCounters`'.
     """
 
     def __init__(
@@ -152,39 +146,8 @@ class SparseSAMEngine:
             "reuse": looksam,
             "single": self._single,
         }
-        self._scaling = UpdateScaling(update_scale) if update_scale is not None else None
-        n = partition.num_layers
-        self.counts = torch.zeros(n, dtype=torch.int64)
-        self.norm_sums = torch.zeros(n, dtype=torch.float64)
-        self.norm_counts = torch.zeros(n, dtype=torch.int64)
-        self.num_steps = 0
-        self.num_skipped = 0
-        self.kind_counts: dict[str, int] = {}
-        self.active_ratio_sum = 0.0
-        self.last_result: StepResult | None = None
-
-    @classmethod
-    def from_method(
-        cls, name: str, module: torch.nn.Module, total_steps: int | None = None, **options: Any
-    ) -> SparseSAMEngine:
-        """The engine of method ``name`` (``"slsam"``, ``"sam"``, ...; see
-        :data:`~lightning_slsam.registry.SPECS`) for ``module``, with ``options``
-        overriding the method's defaults; ``total_steps``: the run's optimizer steps, needed
-        by options given as a fraction of the run.
-
-        Example:
-            >>> import torch
-            >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-            >>> engine = SparseSAMEngine.from_method("slsam", net, layer_ratio=0.5, seed=0)
-            >>> opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-            >>> x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
-            >>> loss = lambda: torch.nn.functional.cross_entropy(net(x), y)
-            >>> engine.train_step(loss, opt).kind
-            'sam'
-        """
-        from lightning_slsam.registry import method_spec
-
-        return method_spec(name, **options).build_engine(module, total_steps=total_steps)
+        self.scaling = UpdateScaling(update_scale) if update_scale is not None else None
+        self.reset_counters(partition.num_layers)
 
     @property
     def partition(self) -> LayerPartition:
@@ -247,8 +210,8 @@ class SparseSAMEngine:
         warmup = kind == "single" and not self._single.ready
         forced = warmup or (self.dense_one_pass and kind in ("plain", "reuse"))
         mask = self.freezer.all.clone() if forced else self.selection.sample()
-        if self._scaling is not None:
-            self._scaling.prepare(self.selection, drawn=not forced)
+        if self.scaling is not None:
+            self.scaling.prepare(self.selection, drawn=not forced)
         if self.check_masks and context.averager is not None:
             check_same_draw(mask, kind, self.num_steps, context.averager)
         result = StepResult(None, mask, self.partition.trainable_numel, kind, drawn=not forced)
@@ -261,14 +224,7 @@ class SparseSAMEngine:
                 result.kind = "plain"
         finally:
             self.release()
-        self.num_steps += 1
-        if result.skipped:
-            self.num_skipped += 1
-        else:
-            self.counts += result.active_mask.to(torch.int64)
-            self.active_ratio_sum += result.active_ratio
-            self.kind_counts[result.kind] = self.kind_counts.get(result.kind, 0) + 1
-        self.last_result = result
+        self.count(result)
         return result
 
     def train_step(
@@ -289,19 +245,7 @@ class SparseSAMEngine:
             batch_size: samples in the batch (needed by ESAM and SSAM-F).
         """
 
-        def forward_backward(subsets: list[Tensor] | None = None, backward: bool = True):
-            index = subsets[0] if subsets else None
-            if index is not None and index.numel() == 0:
-                return PassOutput(torch.zeros(()), [None])
-            with torch.set_grad_enabled(backward and torch.is_grad_enabled()):
-                loss = compute_loss() if index is None else compute_loss(index)
-            per_sample = loss.detach() if loss.dim() == 1 else None
-            loss = loss.mean() if loss.dim() == 1 else loss
-            if backward and loss.requires_grad:  # False when no active layer reaches it
-                loss.backward()
-            return PassOutput(loss.detach(), [per_sample])
-
-        forward_backward.batch_sizes = [batch_size] if batch_size else []  # type: ignore[attr-defined]
+        forward_backward = PlainLoopPasses(compute_loss, batch_size)
 
         def optimizer_step(skip: bool) -> None:
             if not skip:
@@ -310,91 +254,6 @@ class SparseSAMEngine:
         return self.step(
             forward_backward, lambda: optimizer.zero_grad(set_to_none=True), optimizer_step
         )
-
-    def finish(
-        self,
-        call: StepCall,
-        first: list[Tensor],
-        second: list[Tensor],
-        layer_norms: Tensor,
-        update_mask: Tensor,
-    ) -> bool:
-        """The step's one host transfer, then either the update or a skip; whether the
-        update was made.
-
-        ``first`` / ``second``: scalars (loss, gradient-norm probe) of each pass;
-        ``layer_norms``: the first pass's per-layer norms, which the selection learns from.
-        """
-        result, context = call.result, call.context
-        device = layer_norms.device
-        scalars = torch.stack(
-            [s.detach().float().reshape(()).to(device) for s in (*first, *second)]
-        )
-        if context.averager is not None:
-            # Every process must take the same decision: one non-finite value anywhere
-            # makes the mean non-finite everywhere.
-            result.allreduce_bytes += context.averager.average_([scalars])
-        if context.grad_scale is not None:
-            # The selection learns from true gradient norms, not loss-scaled ones.
-            layer_norms = layer_norms / context.grad_scale().to(device).float()
-        host = torch.cat([scalars, layer_norms.float()]).cpu()
-        finite = torch.isfinite(host)
-        k1, k = len(first), len(scalars)
-        where = " in the first pass" if second else ""
-        if not bool(finite[:k1].all()) or not bool(finite[k:].all()):
-            reason = f"non-finite loss or gradient{where}"
-        elif not bool(finite[k1:k].all()):
-            reason = "non-finite loss or gradient in the second pass"
-        else:
-            # The perturbation's backup was restored before this point: its pool is free.
-            scaled = (
-                self._scaling.before_update(
-                    result.active_mask, self.partition, self.perturbation.pool
-                )
-                if self._scaling is not None
-                else None
-            )
-            call.optimizer_step(False)
-            if scaled is not None:
-                UpdateScaling.apply(*scaled)
-            norms = host[k:].double()
-            self.norm_sums += torch.where(update_mask, norms, 0.0)
-            self.norm_counts += update_mask.to(torch.int64)
-            if result.drawn:
-                self.selection.update(update_mask, norms)
-            return True
-        result.skipped = True
-        result.skip_reason = reason
-        call.zero_grad()
-        warnings.warn(
-            f"SL-SAM skipped step {self.num_steps}: {reason}. Weights, optimizer state and"
-            " layer selection are unchanged.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-        call.optimizer_step(True)
-        return False
-
-    # -- statistics and state ----------------------------------------------------------
-    @property
-    def mean_active_ratio(self) -> float:
-        """Mean "Active Ratio" (summed over passes) over the non-skipped steps."""
-        done = self.num_steps - self.num_skipped
-        return self.active_ratio_sum / done if done else math.nan
-
-    def frequencies(self) -> Tensor:
-        """Fraction of non-skipped steps each layer was updated (float64)."""
-        done = max(self.num_steps - self.num_skipped, 1)
-        return self.counts.double() / done
-
-    def mean_norms(self) -> Tensor:
-        """Mean first-pass gradient norm of each layer over the steps it was measured in
-        (float64; NaN for a layer never measured)."""
-        return self.norm_sums / self.norm_counts.double()
-
-    def never_selected(self) -> int:
-        """Layers not updated in any step so far."""
-        return int((self.counts == 0).sum())
 
     def _stateful(self) -> list[Any]:
         parts: list[Any] = [self._single, self.kinds["reuse"]]
@@ -408,13 +267,7 @@ class SparseSAMEngine:
         state = {
             "selection": self.selection.state_dict(),
             "schedule": self.schedule.state_dict(),
-            "counts": self.counts.clone(),
-            "norm_sums": self.norm_sums.clone(),
-            "norm_counts": self.norm_counts.clone(),
-            "num_steps": self.num_steps,
-            "num_skipped": self.num_skipped,
-            "kind_counts": dict(self.kind_counts),
-            "active_ratio_sum": self.active_ratio_sum,
+            **self.counters_state(),
             "fisher_masks": {},
         }
         for part in self._stateful():
@@ -431,14 +284,7 @@ class SparseSAMEngine:
             )
         self.selection.load_state_dict(state["selection"])
         self.schedule.load_state_dict(state.get("schedule", {}))
-        self.counts = counts.clone().to(torch.int64)
-        n = self.partition.num_layers
-        self.norm_sums = state.get("norm_sums", torch.zeros(n)).clone().double()
-        self.norm_counts = state.get("norm_counts", torch.zeros(n)).clone().to(torch.int64)
-        self.num_steps = int(state["num_steps"])
-        self.num_skipped = int(state["num_skipped"])
-        self.kind_counts = dict(state.get("kind_counts", {}))
-        self.active_ratio_sum = float(state["active_ratio_sum"])
+        self.load_counters(state)
         tensors = self.freezer.tensors()
         for part in self._stateful():
             part.load_state_dict(state, tensors)

@@ -27,31 +27,19 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
-from lightning_slsam.compat import (
-    attached_trainer,
-    automatic_scheduler_configs,
-    carry_step_progress,
-    epoch_ends_with_this_batch,
-    gradient_scaler,
-)
-
-if TYPE_CHECKING:
-    from lightning_slsam.callback import SAMCallback
+from lightning_slsam.compat import attached_trainer, carry_step_progress
+from lightning_slsam.driver import SAMController, StepDriver, driver_of, find_sam_callback
 
 __all__ = ["SAMMixin"]
 
 
-def _sam_controller(module: Any) -> SAMCallback | None:
+def _sam_controller(module: Any) -> SAMController | None:
     """The SAM callback attached to ``module``'s Trainer, if any."""
-    from lightning_slsam.callback import find_sam_callback
-
     trainer = attached_trainer(module)
     return find_sam_callback(trainer) if trainer is not None else None
 
@@ -88,37 +76,6 @@ def _wrap_configure_optimizers(user_configure: Callable[..., Any]) -> Callable[.
     return configure_optimizers
 
 
-def scheduler_configs(module: Any, trainer: Any) -> list[Any]:
-    """The Trainer's LR scheduler configs as automatic optimization would build them.
-
-    Same scheduler objects, but with ``monitor`` / ``strict`` / ``reduce_on_plateau``
-    kept, which Lightning discards under manual optimization.
-    """
-    raw = getattr(module, "_slsam_optim_conf", None)
-    return automatic_scheduler_configs(raw, list(trainer.lr_scheduler_configs))
-
-
-def _loss_of(output: Any) -> tuple[Tensor, Tensor | None]:
-    """The scalar loss of a ``training_step`` output and its per-sample losses, if given.
-
-    A 1-D tensor is a vector of per-sample losses (averaged for the update); a dict may
-    carry ``"per_sample_loss"`` next to ``"loss"``.
-    """
-    per_sample = output.get("per_sample_loss") if isinstance(output, Mapping) else None
-    loss = output.get("loss") if isinstance(output, Mapping) else output
-    if isinstance(loss, Tensor) and loss.dim() == 1 and per_sample is None:
-        per_sample, loss = loss, loss.mean()
-    if not isinstance(loss, Tensor) or loss.numel() != 1:
-        raise MisconfigurationException(
-            "With a SAM callback, `training_step` must return the loss: a scalar tensor, a"
-            " 1-D tensor of per-sample losses, or a dict with key 'loss'. It returned"
-            f" {type(output).__name__}"
-            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else "")
-            + ". The mixin re-runs training_step for each gradient pass and needs that loss."
-        )
-    return loss.reshape(()), (per_sample.detach().reshape(-1) if per_sample is not None else None)
-
-
 def _first_tensor(batch: Any) -> Tensor | None:
     if isinstance(batch, Tensor):
         return batch
@@ -147,61 +104,6 @@ def _subset(batch: Any, index: Tensor, size: int) -> Any:
     return batch
 
 
-class _Passes:
-    """The ``forward_backward`` callable of one training step (the engine's protocol).
-
-    ``subsets[i]`` restricts micro-batch ``i`` to those sample indices (an empty tensor
-    skips it); ``backward=False`` runs the forward only. The first full backward pass is
-    pass 1 for ``SAMMixin.sam_pass``; every other call (second pass, ESAM's selection
-    forward, SSAM-F's per-sample passes) is pass 2, whose logging is dropped.
-    """
-
-    def __init__(self, module: SAMMixin, user_step, micro_batches, scale: float) -> None:
-        self.module, self.user_step = module, user_step
-        self.micro_batches, self.scale = micro_batches, scale
-        self.first_output: Any = None
-        self._full_passes = 0
-
-    @property
-    def batch_sizes(self) -> list[int]:
-        return [self.module.sam_batch_size(args[0]) for args, _ in self.micro_batches]
-
-    def __call__(self, subsets: list[Tensor] | None = None, backward: bool = True) -> Any:
-        from lightning_slsam.engine import PassOutput
-
-        module = self.module
-        first = subsets is None and backward and self._full_passes == 0
-        self._full_passes += int(subsets is None and backward)
-        module._slsam_pass = 1 if first else 2
-        try:
-            total: Tensor | None = None
-            per_sample: list[Tensor | None] = []
-            for i, (args, kwargs) in enumerate(self.micro_batches):
-                index = subsets[i] if subsets is not None else None
-                if index is not None and index.numel() == 0:
-                    per_sample.append(None)
-                    continue
-                if index is not None:
-                    size = module.sam_batch_size(args[0])
-                    args = (module.sam_subset_batch(args[0], index, size), *args[1:])
-                output = self.user_step(module, *args, **kwargs)
-                loss, samples = _loss_of(output)
-                if first and self.first_output is None:
-                    self.first_output = output
-                per_sample.append(samples)
-                if self.scale != 1.0:
-                    loss = loss * self.scale
-                # No active tensor reached the loss: nothing to back-propagate (norm 0).
-                if backward and loss.requires_grad:
-                    module.manual_backward(loss)  # type: ignore[attr-defined]
-                loss = loss.detach()
-                total = loss if total is None else total + loss
-            assert total is not None, "every micro-batch of a pass was skipped"
-            return PassOutput(total, per_sample)
-        finally:
-            module._slsam_pass = 0
-
-
 class SAMMixin:
     """Mixin for a ``LightningModule`` whose ``training_step`` returns the loss.
 
@@ -219,6 +121,7 @@ class SAMMixin:
     _slsam_pass: int = 0
     _slsam_pending_plateau: list[tuple[str, int]] | None = None
     _slsam_optim_conf: Any = None
+    _slsam_driver: StepDriver | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -318,79 +221,12 @@ class SAMMixin:
     # -- the SAM training step -------------------------------------------------------
     def _slsam_training_step(
         self,
-        controller: SAMCallback,
+        controller: SAMController,
         user_step: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        trainer = attached_trainer(self)
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        self._slsam_step_plateau_schedulers()
-
-        micro_batches = controller._accumulate(trainer, args, kwargs)
-        if micro_batches is None:
-            return None  # buffered for gradient accumulation; the step comes later
-        scale = 1.0 / controller.accumulate_grad_batches
-        optimizer = self.optimizers()  # type: ignore[attr-defined]
-        passes = _Passes(self, user_step, micro_batches, scale)
-
-        def zero_grad() -> None:
-            optimizer.zero_grad(set_to_none=True)
-
-        scaler = gradient_scaler(trainer)
-
-        def optimizer_step(skip: bool) -> None:
-            if skip and scaler is not None:
-                # A skipped step must still make the gradient scaler back off: hand it an
-                # infinite gradient, so it skips the optimizer and lowers its scale.
-                param = next(p for g in optimizer.param_groups for p in g["params"])
-                param.grad = torch.full_like(param, float("inf"))
-            optimizer.step()
-
-        strategy = trainer.strategy
-        with strategy.block_backward_sync() if trainer.world_size > 1 else nullcontext():
-            # Under DDP the engine averages the active layers' gradients itself.
-            controller._run_step(self, passes, zero_grad, optimizer_step)
-        self._slsam_step_schedulers(trainer, batch_idx)
-        output = passes.first_output
-        if isinstance(output, Mapping):
-            return {**output, "loss": _loss_of(output)[0].detach()}
-        return _loss_of(output)[0].detach() if isinstance(output, Tensor) else output
-
-    # -- LR schedulers (Lightning steps them only under automatic optimization) ----------
-    def _slsam_step_schedulers(self, trainer: Any, batch_idx: int) -> None:
-        last_batch = epoch_ends_with_this_batch(trainer)
-        self._slsam_update_schedulers("step", batch_idx + 1, plateau=False)
-        if last_batch:
-            self._slsam_update_schedulers("epoch", trainer.current_epoch + 1, plateau=False)
-        # Plateau schedulers read validation metrics, which Lightning logs after this batch:
-        # they are stepped at the start of the next training step, with the same index.
-        self._slsam_pending_plateau = [("step", batch_idx + 1)]
-        if last_batch:
-            self._slsam_pending_plateau.append(("epoch", trainer.current_epoch + 1))
-
-    def _slsam_step_plateau_schedulers(self) -> None:
-        pending, self._slsam_pending_plateau = self._slsam_pending_plateau, None
-        for interval, index in pending or ():
-            self._slsam_update_schedulers(interval, index, plateau=True)
-
-    def _slsam_update_schedulers(self, interval: str, index: int, plateau: bool) -> None:
-        trainer = attached_trainer(self)
-        for config in trainer.lr_scheduler_configs:
-            if config.reduce_on_plateau != plateau or config.interval != interval:
-                continue
-            if index % config.frequency:
-                continue
-            monitor_val = None
-            if config.reduce_on_plateau:
-                monitor_val = trainer.callback_metrics.get(config.monitor)
-                if monitor_val is None:
-                    if config.strict:
-                        raise MisconfigurationException(
-                            f"ReduceLROnPlateau conditioned on metric {config.monitor} which is"
-                            " not available. Available metrics are:"
-                            f" {list(trainer.callback_metrics)}. Condition can be set using"
-                            " `monitor` key in lr scheduler dict"
-                        )
-                    continue
-            self.lr_scheduler_step(config.scheduler, monitor_val)  # type: ignore[attr-defined]
+        driver = driver_of(self)
+        if driver is None or not driver.serves(controller):
+            driver = self._slsam_driver = StepDriver(self, controller)
+        return driver.training_step(user_step, args, kwargs)

@@ -23,6 +23,7 @@ __all__ = [
     "ForwardBackward",
     "GradientPass",
     "PassOutput",
+    "PlainLoopPasses",
     "StepCall",
     "StepContext",
     "StepResult",
@@ -235,3 +236,28 @@ def check_same_draw(mask: Tensor, kind: str, step: int, averager: GradientAverag
             " takes the `seed_everything` seed of rank 0) and do not draw from the"
             " callback's generators yourself."
         )
+
+
+class PlainLoopPasses:
+    """The ``forward_backward`` of a plain PyTorch loop (:meth:`SparseSAMEngine.train_step`).
+
+    ``compute_loss()`` runs the forward pass on the current batch and returns the loss;
+    methods that address single samples call ``compute_loss(index)`` with a tensor of
+    sample indices. A 1-D loss is a vector of per-sample losses (averaged for the update).
+    """
+
+    def __init__(self, compute_loss: Callable[..., Tensor], batch_size: int | None) -> None:
+        self.compute_loss = compute_loss
+        self.batch_sizes = [batch_size] if batch_size else []
+
+    def __call__(self, subsets: list[Tensor] | None = None, backward: bool = True) -> PassOutput:
+        index = subsets[0] if subsets else None
+        if index is not None and index.numel() == 0:
+            return PassOutput(torch.zeros(()), [None])
+        with torch.set_grad_enabled(backward and torch.is_grad_enabled()):
+            loss = self.compute_loss() if index is None else self.compute_loss(index)
+        per_sample = loss.detach() if loss.dim() == 1 else None
+        loss = loss.mean() if loss.dim() == 1 else loss
+        if backward and loss.requires_grad:  # False when no active layer reaches it
+            loss.backward()
+        return PassOutput(loss.detach(), [per_sample])

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_slsam.extras import FisherRefresh, PassIsolation, SharpestSamples, by_position
+from lightning_slsam.finish import finish_step
 from lightning_slsam.passes import StepCall, gradient_pass
 from lightning_slsam.perturbation import tensor_norms
 
@@ -34,7 +35,8 @@ __all__ = ["LookSAMReuse", "PlainStep", "SAMStep", "SingleStep", "StepKind"]
 
 class StepKind:
     """A kind of training step. :meth:`run` trains the layers in ``call.result.active_mask``
-    and ends with ``engine.finish(...)``, which steps the optimizer or skips."""
+    and ends with :func:`~lightning_slsam.finish.finish_step`, which steps the optimizer or
+    skips."""
 
     def run(self, engine: SparseSAMEngine, call: StepCall) -> None:
         raise NotImplementedError
@@ -53,7 +55,7 @@ class PlainStep(StepKind):
     def run(self, engine: SparseSAMEngine, call: StepCall) -> None:
         mask = call.result.active_mask
         out = gradient_pass(engine.freezer, call, engine.activate(mask), mask)
-        engine.finish(call, out.scalars(), [], out.layer_norms, mask)
+        finish_step(engine, call, out.scalars(), [], out.layer_norms, mask)
 
 
 class LookSAMReuse(PlainStep):
@@ -76,7 +78,7 @@ class LookSAMReuse(PlainStep):
         mask = call.result.active_mask
         out = gradient_pass(engine.freezer, call, engine.activate(mask), mask)
         self._add(out.params, out.grads)
-        engine.finish(call, out.scalars(), [], out.layer_norms, mask)
+        finish_step(engine, call, out.scalars(), [], out.layer_norms, mask)
 
     @torch.no_grad()
     def store(self, pp, pg, params2, grads2) -> None:
@@ -188,7 +190,7 @@ class SAMStep(StepKind):
         if self.looksam is not None:
             self.looksam.store(pp, pg, second.params, second.grads)
         # 5. The update with the second pass's gradients (or a skip).
-        engine.finish(call, first.scalars(), second.scalars(), first.layer_norms, mask1)
+        finish_step(engine, call, first.scalars(), second.scalars(), first.layer_norms, mask1)
 
 
 class SingleStep(StepKind):
@@ -218,7 +220,7 @@ class SingleStep(StepKind):
         finally:
             engine.perturbation.restore_(pp, backup)
         del backup
-        if engine.finish(call, out.scalars(), [], out.layer_norms, mask):
+        if finish_step(engine, call, out.scalars(), [], out.layer_norms, mask):
             # The gradient tensors themselves (after the optimizer's unscaling/clipping):
             # zero_grad(set_to_none=True) detaches them from .grad, no copy is made.
             for param, grad in zip(out.params, out.grads):

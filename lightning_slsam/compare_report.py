@@ -1,0 +1,145 @@
+"""The report of ``lightning-slsam compare``: the table of methods (mean ± std over seeds),
+the metric-against-active-ratio plot and the selection plots, from the runs' records."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+__all__ = ["plot", "plot_selection", "render", "summarize"]
+
+
+def _stats(values: list[float]) -> tuple[float, float]:
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarize(records: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per-method means (and std of the metric) over the seeds."""
+    rows = {}
+    for method, runs in records.items():
+        best = [r["best"] for r in runs if r["best"] is not None]
+        final = [r["final"] for r in runs if r["final"] is not None]
+        # Each run's training time per epoch (its total over its epochs, so a costlier
+        # first epoch counts), then the median over the seeds: one run slowed by a busy
+        # machine does not move it, as it would move a mean.
+        epoch = [statistics.mean(r["epoch_times"]) for r in runs if r["epoch_times"]]
+        spearman = [r.get("spearman_frequency_norm") for r in runs]
+        spearman = [x for x in spearman if x is not None and x == x]
+        entropy = [r["entropy"][-1] for r in runs if r.get("entropy")]
+        floor = [r["floor_layers"][-1] for r in runs if r.get("floor_layers")]
+        rows[method] = {
+            "seeds": len(runs),
+            "best": _stats(best) if best else (None, None),
+            "final": _stats(final) if final else (None, None),
+            "active_ratio": statistics.mean(r["active_ratio"] for r in runs),
+            "epoch_time_s": statistics.median(epoch) if epoch else None,
+            "peak_memory_mb": statistics.mean(r["peak_memory_mb"] for r in runs),
+            "spearman": statistics.mean(spearman) if spearman else None,
+            "final_entropy": statistics.mean(entropy) if entropy else None,
+            "final_floor": statistics.mean(floor) if floor else None,
+        }
+    base = rows.get("sam") or rows.get("adasam")
+    for row in rows.values():
+        for key in ("epoch_time_s", "peak_memory_mb"):
+            ok = base is not None and base[key] and row[key] is not None
+            row[f"{key}_vs_sam"] = row[key] / base[key] if ok else None
+    return rows
+
+
+def render(rows: dict[str, dict[str, Any]], monitor: str, task: str) -> str:
+    def pct(value: float | None) -> str:
+        return "" if value is None else f" ({(value - 1) * 100:+.1f}%)"
+
+    lines = [
+        f"# Comparison on `{task}`",
+        "",
+        f"`{monitor}`: best over the run and final, mean ± std over seeds. Active ratio:"
+        " parameter fraction with a gradient, summed over a step's passes (AdamW 1.0x, SAM"
+        " 2.0x). Epoch time: training batches only, each run's mean over all its epochs (a"
+        " costlier warm-up counts), median over the seeds."
+        " Memory: peak RSS of the run's process on"
+        " a CPU (CUDA: max_memory_allocated). Percentages relative to SAM. Selection:"
+        " Spearman correlation of the layers' activation frequencies with their mean"
+        " first-pass gradient norms, final normalised entropy of the distribution (1.0 ="
+        " uniform), layers at the floor p_min at the end (bandit methods).",
+        "",
+        f"| method | seeds | best {monitor} | final {monitor} | active ratio | epoch time (s) |"
+        " peak memory (MB) | Spearman | entropy | at floor |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def num(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    for method, row in rows.items():
+        (bm, bs), (fm, fs) = row["best"], row["final"]
+        best = "-" if bm is None else f"{bm:.4f} ± {bs:.4f}"
+        final = "-" if fm is None else f"{fm:.4f} ± {fs:.4f}"
+        epoch = row["epoch_time_s"]
+        floor = row.get("final_floor")
+        lines.append(
+            f"| {method} | {row['seeds']} | {best} | {final} | {row['active_ratio']:.3f}x"
+            f" | {'-' if epoch is None else f'{epoch:.1f}'}{pct(row['epoch_time_s_vs_sam'])}"
+            f" | {row['peak_memory_mb']:.0f}{pct(row['peak_memory_mb_vs_sam'])}"
+            f" | {num(row.get('spearman'), '.2f')} | {num(row.get('final_entropy'), '.3f')}"
+            f" | {num(floor, '.0f')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: dict[str, dict[str, Any]], monitor: str, path: str) -> None:
+    """The SL-SAM paper's Figure 1: the metric against the active ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5), constrained_layout=True)
+    for method, row in rows.items():
+        mean, std = row["best"]
+        if mean is None:
+            continue
+        ax.errorbar(row["active_ratio"], mean, yerr=std, fmt="o", capsize=4, label=method)
+        ax.annotate(method, (row["active_ratio"], mean), textcoords="offset points",
+                    xytext=(5, 5), fontsize=8)  # fmt: skip
+    ax.set_xlabel("active ratio (parameter fraction with a gradient, summed over passes)")
+    ax.set_ylabel(f"best {monitor}")
+    ax.set_title("Accuracy against the gradient work per step")
+    ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_selection(records: dict[str, list[dict[str, Any]]], path: str) -> bool:
+    """Entropy of the layer distribution and layers at the floor over the steps, per method
+    (mean over the seeds). Returns False (no file) when no method has a learning selection."""
+    traced = {m: runs for m, runs in records.items() if any(r.get("floor_layers") for r in runs)}
+    if not traced:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_e, ax_f) = plt.subplots(1, 2, figsize=(12, 4.6), constrained_layout=True)
+    for n, (method, runs) in enumerate(traced.items()):
+        # Ten colours, then the same colours dashed: every line stays distinguishable.
+        style = {"color": f"C{n % 10}", "ls": "-" if n < 10 else "--", "lw": 1.3}
+        for key, ax in (("entropy", ax_e), ("floor_layers", ax_f)):
+            series = [r[key] for r in runs if r.get(key)]
+            length = min(len(x) for x in series)
+            mean = [statistics.mean(x[i] for x in series) for i in range(length)]
+            ax.plot(range(1, length + 1), mean, label=method, **style)
+    ax_e.set_ylabel("normalised entropy (1.0 = uniform)")
+    ax_f.set_ylabel("layers at the floor p_min")
+    for ax in (ax_e, ax_f):
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+    # One legend for both panels, below them, so no line is hidden behind it.
+    fig.legend(*ax_e.get_legend_handles_labels(), loc="outside lower center", fontsize=8,
+               ncol=min(len(traced), 4), frameon=False)  # fmt: skip
+    ax_e.set_title("How far the layer distribution moved from uniform")
+    ax_f.set_title("How many layers the bandit pushed to the floor")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -1,0 +1,170 @@
+"""The checks a SAM callback makes when a fit is set up and resumed: each failure is a
+``MisconfigurationException`` naming the problem and the fix, raised before any training
+step (nothing is changed yet), and the Lightning warnings that do not apply to its fit."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_slsam.checks import check_choice, check_flag
+from lightning_slsam.compat import is_compiled
+from lightning_slsam.driver import SAMController
+from lightning_slsam.mixin import SAMMixin
+
+__all__ = [
+    "LIGHTNING_OPTIONS",
+    "FitWarnings",
+    "check_compile",
+    "check_fit_setup",
+    "check_lightning_options",
+    "check_one_optimizer",
+    "check_saved_layers",
+]
+
+#: The options of the Lightning layer alone (a method's own are its spec's fields):
+#: name -> (annotation, default).
+LIGHTNING_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "gradient_clip_val": (float | None, None),
+    "gradient_clip_algorithm": (str, "norm"),
+    "accumulate_grad_batches": (int, 1),
+    "plot": (bool, True),
+}
+
+#: Strategies that shard or wrap parameters, refused at setup on any number of devices.
+_SHARDED_STRATEGIES = {"DeepSpeedStrategy", "XLAStrategy", "FSDPStrategy", "ModelParallelStrategy"}
+
+#: Lightning warnings that do not apply under a SAM callback, silenced during its fit only.
+#: ModelCheckpoint warns that step checkpoints under manual optimization hold the post-step
+#: weights: that is what automatic optimization saves too, and the mixin restores the
+#: unperturbed weights before stepping. Lightning also warns that scheduler `monitor` and
+#: `strict` keys are ignored; the mixin honours them.
+_FIT_WARNINGS = (
+    ("Using ModelCheckpoint with manual optimization", UserWarning),
+    ("The lr scheduler dict contains the key", RuntimeWarning),
+)
+
+
+def check_lightning_options(
+    gradient_clip_val: Any, gradient_clip_algorithm: Any, accumulate_grad_batches: Any, plot: Any
+) -> dict[str, Any]:
+    """The Lightning options, validated (a ``ValueError`` naming the option otherwise)."""
+    clip = gradient_clip_val
+    if clip is not None and not (isinstance(clip, (int, float)) and clip >= 0):
+        raise ValueError(f"`gradient_clip_val` must be None or a number >= 0, got {clip!r}.")
+    return {
+        "gradient_clip_val": clip,
+        "gradient_clip_algorithm": check_choice(
+            "gradient_clip_algorithm", gradient_clip_algorithm, ("norm", "value")
+        ),
+        "accumulate_grad_batches": _check_accumulate(accumulate_grad_batches),
+        "plot": check_flag("plot", plot),
+    }
+
+
+def _check_accumulate(value: Any) -> int:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"`accumulate_grad_batches` must be an integer >= 1, got {value!r}.")
+    return value
+
+
+def check_fit_setup(callback: Any, trainer: Any, pl_module: Any) -> None:
+    """The module has the mixin, the strategy is one device or DDP, one SAM callback."""
+    name = type(callback).__name__
+    if not isinstance(pl_module, SAMMixin):
+        raise MisconfigurationException(
+            f"{name} needs the LightningModule to inherit SAMMixin, but"
+            f" {type(pl_module).__name__} does not. Declare it as"
+            f" `class {type(pl_module).__name__}(SAMMixin, L.LightningModule)`"
+            " (`from lightning_slsam import SAMMixin`)."
+        )
+    strategy = trainer.strategy
+    bases = {cls.__name__ for cls in type(strategy).__mro__}
+    sharded = bases & _SHARDED_STRATEGIES
+    # A sharded strategy is refused on one device too: its wrapping (flat parameters,
+    # DTensors, ZeRO partitions) is there whatever the world size.
+    if sharded or (trainer.world_size > 1 and not isinstance(strategy, DDPStrategy)):
+        raise MisconfigurationException(
+            f"{name} does not support {type(strategy).__name__}: SAM methods perturb,"
+            " back up and restore whole parameter tensors between two passes and sync"
+            " the active layers' gradients themselves, which sharded strategies (FSDP,"
+            " DeepSpeed ZeRO, model parallel, XLA) do not allow. Use strategy='ddp' or"
+            " 'ddp_spawn' (any precision, gradient accumulation and clipping work there),"
+            " or a single device."
+        )
+    others = [cb for cb in trainer.callbacks if isinstance(cb, SAMController)]
+    if len(others) > 1:
+        raise MisconfigurationException(
+            f"{len(others)} SAM callbacks are attached to the Trainer"
+            f" ({', '.join(type(cb).__name__ for cb in others)}); keep exactly one."
+        )
+
+
+def check_one_optimizer(callback: Any, trainer: Any) -> None:
+    if len(trainer.optimizers) != 1:
+        raise MisconfigurationException(
+            f"{type(callback).__name__} steps one optimizer, but configure_optimizers returned"
+            f" {len(trainer.optimizers)}. Put all parameters in one optimizer (use"
+            " parameter groups for different learning rates)."
+        )
+
+
+def check_compile(callback: Any, pl_module: Any, varies: bool) -> None:
+    """A method whose set of trainable layers ``varies`` refuses a compiled module."""
+    if varies and is_compiled(pl_module):
+        raise MisconfigurationException(
+            f"{type(callback).__name__} freezes a different set of layers every step, and"
+            " torch.compile guards on requires_grad: the compiled model would be"
+            " recompiled for each new set until torch._dynamo's recompile limit, then"
+            " run uncompiled. Train this method without torch.compile; the dense methods"
+            " (SAM, S2SAM, RST, LookSAM, SSAMF) compile once and work with it."
+        )
+
+
+def check_saved_layers(callback: Any, saved: Any, current: list[list[str]]) -> None:
+    """A checkpoint's layers (``saved``; ``None`` in old ones) match the model's."""
+    if saved is not None and saved != current:
+        raise MisconfigurationException(
+            f"The checkpoint's {type(callback).__name__} state does not match this model's"
+            f" layers: {_describe_mismatch(saved, current)}. Resume with the same model"
+            " and `layers` / `always_active` / `always_frozen` options, or start the SAM"
+            " state afresh by resuming without it."
+        )
+
+
+class FitWarnings:
+    """Silences :data:`_FIT_WARNINGS` between :meth:`add` and :meth:`remove` only, so other
+    Trainers in the process still see them."""
+
+    def __init__(self) -> None:
+        self._filters: list[Any] = []
+
+    def add(self) -> None:
+        self.remove()
+        for message, category in _FIT_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
+            self._filters.append(warnings.filters[0])
+
+    def remove(self) -> None:
+        for entry in self._filters:
+            if entry in warnings.filters:
+                warnings.filters.remove(entry)
+        self._filters = []
+
+
+def _describe_mismatch(saved: list[list[str]], current: list[list[str]]) -> str:
+    saved_set = {name for group in saved for name in group}
+    current_set = {name for group in current for name in group}
+    missing = sorted(saved_set - current_set)
+    added = sorted(current_set - saved_set)
+    parts = [f"checkpoint has {len(saved)} layers, model has {len(current)}"]
+    if missing:
+        parts.append(f"missing from the model: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if added:
+        parts.append(f"new in the model: {added[:5]}{' ...' if len(added) > 5 else ''}")
+    if not missing and not added:
+        parts.append("the same tensors are grouped into layers differently")
+    return "; ".join(parts)
