@@ -5,31 +5,19 @@ Add :class:`SAMMixin` to a LightningModule's bases and a method callback to the 
 (:class:`SAM`, :class:`RandomSLSAM`, :class:`TopSLSAM`, :class:`S2SAM`, :class:`SLS2SAM`,
 :class:`RST`, :class:`ESAM`, :class:`SSAMF`, :class:`LookSAM`; :func:`make_callback` by
 name). The pure-PyTorch parts (:class:`LayerBandit`, :class:`SparseSAMEngine`,
-:func:`build_partition`) also work in a plain training loop.
+:func:`build_partition`, the method specifications of :mod:`lightning_slsam.specs`) also
+work in a plain training loop: ``import lightning_slsam`` loads only them (and torch);
+the Lightning layer loads when one of its names is first used.
 """
 
+from typing import TYPE_CHECKING, Any
+
+# The pure-PyTorch core, imported with the package (torch only).
 from lightning_slsam.bandit import LayerBandit, kl_projection
-from lightning_slsam.callback import SAMCallback, estimated_stepping_batches
 from lightning_slsam.engine import PassOutput, SparseSAMEngine, StepResult
 from lightning_slsam.layers import LayerPartition, build_partition, find_new_head
-from lightning_slsam.methods import (
-    ESAM,
-    METHODS,
-    PRESETS,
-    RST,
-    S2SAM,
-    SAM,
-    SLS2SAM,
-    SSAMF,
-    LookSAM,
-    RandomSLSAM,
-    SparseLayerSAM,
-    TopSLSAM,
-    make_callback,
-    make_callbacks,
-)
-from lightning_slsam.mixin import SAMMixin
 from lightning_slsam.perturbation import FisherMask, SAMPerturbation
+from lightning_slsam.registry import SPECS, make_engine, method_spec, register_method
 from lightning_slsam.schedules import (
     EveryStep,
     IntervalSchedule,
@@ -44,7 +32,56 @@ from lightning_slsam.selection import (
     LayerSelection,
     TopKSelection,
     UniformSelection,
+    WrappedSelection,
 )
+from lightning_slsam.specs import MethodSpec
+from lightning_slsam.subset_specs import PRESETS
+
+# The Lightning layer, imported on first use: importing Lightning pulls in torchmetrics, and
+# with it transformers and matplotlib when they are installed. ``import lightning_slsam``
+# stays light for plain-PyTorch users; ``from lightning_slsam import SparseLayerSAM`` (or a
+# CLI class path) loads it.
+_LIGHTNING_MODULES = (
+    "lightning_slsam.methods",
+    "lightning_slsam.callback",
+    "lightning_slsam.mixin",
+)
+
+if TYPE_CHECKING:
+    from lightning_slsam.callback import SAMCallback, estimated_stepping_batches
+    from lightning_slsam.methods import (
+        ESAM,
+        METHODS,
+        RST,
+        S2SAM,
+        SAM,
+        SLS2SAM,
+        SSAMF,
+        LookSAM,
+        RandomSLSAM,
+        SparseLayerSAM,
+        TopSLSAM,
+        make_callback,
+        make_callbacks,
+    )
+    from lightning_slsam.mixin import SAMMixin
+
+
+def __getattr__(name: str) -> Any:
+    # A public name not imported above is one of the Lightning layer's: load its module.
+    if name in __all__:
+        import importlib
+
+        for module in map(importlib.import_module, _LIGHTNING_MODULES):
+            if name in module.__all__:
+                globals()[name] = value = getattr(module, name)
+                return value
+    raise AttributeError(f"module 'lightning_slsam' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __version__ = "0.1.0"
 
@@ -56,6 +93,7 @@ __all__ = [
     "S2SAM",
     "SAM",
     "SLS2SAM",
+    "SPECS",
     "SSAMF",
     "AllLayers",
     "DenseWarmup",
@@ -68,6 +106,7 @@ __all__ = [
     "LayerPartition",
     "LayerSelection",
     "LookSAM",
+    "MethodSpec",
     "PassOutput",
     "RandomSLSAM",
     "RandomSchedule",
@@ -81,6 +120,7 @@ __all__ = [
     "TopKSelection",
     "TopSLSAM",
     "UniformSelection",
+    "WrappedSelection",
     "__version__",
     "build_partition",
     "estimated_stepping_batches",
@@ -88,4 +128,7 @@ __all__ = [
     "kl_projection",
     "make_callback",
     "make_callbacks",
+    "make_engine",
+    "method_spec",
+    "register_method",
 ]

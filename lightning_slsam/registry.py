@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_slsam.dense_specs import (
     ESAMSpec,
@@ -21,7 +21,12 @@ from lightning_slsam.dense_specs import (
 from lightning_slsam.specs import MethodSpec
 from lightning_slsam.subset_specs import RandomSLSAMSpec, SLS2SAMSpec, SLSAMSpec, TopSLSAMSpec
 
-__all__ = ["SPECS", "method_spec"]
+if TYPE_CHECKING:
+    import torch
+
+    from lightning_slsam.engine import SparseSAMEngine
+
+__all__ = ["SPECS", "make_engine", "method_spec", "register_method"]
 
 #: Method name -> (specification class or ``None`` for plain AdamW, the options the name
 #: implies). The SL-SAM methods name ``preset="paper"``: comparisons and the paper's
@@ -66,3 +71,47 @@ def method_spec(name: str, **options: Any) -> MethodSpec:
             " optimizer as usual."
         )
     return cls(**{**implied, **options})
+
+
+def make_engine(
+    name: str, module: torch.nn.Module, total_steps: int | None = None, **options: Any
+) -> SparseSAMEngine:
+    """The engine of method ``name`` (``"slsam"``, ``"sam"``, ...; see :data:`SPECS`) for
+    ``module``, with ``options`` overriding the method's defaults: what the method's
+    callback builds at fit start, for a plain PyTorch loop. ``total_steps``: the run's
+    optimizer steps, needed by options given as a fraction of the run.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> engine = make_engine("slsam", net, layer_ratio=0.5, seed=0)
+        >>> opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        >>> x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+        >>> loss = lambda: torch.nn.functional.cross_entropy(net(x), y)
+        >>> engine.train_step(loss, opt).kind
+        'sam'
+    """
+    return method_spec(name, **options).build_engine(module, total_steps=total_steps)
+
+
+def register_method(spec_class: type[MethodSpec], **implied: Any) -> type[MethodSpec]:
+    """Add a method of your own under ``spec_class.name``: :func:`make_engine`,
+    :func:`~lightning_slsam.make_callback` and :data:`~lightning_slsam.METHODS` then know it.
+    ``implied``: options the name sets. Returns ``spec_class`` (usable as a decorator).
+
+    The spec is a :class:`~lightning_slsam.specs.MethodSpec` subclass that overrides what
+    differs, e.g. :meth:`~lightning_slsam.specs.MethodSpec.selection`; see the "Write your
+    own method" page of the docs.
+    """
+    if not (isinstance(spec_class, type) and issubclass(spec_class, MethodSpec)):
+        raise TypeError(f"register_method takes a MethodSpec subclass, got {spec_class!r}.")
+    name = spec_class.name
+    known = SPECS.get(name)
+    if known is not None and known[0] is not spec_class:
+        raise ValueError(
+            f"A method named {name!r} exists already ({known[0]}): give {spec_class.__name__}"
+            " its own `name` (a ClassVar)."
+        )
+    spec_class(**implied)  # the implied options must be valid
+    SPECS[name] = (spec_class, dict(implied))
+    return spec_class

@@ -7,7 +7,7 @@ perturbation and the optional extras -- and from them the
 (:mod:`lightning_slsam.methods`) are thin shells over these, and a plain PyTorch loop
 uses them directly::
 
-    engine = SparseSAMEngine.from_method("slsam", model, layer_ratio=0.2)
+    engine = make_engine("slsam", model, layer_ratio=0.2)
     for batch in loader:
         engine.train_step(lambda: loss_fn(model, batch), optimizer)
 

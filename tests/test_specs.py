@@ -3,7 +3,7 @@
 When the specifications were added (49ab4d2), the callbacks still built their engines
 with their own code: this test showed the two equal, step for step, for every method.
 The callbacks now build through the specifications; the test keeps ``make_callback`` and
-``SparseSAMEngine.from_method`` in step (the names, the implied options, the seeds).
+``make_engine`` in step (the names, the implied options, the seeds).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from helpers import make_data, make_mlp
 
-from lightning_slsam import METHODS, SparseSAMEngine, make_callback
+from lightning_slsam import METHODS, make_callback, make_engine
 from lightning_slsam.registry import SPECS, method_spec
 
 NAMES = sorted(name for name in METHODS if name != "adamw")
@@ -52,7 +52,7 @@ def test_the_spec_builds_the_engine_the_callback_builds(name):
     via_callback = make_callback(name, **options).build_engine(a, total_steps=6)
     torch.manual_seed(0)
     b = _PerSample()
-    via_spec = SparseSAMEngine.from_method(name, b, total_steps=6, **options)
+    via_spec = make_engine(name, b, total_steps=6, **options)
     wa, wb = _train(via_callback, a), _train(via_spec, b)
     assert all(torch.equal(wa[n], wb[n]) for n in wa), name
     assert torch.equal(via_callback.selection.probs, via_spec.selection.probs)
