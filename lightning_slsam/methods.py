@@ -30,32 +30,15 @@ name (``make_callback``)  class                       paper defaults
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from lightning_slsam import dense_specs as dense
 from lightning_slsam import subset_specs as subset
-from lightning_slsam.callback import SAMCallback
+from lightning_slsam.callback import SAMCallback, callback_for
 from lightning_slsam.registry import SPECS, lookup
 from lightning_slsam.selection import DenseWarmup, DepthCut
 from lightning_slsam.subset_specs import BANDIT_LOSSES, PRESETS
-
-__all__ = [
-    "BANDIT_LOSSES",
-    "ESAM",
-    "METHODS",
-    "PRESETS",
-    "RST",
-    "S2SAM",
-    "SAM",
-    "SLS2SAM",
-    "SSAMF",
-    "LookSAM",
-    "RandomSLSAM",
-    "SparseLayerSAM",
-    "TopSLSAM",
-    "make_callback",
-    "make_callbacks",
-]
 
 
 class SAM(SAMCallback):
@@ -201,30 +184,29 @@ class SSAMF(SAMCallback):
     spec_class = dense.SSAMFSpec
 
 
-_CALLBACKS: dict[type, type[SAMCallback]] = {
-    cb.spec_class: cb
-    for cb in (
-        SAM,
-        SparseLayerSAM,
-        RandomSLSAM,
-        TopSLSAM,
-        S2SAM,
-        SLS2SAM,
-        RST,
-        LookSAM,
-        ESAM,
-        SSAMF,
-    )
-}
+class _Methods(Mapping):
+    """Method name -> (callback class or ``None`` for plain AdamW, the options the name
+    implies): a live view of :data:`~lightning_slsam.registry.SPECS`, so methods added with
+    :func:`~lightning_slsam.registry.register_method` appear too."""
+
+    def __getitem__(self, name: str) -> tuple[type[SAMCallback] | None, dict[str, Any]]:
+        spec, implied = SPECS[name]
+        return (callback_for(spec) if spec is not None else None), implied
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(SPECS)
+
+    def __len__(self) -> int:
+        return len(SPECS)
+
+    def __repr__(self) -> str:
+        return f"METHODS({sorted(SPECS)})"
+
 
 #: Method name -> (callback class or ``None`` for plain AdamW, the options the name
-#: implies): :data:`~lightning_slsam.registry.SPECS` with each spec's callback. The SL-SAM
-#: methods name ``preset="paper"``: comparisons and the paper's recipes run the paper's
-#: SL-SAM whatever the class's default.
-METHODS: dict[str, tuple[type[SAMCallback] | None, dict[str, Any]]] = {
-    name: (_CALLBACKS[spec] if spec is not None else None, implied)
-    for name, (spec, implied) in SPECS.items()
-}
+#: implies). The SL-SAM methods name ``preset="paper"``: comparisons and the paper's recipes
+#: run the paper's SL-SAM whatever the class's default.
+METHODS: Mapping[str, tuple[type[SAMCallback] | None, dict[str, Any]]] = _Methods()
 
 
 def make_callback(name: str, **kwargs: Any) -> SAMCallback:
@@ -240,7 +222,7 @@ def make_callback(name: str, **kwargs: Any) -> SAMCallback:
             f"Method {name!r} is plain AdamW, which needs no callback: leave it out of"
             f" Trainer(callbacks=...), or use make_callbacks({name!r}), which returns []."
         )
-    return _CALLBACKS[spec](**{**implied, **kwargs})
+    return callback_for(spec)(**{**implied, **kwargs})
 
 
 def make_callbacks(name: str, **kwargs: Any) -> list[SAMCallback]:
@@ -252,3 +234,14 @@ def make_callbacks(name: str, **kwargs: Any) -> list[SAMCallback]:
             raise ValueError(f"Method {name!r} (plain AdamW) takes no options, got {kwargs}.")
         return []
     return [make_callback(name, **kwargs)]
+
+
+__all__ = [  # the method classes: the ones registered above
+    "BANDIT_LOSSES",
+    "METHODS",
+    "PRESETS",
+    "make_callback",
+    "make_callbacks",
+    *(cls.__name__ for cls in (SAM, SparseLayerSAM, RandomSLSAM, TopSLSAM, S2SAM, SLS2SAM)),
+    *(cls.__name__ for cls in (RST, LookSAM, ESAM, SSAMF)),
+]

@@ -46,6 +46,7 @@ __all__ = [
     "LayerSelection",
     "TopKSelection",
     "UniformSelection",
+    "WrappedSelection",
 ]
 
 
@@ -98,6 +99,28 @@ class LayerSelection:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+class WrappedSelection(LayerSelection):
+    """A rule that changes the draw of another rule, ``inner``: its probabilities are
+    ``inner``'s, and ``inner`` learns with this rule's true inclusion probabilities."""
+
+    def __init__(self, inner: LayerSelection) -> None:
+        self.inner = inner
+        self.num_layers = inner.num_layers
+
+    @property
+    def probs(self) -> Tensor:
+        return self.inner.probs
+
+    @property
+    def always_all(self) -> bool:
+        return self.inner.always_all
+
+    def update(self, active: Tensor, norms: Tensor, inclusion: Tensor | None = None) -> bool:
+        return self.inner.update(
+            active, norms, self.inclusion() if inclusion is None else inclusion
+        )
 
 
 class AllLayers(LayerSelection):
@@ -183,35 +206,34 @@ class TopKSelection(LayerSelection):
         return mask
 
 
-class ExpandToAll(LayerSelection):
-    """First pass on ``first``'s sample, then every layer (ESAM's SWP with a dense update)."""
+class ExpandToAll(WrappedSelection):
+    """First pass on ``first``'s sample, then every layer (ESAM's SWP with a dense update).
+    ``first`` does not learn."""
 
     def __init__(self, first: LayerSelection) -> None:
-        self.first = first
-        self.num_layers = first.num_layers
+        super().__init__(first)
 
     @property
-    def probs(self) -> Tensor:
-        return self.first.probs
-
-    @property
-    def always_all(self) -> bool:
-        return self.first.always_all
+    def first(self) -> LayerSelection:
+        return self.inner
 
     def sample(self) -> Tensor:
-        return self.first.sample()
+        return self.inner.sample()
 
     def refine(self, active: Tensor, norms: Tensor | None) -> Tensor:
         return torch.ones(self.num_layers, dtype=torch.bool)
 
+    def update(self, active: Tensor, norms: Tensor, inclusion: Tensor | None = None) -> bool:
+        return False
+
     def state_dict(self) -> dict[str, Any]:
-        return self.first.state_dict()
+        return self.inner.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.first.load_state_dict(state)
+        self.inner.load_state_dict(state)
 
 
-class DepthCut(LayerSelection, Seeded):
+class DepthCut(WrappedSelection, Seeded):
     """Freeze every layer below a random cut, then let ``inner`` sample above it.
 
     With independent per-layer sampling some layer near the input is almost always
@@ -238,8 +260,7 @@ class DepthCut(LayerSelection, Seeded):
     def __init__(
         self, inner: LayerSelection, depth: float, generator: torch.Generator | None = None
     ) -> None:
-        self.inner = inner
-        self.num_layers = inner.num_layers
+        super().__init__(inner)
         self.depth = check_ratio("backprop_depth", depth)
         self._gen = seeded_generator(generator)
         n = self.num_layers
@@ -258,10 +279,6 @@ class DepthCut(LayerSelection, Seeded):
         self.cut_probs[-1] += 1.0 - float(self.cut_probs.sum())  # rounding, and u -> 1
         #: Probability that the cut leaves each layer eligible, ``P(cut <= l)``.
         self.eligible = torch.cumsum(self.cut_probs, 0).clamp(0.0, 1.0)
-
-    @property
-    def probs(self) -> Tensor:
-        return self.inner.probs
 
     def inclusion(self) -> Tensor:
         q = self.inner.inclusion()
@@ -285,11 +302,6 @@ class DepthCut(LayerSelection, Seeded):
                 self.last_cut = cut
                 return mask
 
-    def update(self, active: Tensor, norms: Tensor, inclusion: Tensor | None = None) -> bool:
-        return self.inner.update(
-            active, norms, self.inclusion() if inclusion is None else inclusion
-        )
-
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self.inner.state_dict(), **self.generator_state()}
 
@@ -298,7 +310,7 @@ class DepthCut(LayerSelection, Seeded):
         self.load_generator_state(state)
 
 
-class DenseWarmup(LayerSelection, Seeded):
+class DenseWarmup(WrappedSelection, Seeded):
     """Anneal the layer ratio from 1 to ``inner``'s over the first ``steps`` steps.
 
     Short fine-tunes lose accuracy to sparse updates: a layer active in a fifth of the
@@ -323,20 +335,11 @@ class DenseWarmup(LayerSelection, Seeded):
     ) -> None:
         if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0):
             raise ValueError(f"`steps` must be an integer >= 0, got {steps!r}.")
-        self.inner = inner
-        self.num_layers = inner.num_layers
+        super().__init__(inner)
         self.steps = steps
         self._gen = seeded_generator(generator)
         self.num_sampled = 0
         self._weight = 0.0
-
-    @property
-    def probs(self) -> Tensor:
-        return self.inner.probs
-
-    @property
-    def always_all(self) -> bool:
-        return self.inner.always_all
 
     @property
     def refine_uses_norms(self) -> bool:  # type: ignore[override]
@@ -361,11 +364,6 @@ class DenseWarmup(LayerSelection, Seeded):
 
     def refine(self, active: Tensor, norms: Tensor | None) -> Tensor:
         return self.inner.refine(active, norms)
-
-    def update(self, active: Tensor, norms: Tensor, inclusion: Tensor | None = None) -> bool:
-        return self.inner.update(
-            active, norms, self.inclusion() if inclusion is None else inclusion
-        )
 
     def state_dict(self) -> dict[str, Any]:
         return {

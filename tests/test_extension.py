@@ -1,0 +1,164 @@
+"""A method of one's own, from outside the package: a ~20-line layer-selection rule and its
+specification, trained through the same callback machinery, a LightningCLI YAML and a
+plain PyTorch loop (the extension point the "Write your own method" page documents)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, ClassVar
+
+import lightning as L
+import pytest
+import torch
+import yaml
+from helpers import LitModel, loader, make_data, make_mlp
+from torch.utils.data import DataLoader
+
+from lightning_slsam import LayerSelection, SAMCallback, make_callback, make_engine
+from lightning_slsam.registry import SPECS, register_method
+from lightning_slsam.subset_specs import LayerSubsetSpec
+
+
+# -- the user's method: train the even-numbered layers, then the odd ones, and so on --------
+# --8<-- [start:method]
+class Alternate(LayerSelection):
+    """Layers 0, 2, 4, ... on even steps, 1, 3, 5, ... on odd steps."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.steps = 0
+
+    @property
+    def probs(self) -> torch.Tensor:
+        return torch.full((self.num_layers,), 0.5, dtype=torch.float64)
+
+    def sample(self) -> torch.Tensor:
+        mask = torch.arange(self.num_layers) % 2 == self.steps % 2
+        self.steps += 1
+        return mask
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = state["steps"]
+
+
+class AlternateSpec(LayerSubsetSpec):
+    name: ClassVar[str] = "alternate"
+    label: ClassVar[str] = "AlternateSAM"
+
+    def selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
+        return Alternate(num_layers)
+
+
+class AlternateSAM(SAMCallback):
+    spec_class = AlternateSpec
+
+
+# --8<-- [end:method]
+
+# -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def registered():
+    register_method(AlternateSpec)
+    yield
+    SPECS.pop("alternate")
+
+
+class Masks(L.Callback):
+    def __init__(self) -> None:
+        self.masks: list[list[bool]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        sam = next(cb for cb in trainer.callbacks if isinstance(cb, SAMCallback))
+        self.masks.append(sam.active_mask.tolist())
+
+
+def _fit(callback: SAMCallback, steps: int = 4) -> tuple[list[list[bool]], dict[str, Any]]:
+    masks = Masks()
+    model = LitModel(make_mlp())
+    before = copy.deepcopy(model.state_dict())
+    trainer = L.Trainer(
+        max_steps=steps, callbacks=[callback, masks], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+    )  # fmt: skip
+    trainer.fit(model, loader(make_data(64), 16))
+    after = model.state_dict()
+    return masks.masks, {k: not torch.equal(before[k], after[k]) for k in after}
+
+
+def test_a_user_method_trains_through_the_callback():
+    masks, changed = _fit(AlternateSAM(rho=0.05, seed=0))
+    n = len(masks[0])
+    even = [i % 2 == 0 for i in range(n)]
+    assert masks == [even, [not e for e in even]] * 2
+    assert all(changed.values())  # every layer was trained, each on every other step
+    cb = AlternateSAM(layer_ratio=0.5)
+    assert cb.layer_ratio == 0.5 and cb.rho == 0.01  # the shell reads the spec's options
+    with pytest.raises(TypeError, match="AlternateSAM has no option 'rhoo'; did you mean 'rho'"):
+        AlternateSAM(rhoo=0.1)
+
+
+def test_a_registered_method_is_known_by_name(registered):
+    from lightning_slsam import METHODS
+
+    assert METHODS["alternate"][0] is AlternateSAM
+    masks, _ = _fit(make_callback("alternate", seed=0), steps=2)
+    assert masks[0] != masks[1]
+    net = make_mlp()
+    engine = make_engine("alternate", net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x, y = make_data(16).tensors
+    kinds = [
+        engine.train_step(lambda: torch.nn.functional.cross_entropy(net(x), y), opt)
+        for _ in range(2)
+    ]
+    assert [r.active_mask.tolist() for r in kinds] == masks
+    with pytest.raises(ValueError, match="exists already"):
+        register_method(type("Other", (AlternateSpec,), {}))
+
+
+FITTED: list[SAMCallback] = []
+
+
+class KeepSAM(L.Callback):
+    """Keeps the SAM callback of a fit the CLI ran."""
+
+    def on_fit_end(self, trainer, pl_module):
+        FITTED.append(next(cb for cb in trainer.callbacks if isinstance(cb, SAMCallback)))
+
+
+class TinyData(L.LightningDataModule):
+    def train_dataloader(self) -> DataLoader:
+        return loader(make_data(64), 16)
+
+
+def test_a_user_method_trains_from_yaml(tmp_path):
+    from lightning_slsam.cli import main
+
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "max_steps": 4, "logger": False, "enable_checkpointing": False,
+            "enable_progress_bar": False, "default_root_dir": str(tmp_path),
+            "callbacks": [{"class_path": f"{__name__}.AlternateSAM",
+                           "init_args": {"rho": 0.05, "plot": False}},
+                          {"class_path": f"{__name__}.KeepSAM"}],
+        },
+        "model": {"class_path": "helpers.LitModel",
+                  "init_args": {"net": {"class_path": "torch.nn.Linear",
+                                        "init_args": {"in_features": 8, "out_features": 3}}}},
+        "data": {"class_path": f"{__name__}.TinyData"},
+    }  # fmt: skip
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    FITTED.clear()
+    main(["fit", "--config", str(path)])
+    (sam,) = FITTED
+    assert isinstance(sam, AlternateSAM)
+    assert sam.rho == 0.05
+    assert sam.engine.num_steps == 4
+    assert sam.engine.counts.tolist() == [2, 2]  # weight and bias, alternating
