@@ -12,6 +12,7 @@ ValueError: `layer_ratio` must be in (0, 1], got 1.5.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +21,8 @@ __all__ = [
     "check_finite_at_least",
     "check_flag",
     "check_int",
+    "check_number",
+    "check_path",
     "check_ratio",
     "check_value",
     "is_number",
@@ -62,10 +65,24 @@ def check_flag(name: str, value: Any) -> bool:
     return value
 
 
-def check_int(name: str, value: Any, minimum: int) -> int:
-    """An integer (not a bool) of at least ``minimum``."""
-    if isinstance(value, bool) or not (isinstance(value, int) and value >= minimum):
-        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
+def check_int(name: str, value: Any, minimum: int | None) -> int:
+    """An integer (not a bool) of at least ``minimum`` (any integer for ``None``)."""
+    if isinstance(value, bool) or not (
+        isinstance(value, int) and (minimum is None or value >= minimum)
+    ):
+        must = "an integer" + (f" >= {minimum}" if minimum is not None else "")
+        raise ValueError(f"`{name}` must be {must}, got {value!r}.")
+    return value
+
+
+def check_number(
+    name: str, value: Any, must: str, ok: Callable[[float], bool], kind: type = float
+) -> Any:
+    """A number (an ``int`` when ``kind`` is ``int``; never a bool) passing ``ok``;
+    otherwise ``name must be <must>``."""
+    types = (int,) if kind is int else (int, float)
+    if isinstance(value, bool) or not isinstance(value, types) or not ok(value):
+        raise ValueError(f"`{name}` must be {must}, got {value!r}.")
     return value
 
 
@@ -74,6 +91,13 @@ def check_choice(name: str, value: Any, choices: Sequence[Any], hint: str = "") 
     if value not in choices:
         raise ValueError(f"`{name}` must be one of {tuple(choices)}, got {value!r}{hint}.")
     return value
+
+
+def check_path(name: str, path: Any, folder: bool) -> Any:
+    """``None`` or an existing folder (``folder=True``) or file."""
+    if path is not None and not (os.path.isdir(path) if folder else os.path.isfile(path)):
+        raise ValueError(f"`{name}` {path!r} is not a {'folder' if folder else 'file'}.")
+    return path
 
 
 def check_finite_at_least(name: str, value: Any, minimum: float, what: str = "") -> float:

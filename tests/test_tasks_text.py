@@ -264,3 +264,18 @@ def test_optimizer_groups_and_warmup_schedule(stand_in_csv, tiny_model_dir):
     # 4 steps, 2 of warm-up, then linear decay: after the 4th step the rate is 0.
     assert tr.lr_scheduler_configs[0].interval == "step"
     assert decay["lr"] == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize(
+    ("module", "build"),
+    [
+        ("transformers", lambda: TextClassifier()),
+        ("transformers", lambda: RottenTomatoesDataModule()),
+    ],
+)
+def test_a_missing_task_dependency_says_which_extra_to_install(module, build, monkeypatch):
+    monkeypatch.setitem(sys.modules, module, None)  # makes `import module` fail
+    with pytest.raises(
+        ImportError, match=r"needs the `transformers` package.*lightning-slsam\[tasks\]"
+    ):
+        build()

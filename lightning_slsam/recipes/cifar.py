@@ -27,8 +27,9 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.classification import Accuracy
 
+from lightning_slsam.checks import check_int, check_number
 from lightning_slsam.mixin import SAMMixin
-from lightning_slsam.tasks.common import SCHEDULES, check, check_choice, check_int, with_schedule
+from lightning_slsam.tasks.common import check_training, require, with_schedule
 
 __all__ = ["CIFARDataModule", "TimmClassifier", "read_cifar"]
 
@@ -189,11 +190,10 @@ class TimmClassifier(SAMMixin, L.LightningModule):
         model_kwargs: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        require("timm", "TimmClassifier")
         check_int("num_classes", num_classes, 2)
-        check("learning_rate", learning_rate, "> 0", lambda v: v > 0)
-        check("weight_decay", weight_decay, ">= 0", lambda v: v >= 0)
-        check("warmup_ratio", warmup_ratio, "in [0, 1)", lambda v: 0 <= v < 1)
-        check_choice("schedule", schedule, SCHEDULES)
+        check_number("learning_rate", learning_rate, "> 0", lambda v: v > 0)
+        check_training(learning_rate, weight_decay, warmup_ratio, schedule)
         self.save_hyperparameters()
         import timm
 

@@ -32,14 +32,13 @@ from torchmetrics import Metric
 from torchmetrics.classification import Accuracy, BinaryF1Score, BinaryMatthewsCorrCoef
 from torchmetrics.regression import PearsonCorrCoef
 
+from lightning_slsam.checks import check_choice, check_int, check_number, check_path
 from lightning_slsam.mixin import SAMMixin
 from lightning_slsam.recipes.common import load_hub_dataset, read_jsonl
 from lightning_slsam.tasks.common import (
-    SCHEDULES,
     PaddingCollator,
-    check,
-    check_choice,
-    check_int,
+    check_training,
+    require,
     with_schedule,
 )
 
@@ -99,12 +98,12 @@ class GLUEDataModule(L.LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
+        require("transformers", "GLUEDataModule")
         _task(task)
         check_int("batch_size", batch_size, 1)
         check_int("max_length", max_length, 8)
         check_int("num_workers", num_workers, 0)
-        if data_dir is not None and not os.path.isdir(data_dir):
-            raise ValueError(f"`data_dir` {data_dir!r} is not a folder.")
+        check_path("data_dir", data_dir, folder=True)
         self.save_hyperparameters()
         self.splits: dict[str, list[dict[str, Any]]] = {}
 
@@ -185,12 +184,11 @@ class GLUEClassifier(SAMMixin, L.LightningModule):
         pretrained: bool = True,
     ) -> None:
         super().__init__()
+        require("transformers", "GLUEClassifier")
         spec = _task(task)
         if learning_rate is not None:
-            check("learning_rate", learning_rate, "> 0 or null", lambda v: v > 0)
-        check("weight_decay", weight_decay, ">= 0", lambda v: v >= 0)
-        check("warmup_ratio", warmup_ratio, "in [0, 1)", lambda v: 0 <= v < 1)
-        check_choice("schedule", schedule, SCHEDULES)
+            check_number("learning_rate", learning_rate, "> 0 or null", lambda v: v > 0)
+        check_training(learning_rate, weight_decay, warmup_ratio, schedule)
         self.save_hyperparameters()
         from transformers import AutoConfig, AutoModelForSequenceClassification
 

@@ -17,7 +17,6 @@ datasets``), or a local JSON-lines file with ``instruction``, ``input`` and ``ou
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,13 +26,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from lightning_slsam.checks import check_int, check_number, check_path
 from lightning_slsam.mixin import SAMMixin
 from lightning_slsam.recipes.common import load_hub_dataset, read_jsonl
 from lightning_slsam.tasks.common import (
-    SCHEDULES,
-    check,
-    check_choice,
-    check_int,
+    check_training,
+    require,
     with_schedule,
 )
 
@@ -108,11 +106,11 @@ class InstructionDataModule(L.LightningDataModule):
         num_train: int | None = None,
     ) -> None:
         super().__init__()
+        require("transformers", "InstructionDataModule")
         check_int("batch_size", batch_size, 1)
         check_int("max_length", max_length, 16)
         check_int("val_size", val_size, 0)
-        if data_file is not None and not os.path.isfile(data_file):
-            raise ValueError(f"`data_file` {data_file!r} is not a file.")
+        check_path("data_file", data_file, folder=False)
         self.save_hyperparameters()
         self.splits: dict[str, list[dict[str, list[int]]]] = {}
 
@@ -186,10 +184,9 @@ class CausalLMFineTuner(SAMMixin, L.LightningModule):
         export_dir: str | None = None,
     ) -> None:
         super().__init__()
-        check("learning_rate", learning_rate, "> 0", lambda v: v > 0)
-        check("weight_decay", weight_decay, ">= 0", lambda v: v >= 0)
-        check("warmup_ratio", warmup_ratio, "in [0, 1)", lambda v: 0 <= v < 1)
-        check_choice("schedule", schedule, SCHEDULES)
+        require("transformers", "CausalLMFineTuner")
+        check_number("learning_rate", learning_rate, "> 0", lambda v: v > 0)
+        check_training(learning_rate, weight_decay, warmup_ratio, schedule)
         dtype = None
         if load_dtype is not None:
             dtype = getattr(torch, str(load_dtype), None)

@@ -1,10 +1,10 @@
-"""What the offline tasks and the paper recipes share: argument checks, per-batch padding,
-learning-rate schedules."""
+"""What the offline tasks and the paper recipes share: per-batch padding and learning-rate
+schedules (their argument checks are :mod:`lightning_slsam.checks`')."""
 
 from __future__ import annotations
 
+import importlib
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,30 +12,36 @@ import torch
 from torch import Tensor
 
 from lightning_slsam.callback import estimated_stepping_batches
+from lightning_slsam.checks import check_choice, check_number
 
-__all__ = ["SCHEDULES", "PaddingCollator", "check", "check_choice", "check_int", "with_schedule"]
+__all__ = ["SCHEDULES", "PaddingCollator", "check_training", "require", "with_schedule"]
 
 SCHEDULES = ("constant", "linear", "cosine")
 
 
-def check(
-    name: str, value: Any, must: str, ok: Callable[[float], bool], kind: type = float
+def require(module: str, user: str, package: str | None = None) -> None:
+    """Fail at construction, with the install command, when ``user`` (a task or recipe
+    class) needs ``module`` and it is not installed (the ``tasks`` extra brings timm,
+    transformers and scikit-learn)."""
+    try:
+        importlib.import_module(module)
+    except ImportError as err:
+        raise ImportError(
+            f"{user} needs the `{package or module}` package, which is not installed:"
+            ' `pip install "lightning-slsam[tasks]"`.'
+        ) from err
+
+
+def check_training(
+    learning_rate: Any, weight_decay: Any, warmup_ratio: Any, schedule: Any = "constant"
 ) -> None:
-    """Raises ``ValueError`` naming ``name`` unless ``value`` is a number (an ``int`` when
-    ``kind`` is ``int``; never a bool) passing ``ok``."""
-    types = (int,) if kind is int else (int, float)
-    if isinstance(value, bool) or not isinstance(value, types) or not ok(value):
-        raise ValueError(f"`{name}` must be {must}, got {value!r}.")
-
-
-def check_int(name: str, value: Any, minimum: int | None) -> None:
-    must = "an integer" + (f" >= {minimum}" if minimum is not None else "")
-    check(name, value, must, lambda v: minimum is None or v >= minimum, int)
-
-
-def check_choice(name: str, value: Any, choices: tuple[str, ...] | list[str]) -> None:
-    if value not in choices:
-        raise ValueError(f"`{name}` must be one of {sorted(choices)}, got {value!r}.")
+    """The optimisation options every task and recipe takes (``learning_rate=None``: the
+    recipe chooses; a ``ValueError`` naming the option otherwise)."""
+    if learning_rate is not None:
+        check_number("learning_rate", learning_rate, "> 0", lambda v: v > 0)
+    check_number("weight_decay", weight_decay, ">= 0", lambda v: v >= 0)
+    check_number("warmup_ratio", warmup_ratio, "in [0, 1)", lambda v: 0 <= v < 1)
+    check_choice("schedule", schedule, SCHEDULES)
 
 
 @dataclass

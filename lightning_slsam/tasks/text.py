@@ -25,8 +25,9 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler
 from torchmetrics.classification import Accuracy
 
+from lightning_slsam.checks import check_int, check_number
 from lightning_slsam.mixin import SAMMixin
-from lightning_slsam.tasks.common import PaddingCollator, check, check_int, with_schedule
+from lightning_slsam.tasks.common import PaddingCollator, check_training, require, with_schedule
 
 __all__ = ["RottenTomatoesDataModule", "TextClassifier", "default_csv_path", "default_model_path"]
 
@@ -160,9 +161,10 @@ class RottenTomatoesDataModule(L.LightningDataModule):
         group_by_length: bool = True,
     ) -> None:
         super().__init__()
+        require("transformers", "RottenTomatoesDataModule")
         check_int("batch_size", batch_size, 1)
         check_int("max_length", max_length, 2)
-        check("val_fraction", val_fraction, "in (0, 1)", lambda v: 0 < v < 1)
+        check_number("val_fraction", val_fraction, "in (0, 1)", lambda v: 0 < v < 1)
         for name, cap in (("num_train", num_train), ("num_val", num_val)):
             if cap is not None:
                 check_int(name, cap, 1)
@@ -262,12 +264,12 @@ class TextClassifier(SAMMixin, L.LightningModule):
         dropout: float | None = None,
     ) -> None:
         super().__init__()
+        require("transformers", "TextClassifier")
         check_int("num_labels", num_labels, 2)
-        check("learning_rate", learning_rate, "> 0", lambda v: v > 0)
-        check("weight_decay", weight_decay, ">= 0", lambda v: v >= 0)
-        check("warmup_ratio", warmup_ratio, "in [0, 1)", lambda v: 0 <= v < 1)
+        check_number("learning_rate", learning_rate, "> 0", lambda v: v > 0)
+        check_training(learning_rate, weight_decay, warmup_ratio)
         if dropout is not None:
-            check("dropout", dropout, "None or in [0, 1)", lambda v: 0 <= v < 1)
+            check_number("dropout", dropout, "None or in [0, 1)", lambda v: 0 <= v < 1)
         self.save_hyperparameters()
         from transformers import AutoConfig, AutoModelForSequenceClassification
 

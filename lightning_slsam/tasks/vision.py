@@ -18,7 +18,9 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import Accuracy
 
+from lightning_slsam.checks import check_int, check_number
 from lightning_slsam.mixin import SAMMixin
+from lightning_slsam.tasks.common import require
 
 __all__ = ["DigitsDataModule", "ImageClassifier", "efficientnet_lite0"]
 
@@ -82,12 +84,10 @@ class DigitsDataModule(L.LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if not (isinstance(batch_size, int) and batch_size >= 1):
-            raise ValueError(f"`batch_size` must be an integer >= 1, got {batch_size!r}.")
-        if not (isinstance(image_size, int) and image_size >= 8):
-            raise ValueError(f"`image_size` must be an integer >= 8, got {image_size!r}.")
-        if not (isinstance(val_fraction, (int, float)) and 0 < val_fraction < 1):
-            raise ValueError(f"`val_fraction` must be in (0, 1), got {val_fraction!r}.")
+        require("sklearn", "DigitsDataModule", package="scikit-learn")
+        check_int("batch_size", batch_size, 1)
+        check_int("image_size", image_size, 8)
+        check_number("val_fraction", val_fraction, "in (0, 1)", lambda v: 0 < v < 1)
         self.save_hyperparameters()
         self.train_set: TensorDataset | None = None
         self.val_set: TensorDataset | None = None
@@ -136,6 +136,7 @@ class ImageClassifier(SAMMixin, L.LightningModule):
         pretrained: bool = True,
     ) -> None:
         super().__init__()
+        require("timm", "ImageClassifier")
         self.save_hyperparameters()
         self.model = efficientnet_lite0(num_classes, pretrained)
         self.val_acc = Accuracy(task="multiclass", num_classes=num_classes)
