@@ -18,7 +18,7 @@ import torch
 from models import make_workload
 from torch.utils.data import DataLoader
 
-from lightning_slsam import SAMMixin, SparseLayerSAM
+from lightning_slsam import SAMMixin, make_engine
 from lightning_slsam.metrics import normalized_entropy
 
 
@@ -28,8 +28,9 @@ def bandit(
     """Milliseconds per step of SL-SAM's selection and bookkeeping on ``model_name``, with
     the bandit ``loss`` (``"shifted"``: the paper's default; ``"rank"``: scale-free)."""
     work = make_workload(model_name, 1)
-    cb = SparseLayerSAM(layer_ratio=layer_ratio, bandit_loss=loss, seed=0)
-    engine = cb.build_engine(work.model)
+    engine = make_engine(
+        "slsam", work.model, layer_ratio=layer_ratio, bandit_loss=loss, seed=0, preset="paper"
+    )
     n = engine.partition.num_layers
     gen = torch.Generator().manual_seed(0)
     norms = torch.rand(n, generator=gen, dtype=torch.float64)

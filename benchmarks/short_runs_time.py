@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import yaml
 from step_time import interleaved, machine
 
-from lightning_slsam import make_callback
+from lightning_slsam import make_engine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -113,7 +113,7 @@ def make_step(method: str, options: dict[str, Any], module, loss, lr, total: int
 
         adamw.engine = None  # type: ignore[attr-defined]
         return adamw
-    engine = make_callback(method, seed=0, **options).build_engine(module, total_steps=total)
+    engine = make_engine(method, module, total_steps=total, seed=0, **options)
 
     def step(batch):
         engine.train_step(lambda index=None: loss(module, batch, index), opt)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import datetime as dt
-import inspect
 import json
 import os
 import platform
@@ -32,14 +32,14 @@ from collections.abc import Callable
 import torch
 from models import Workload, make_workload
 
-from lightning_slsam import METHODS, build_partition, make_callback
+from lightning_slsam import SPECS, build_partition, make_engine
 
 DEFAULT_METHODS = "adamw,sam_reference,sam,slsam"
 
 
 def method_names(spec: str) -> list[str]:
     """``spec`` (comma-separated, or ``all``) as a list of known method names."""
-    known = ["sam_reference", *(m for m in METHODS if m != "adasam")]
+    known = ["sam_reference", *(m for m in SPECS if m != "adasam")]
     names = known if spec == "all" else [m.strip() for m in spec.split(",")]
     unknown = [m for m in names if m not in known]
     if unknown:
@@ -82,9 +82,9 @@ def make_step(
         sam_reference.engine, sam_reference.optimizer = None, opt  # type: ignore[attr-defined]
         return sam_reference
     options = {"rho": rho, "seed": 0}
-    if "layer_ratio" in inspect.signature(METHODS[name][0].__init__).parameters:
+    if "layer_ratio" in {f.name for f in dataclasses.fields(SPECS[name][0])}:
         options["layer_ratio"] = ratio
-    engine = make_callback(name, **options).build_engine(model)
+    engine = make_engine(name, model, **options)
 
     def step(batch):
         def compute_loss(index=None):
