@@ -35,7 +35,7 @@ from lightning_slsam.compat import (
     loss_scale_reader,
 )
 from lightning_slsam.distributed import GradientAverager
-from lightning_slsam.passes import PassOutput, StepContext, StepResult
+from lightning_slsam.passes import PassOutput, StepContext
 
 if TYPE_CHECKING:
     from lightning_slsam.engine import SparseSAMEngine
@@ -203,12 +203,6 @@ class StepDriver:
         if isinstance(output, Mapping):
             return {**output, "loss": loss_of(output)[0].detach()}
         return loss_of(output)[0].detach() if isinstance(output, Tensor) else output
-
-    @property
-    def last_result(self) -> StepResult | None:
-        """The engine's latest step result."""
-        engine = self.controller.engine
-        return engine.last_result if engine is not None else None
 
     def _accumulate(self, args: tuple, kwargs: dict) -> list[Call] | None:
         self._buffer.append((args, kwargs))

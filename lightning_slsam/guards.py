@@ -10,7 +10,7 @@ from typing import Any
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_slsam.checks import check_choice, check_flag
+from lightning_slsam.checks import check_choice, check_flag, check_int
 from lightning_slsam.compat import is_compiled
 from lightning_slsam.driver import SAMController
 from lightning_slsam.mixin import SAMMixin
@@ -60,15 +60,9 @@ def check_lightning_options(
         "gradient_clip_algorithm": check_choice(
             "gradient_clip_algorithm", gradient_clip_algorithm, ("norm", "value")
         ),
-        "accumulate_grad_batches": _check_accumulate(accumulate_grad_batches),
+        "accumulate_grad_batches": check_int("accumulate_grad_batches", accumulate_grad_batches, 1),
         "plot": check_flag("plot", plot),
     }
-
-
-def _check_accumulate(value: Any) -> int:
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(f"`accumulate_grad_batches` must be an integer >= 1, got {value!r}.")
-    return value
 
 
 def check_fit_setup(callback: Any, trainer: Any, pl_module: Any) -> None:
