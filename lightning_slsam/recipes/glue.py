@@ -164,24 +164,24 @@ class GLUEClassifier(SAMMixin, L.LightningModule):
     Args:
         task: the GLUE task (sets the label count and the metric).
         model_name_or_path: model folder or hub name; default ``FacebookAI/roberta-base``.
+        pretrained: load the pretrained weights (default); ``False``: same architecture,
+            random init.
         learning_rate: AdamW peak learning rate (> 0); ``None``: the task's rate in
             :data:`GLUE_TASKS`.
         weight_decay: AdamW decoupled weight decay (>= 0); paper: 0.01.
         schedule: ``"linear"`` (default: decay to 0), ``"cosine"`` or ``"constant"``.
         warmup_ratio: fraction of the steps with a linear warm-up, in [0, 1); default 0.06.
-        pretrained: load the pretrained weights (default); ``False``: same architecture,
-            random init.
     """
 
     def __init__(
         self,
         task: str = "cola",
         model_name_or_path: str = "FacebookAI/roberta-base",
+        pretrained: bool = True,
         learning_rate: float | None = None,
         weight_decay: float = 0.01,
         schedule: str = "linear",
         warmup_ratio: float = 0.06,
-        pretrained: bool = True,
     ) -> None:
         super().__init__()
         require("transformers", "GLUEClassifier")

@@ -70,8 +70,8 @@ class DigitsDataModule(L.LightningDataModule):
     Args:
         batch_size: images per training batch (>= 1); default 64.
         image_size: side of the upsampled images in pixels (>= 8); default 32.
-        val_fraction: fraction held out for validation, in (0, 1); default 0.2.
         num_train: keep only this many training images (``None``: all).
+        val_fraction: fraction held out for validation, in (0, 1); default 0.2.
         seed: seed of the split; default 0.
     """
 
@@ -79,8 +79,8 @@ class DigitsDataModule(L.LightningDataModule):
         self,
         batch_size: int = 64,
         image_size: int = 32,
-        val_fraction: float = 0.2,
         num_train: int | None = None,
+        val_fraction: float = 0.2,
         seed: int = 0,
     ) -> None:
         super().__init__()
