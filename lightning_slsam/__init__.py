@@ -26,14 +26,13 @@ from lightning_slsam.schedules import (
 )
 from lightning_slsam.selection import (
     AllLayers,
-    DenseWarmup,
-    DepthCut,
     ExpandToAll,
     LayerSelection,
     TopKSelection,
     UniformSelection,
     WrappedSelection,
 )
+from lightning_slsam.selection_wrappers import DenseWarmup, DepthCut
 from lightning_slsam.specs import MethodSpec
 from lightning_slsam.subset_specs import PRESETS
 

@@ -113,6 +113,19 @@ class LayerBandit(LayerSelection, Seeded):
         num_samples: Masks returned by :meth:`sample`.
         num_redraws: Empty draws that were discarded and redrawn.
         num_updates: Updates applied. ``num_skipped``: updates skipped for bad norms.
+
+    Example:
+        >>> import torch
+        >>> bandit = LayerBandit(10, layer_ratio=0.3, loss="rank",
+        ...                      generator=torch.Generator().manual_seed(0))
+        >>> float(bandit.probs.sum())  # the budget: 0.3 * 10 layers expected active
+        3.0
+        >>> active = bandit.sample()  # bool [10], redrawn while empty
+        >>> norms = torch.linspace(0.1, 1.0, 10)  # each layer's gradient norm
+        >>> bandit.update(active, norms)
+        True
+        >>> round(float(bandit.probs.sum()), 6), bool((bandit.probs >= 1e-3).all())
+        (3.0, True)
     """
 
     def __init__(

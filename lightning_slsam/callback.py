@@ -7,6 +7,17 @@ on every process), the per-step logging and end-of-fit record (:mod:`~lightning_
 and the checkpointed state. The training step itself is run by the module's
 :class:`~lightning_slsam.driver.StepDriver` (created by :class:`~lightning_slsam.SAMMixin`),
 which reads this callback's public options.
+
+Example:
+
+>>> from lightning_slsam import SparseLayerSAM
+>>> callback = SparseLayerSAM(layer_ratio=0.3, gradient_clip_val=1.0)
+>>> callback.spec.layer_ratio, callback.layer_ratio, callback.gradient_clip_val
+(0.3, 0.3, 1.0)
+>>> SparseLayerSAM(accumulate_grad_batches=0)
+Traceback (most recent call last):
+...
+ValueError: `accumulate_grad_batches` must be an integer >= 1, got 0.
 """
 
 from __future__ import annotations

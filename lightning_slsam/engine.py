@@ -19,6 +19,28 @@ Layers outside the active set are frozen for the step (:mod:`lightning_slsam.fre
 Every step synchronises with the host once, at its end: losses, a finiteness probe and the
 per-layer norms travel together; a non-finite value skips the step with the weights
 restored exactly and nothing else changed.
+
+SL-SAM assembled from its parts in a plain loop (:func:`~lightning_slsam.make_engine`
+does the same from a method's name and options):
+
+>>> import torch
+>>> from lightning_slsam import LayerBandit, SAMPerturbation, build_partition
+>>> _ = torch.manual_seed(0)
+>>> net = torch.nn.Sequential(
+...     torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+>>> partition = build_partition(net)  # 4 layers: 2 weights, 2 biases
+>>> bandit = LayerBandit(partition.num_layers, layer_ratio=0.5,
+...                      generator=torch.Generator().manual_seed(0))
+>>> engine = SparseSAMEngine(partition, bandit, SAMPerturbation(rho=0.05), module=net)
+>>> opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+>>> x, y = torch.randn(32, 4), torch.randint(0, 2, (32,))
+>>> result = engine.train_step(lambda: torch.nn.functional.cross_entropy(net(x), y), opt)
+>>> result.kind, result.active_mask.tolist()
+('sam', [False, False, True, False])
+>>> result.num_backward, result.pass_numel  # two passes, each on 2.weight alone
+(2, [16, 16])
+>>> all(p.requires_grad for p in net.parameters())  # unfrozen after the step
+True
 """
 
 from __future__ import annotations
@@ -87,7 +109,8 @@ class SparseSAMEngine(StepCounters):
             it would if it were trained every step. Must be ``>= 1``.
 
     Its counters (``counts``, ``num_steps``, ``mean_active_ratio``, ``last_result``, ...)
-    are :class:`~lightning_slsam.counters.StepCounters`'.
+    are :class:`~lightning_slsam.counters.StepCounters`'. A runnable example is in
+    :mod:`lightning_slsam.engine`'s docstring.
     """
 
     def __init__(

@@ -49,6 +49,15 @@ class LayerPartition:
         always_frozen: tensors never trained while the partition is in use.
         always_frozen_names: their names.
         numel: parameter count of each sampled layer.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> partition = build_partition(net, layers="module")
+        >>> partition.names, partition.numel, partition.num_layers
+        (['0', '1'], [40, 18], 2)
+        >>> partition.trainable_numel
+        58
     """
 
     names: list[str]
@@ -158,6 +167,20 @@ def build_partition(
         ValueError: for an invalid option, a pattern that matches no trainable tensor,
             a tensor matched by both ``always_active`` and ``always_frozen``, or a
             model with no trainable parameter left to sample.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Sequential(
+        ...     torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> build_partition(net).names  # one layer per tensor (the paper's setting)
+        ['0.weight', '0.bias', '2.weight', '2.bias']
+        >>> part = build_partition(net, layers="module", always_active=[r"^2\\."])
+        >>> part.names, part.always_active_names
+        (['0'], ['2.weight', '2.bias'])
+        >>> build_partition(net, always_frozen=["head"])
+        Traceback (most recent call last):
+        ...
+        ValueError: `always_frozen` pattern(s) ['head'] match no trainable parameter. ...
     """
     validate_layer_spec(layers)
     active_patterns = _compile(always_active, "always_active")
@@ -248,6 +271,19 @@ def find_new_head(model: nn.Module) -> list[str]:
 
     Returns the names in ``model.named_parameters()`` order (trainable ones only); empty
     when no head is found.
+
+    Example:
+        >>> import timm, torch
+        >>> find_new_head(timm.create_model("resnet18", pretrained=False, num_classes=10))
+        ['fc.weight', 'fc.bias']
+        >>> class Net(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.body, self.head = torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)
+        ...     def sam_head_parameters(self):
+        ...         return ["head.weight", "head.bias"]
+        >>> find_new_head(Net()), find_new_head(torch.nn.Linear(4, 2))
+        (['head.weight', 'head.bias'], [])
     """
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
     hook = getattr(model, "sam_head_parameters", None)

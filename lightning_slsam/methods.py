@@ -37,7 +37,7 @@ from lightning_slsam import dense_specs as dense
 from lightning_slsam import subset_specs as subset
 from lightning_slsam.callback import SAMCallback, callback_for
 from lightning_slsam.registry import SPECS, lookup
-from lightning_slsam.selection import DenseWarmup, DepthCut
+from lightning_slsam.selection_wrappers import DenseWarmup, DepthCut
 from lightning_slsam.subset_specs import BANDIT_LOSSES, PRESETS
 
 
@@ -45,6 +45,14 @@ class SAM(SAMCallback):
     """Vanilla SAM on every layer (Foret et al., 2021, "Sharpness-Aware Minimization for
     Efficiently Improving Generalization"); with AdamW as the module's optimizer this is
     the SL-SAM paper's "AdaSAM" baseline. Two passes on every layer: Active Ratio 2.0x.
+
+    Example:
+        >>> SAM().rho, SAM(adaptive=True).rho  # the paper's radius; ASAM's reference one
+        (0.01, 0.5)
+        >>> SAM(rho=-1)
+        Traceback (most recent call last):
+        ...
+        ValueError: `rho` must be a finite number > 0 (the SAM perturbation radius), got -1. ...
     """
 
     spec_class = dense.SAMSpec
@@ -66,9 +74,19 @@ class SparseLayerSAM(SAMCallback):
     (``scale_updates``); ``preset="robust"`` switches on the measured combination
     (:data:`PRESETS`).
 
-    Example::
+    Example:
+        ``trainer = L.Trainer(callbacks=[SparseLayerSAM(rho=0.01, layer_ratio=0.2)])``
+        (a whole run: :mod:`lightning_slsam.mixin`).
 
-        trainer = L.Trainer(callbacks=[SparseLayerSAM(rho=0.01, layer_ratio=0.2)])
+        >>> SparseLayerSAM().preset, SparseLayerSAM().layer_ratio  # the paper's defaults
+        ('paper', 0.2)
+        >>> robust = SparseLayerSAM(preset="robust")
+        >>> robust.bandit_loss, robust.head_always_active, robust.scale_updates
+        ('rank', True, True)
+        >>> SparseLayerSAM(layer_ratio=1.5)
+        Traceback (most recent call last):
+        ...
+        ValueError: layer_ratio=1.5 is invalid: use a value in (0, 1].
     """
 
     spec_class = subset.SLSAMSpec
@@ -92,6 +110,10 @@ class SparseLayerSAM(SAMCallback):
 class RandomSLSAM(SAMCallback):
     """Random-SL-SAM, the SL-SAM paper's ablation: layers sampled uniformly, each with
     probability ``layer_ratio`` every step, no bandit (then SAM on them, as SL-SAM).
+
+    Example:
+        >>> RandomSLSAM().layer_ratio, RandomSLSAM().method
+        (0.2, 'random_slsam')
     """
 
     spec_class = subset.RandomSLSAMSpec
@@ -103,6 +125,10 @@ class TopSLSAM(SAMCallback):
     largest gradient norms (``k = round(layer_ratio * N)``, at least 1), which alone are
     updated. No exploration: the paper reports it stalls with most layers never selected;
     ``slsam/never_selected`` logs that count.
+
+    Example:
+        >>> TopSLSAM(layer_ratio=0.3).layer_ratio
+        0.3
     """
 
     spec_class = subset.TopSLSAMSpec
@@ -113,6 +139,14 @@ class S2SAM(SAM):
     step perturbs every layer along the gradient of the previous step and runs one
     forward/backward there; that gradient updates the weights and is kept for the next
     step. One pass per step (Active Ratio 1.0x); the first step is a plain step.
+
+    Example:
+        >>> S2SAM().schedule
+        'single'
+        >>> S2SAM(schedule="random")
+        Traceback (most recent call last):
+        ...
+        ValueError: S2SAM fixes schedule='single'; use SAM or SparseLayerSAM with ...
     """
 
     spec_class = dense.S2SAMSpec
@@ -123,6 +157,10 @@ class SLS2SAM(SparseLayerSAM):
     layers. Each active layer perturbs along its own last computed gradient; the bandit
     learns from the norms of the step's (perturbed) gradients. The first step is a plain
     step on every layer, which records every layer's first gradient.
+
+    Example:
+        >>> SLS2SAM(layer_ratio=0.3).schedule, SLS2SAM(layer_ratio=0.3).layer_ratio
+        ('single', 0.3)
     """
 
     spec_class = subset.SLS2SAMSpec
@@ -132,6 +170,10 @@ class RST(SAM):
     """RST (Zhao et al., 2022, "Randomized Sharpness-Aware Training"): each step is a SAM
     step with probability ``probability``, otherwise a plain step, drawn from a seeded
     generator (Active Ratio ``1 + probability``: 1.5x at the paper's 0.5).
+
+    Example:
+        >>> RST().probability, RST().schedule
+        (0.5, 'random')
     """
 
     spec_class = dense.RSTSpec
@@ -143,6 +185,10 @@ class LookSAM(SAM):
     part of the SAM gradient orthogonal to the plain gradient; the steps in between run
     one pass and add ``alpha * ||g|| / ||g_v|| * g_v`` to their gradient (Active Ratio
     ``1 + 1/interval``: 1.2x at 5).
+
+    Example:
+        >>> LookSAM().interval, LookSAM().alpha  # LookSAM's own values
+        (5, 0.7)
     """
 
     spec_class = dense.LookSAMSpec
@@ -163,6 +209,10 @@ class ESAM(SAMCallback):
     it for the update), or ``{"loss": ..., "per_sample_loss": ...}``; the batch is cut to
     the selected samples by ``SAMMixin.sam_subset_batch`` (override it for custom batch
     types). ``data_ratio=1.0`` turns the selection off.
+
+    Example:
+        >>> ESAM().weight_ratio, ESAM().data_ratio  # the paper's values
+        (0.5, 0.5)
     """
 
     spec_class = dense.ESAMSpec
@@ -179,6 +229,14 @@ class SSAMF(SAMCallback):
     The reference implementation estimates the Fisher from 1024 samples every 5 epochs of
     training from scratch; for fine-tuning runs of a few epochs the defaults refresh more
     often from fewer samples.
+
+    Example:
+        >>> SSAMF().sparsity, SSAMF().mask_interval
+        (0.5, 100)
+        >>> SSAMF(sparsity=1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: `sparsity` must be in [0, 1), got 1.0.
     """
 
     spec_class = dense.SSAMFSpec
@@ -215,6 +273,15 @@ def make_callback(name: str, **kwargs: Any) -> SAMCallback:
     ``kwargs`` override the method's defaults, e.g. ``make_callback("slsam", layer_ratio=0.3)``.
     Plain AdamW has no callback: ``make_callback("adamw")`` raises, and
     :func:`make_callbacks` gives a list that is empty for it.
+
+    Example:
+        >>> callback = make_callback("slsam", layer_ratio=0.3)
+        >>> type(callback).__name__, callback.layer_ratio, callback.preset
+        ('SparseLayerSAM', 0.3, 'paper')
+        >>> make_callback("adamw")
+        Traceback (most recent call last):
+        ...
+        ValueError: Method 'adamw' is plain AdamW, which needs no callback: ...
     """
     spec, implied = lookup(name)
     if spec is None:
@@ -227,7 +294,12 @@ def make_callback(name: str, **kwargs: Any) -> SAMCallback:
 
 def make_callbacks(name: str, **kwargs: Any) -> list[SAMCallback]:
     """``[make_callback(name, **kwargs)]``, or ``[]`` for plain AdamW: ready for
-    ``Trainer(callbacks=...)`` whatever the method."""
+    ``Trainer(callbacks=...)`` whatever the method.
+
+    Example:
+        >>> make_callbacks("adamw"), [type(c).__name__ for c in make_callbacks("rst")]
+        ([], ['RST'])
+    """
     spec, _ = lookup(name)
     if spec is None:
         if kwargs:

@@ -1,16 +1,6 @@
 """``SAMMixin``: the one change a LightningModule needs for SL-SAM.
 
-.. code-block:: python
-
-    class LitClassifier(SAMMixin, L.LightningModule):
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return F.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-    trainer = L.Trainer(callbacks=[SparseLayerSAM(rho=0.01, layer_ratio=0.2)])
+A whole run is :class:`SAMMixin`'s example.
 
 Without a SAM callback on the Trainer the module is an ordinary LightningModule with
 automatic optimization: every Trainer feature works as usual. With one, the module
@@ -116,6 +106,35 @@ class SAMMixin:
     While a SAM step runs, :attr:`sam_pass` tells ``training_step`` which gradient pass
     it is in (1: at the current weights, 2: at the perturbed weights), so code with side
     effects (e.g. updating a training metric) can act on pass 1 only.
+
+    Example:
+        >>> import tempfile
+        >>> import lightning as L, torch
+        >>> import torch.nn.functional as F
+        >>> from lightning_slsam import SAMMixin, SparseLayerSAM
+        >>> class LitClassifier(SAMMixin, L.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.net = torch.nn.Sequential(
+        ...             torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        ...     def training_step(self, batch, batch_idx):
+        ...         x, y = batch
+        ...         return F.cross_entropy(self.net(x), y)
+        ...     def configure_optimizers(self):
+        ...         return torch.optim.AdamW(self.parameters(), lr=1e-2)
+        >>> _ = torch.manual_seed(0)
+        >>> x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+        >>> data = torch.utils.data.TensorDataset(x, y)
+        >>> sl_sam = SparseLayerSAM(layer_ratio=0.5, seed=0)
+        >>> trainer = L.Trainer(
+        ...     max_steps=8, callbacks=[sl_sam], default_root_dir=tempfile.mkdtemp(),
+        ...     logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        ...     enable_model_summary=False)
+        >>> trainer.fit(LitClassifier(), torch.utils.data.DataLoader(data, batch_size=8))
+        >>> trainer.global_step, sl_sam.layer_names
+        (8, ['net.0.weight', 'net.0.bias', 'net.2.weight', 'net.2.bias'])
+        >>> round(sl_sam.mean_active_ratio, 2)  # SAM: 2.0 (two passes on every layer)
+        1.03
     """
 
     _slsam_pass: int = 0

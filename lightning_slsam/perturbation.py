@@ -120,6 +120,22 @@ class SAMPerturbation:
             are weights is given to :meth:`perturb_` (``scaled``).
         eta: ASAM's offset in ``T_w = |w| + eta`` (>= 0; default 0.01, ASAM's reference).
         eps: added to the norm so a zero gradient gives a zero perturbation.
+
+    Example:
+        >>> import torch
+        >>> w = [torch.zeros(3), torch.ones(2)]
+        >>> g = [torch.tensor([3.0, 0.0, 4.0]), torch.zeros(2)]
+        >>> ascent = SAMPerturbation(rho=0.5)
+        >>> backup = ascent.perturb_(w, g, tensor_norms(g))  # w += rho * g / ||g||
+        >>> w[0], w[1]
+        (tensor([0.3000, 0.0000, 0.4000]), tensor([1., 1.]))
+        >>> ascent.restore_(w, backup)  # bit for bit
+        >>> w[0], w[1]
+        (tensor([0., 0., 0.]), tensor([1., 1.]))
+        >>> SAMPerturbation(rho=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: `rho` must be a finite number > 0 (the SAM perturbation radius), got 0. ...
     """
 
     def __init__(
@@ -233,6 +249,16 @@ class FisherMask:
         fisher_samples: per-sample gradients used for the Fisher estimate, >= 1. They are
             taken from the current training batch (at most its size).
         mask_interval: optimizer steps between mask refreshes, >= 1.
+
+    Example:
+        >>> import torch
+        >>> w = [torch.zeros(4)]
+        >>> mask = FisherMask(sparsity=0.5, mask_interval=10)
+        >>> mask.due(0), mask.due(3)  # refreshed at the first step, then every 10
+        (True, True)
+        >>> mask.set_fisher(w, [torch.tensor([0.1, 0.9, 0.5, 0.0])])
+        >>> mask.masks_for(w), mask.due(3), mask.due(10)
+        ([tensor([0., 1., 1., 0.])], False, True)
     """
 
     def __init__(self, sparsity: float = 0.5, fisher_samples: int = 16, mask_interval: int = 100):

@@ -45,6 +45,12 @@ def kl_projection(
     ``lower`` or reaches ``upper``. ``h`` is evaluated at all ``2N`` breakpoints with suffix
     log-sum-exps (O(N log N)), and on the segment where it crosses ``budget`` the free entries
     share the remaining budget in proportion to ``u``.
+
+    Example:
+        >>> import torch
+        >>> q = kl_projection(torch.log(torch.tensor([1.0, 2.0, 3.0, 10.0])), 2.0, lower=0.1)
+        >>> [round(v, 6) for v in q.tolist()]  # 10 capped at 1; the rest share 1 as 1:2:3
+        [0.166667, 0.333333, 0.5, 1.0]
     """
     x = torch.as_tensor(log_u).detach().to(dtype=torch.float64).reshape(-1)
     n = x.numel()

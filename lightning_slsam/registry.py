@@ -63,7 +63,17 @@ def lookup(name: str) -> tuple[type[MethodSpec] | None, dict[str, Any]]:
 
 
 def method_spec(name: str, **options: Any) -> MethodSpec:
-    """The validated specification of method ``name``; ``options`` override its defaults."""
+    """The validated specification of method ``name``; ``options`` override its defaults.
+
+    Example:
+        >>> spec = method_spec("rst", probability=0.25)
+        >>> type(spec).__name__, spec.schedule, spec.probability
+        ('RSTSpec', 'random', 0.25)
+        >>> method_spec("rst", probability=2)
+        Traceback (most recent call last):
+        ...
+        ValueError: ...probability...
+    """
     cls, implied = lookup(name)
     if cls is None:
         raise ValueError(
@@ -102,6 +112,23 @@ def register_method(spec_class: type[MethodSpec], **implied: Any) -> type[Method
     The spec is a :class:`~lightning_slsam.specs.MethodSpec` subclass that overrides what
     differs, e.g. :meth:`~lightning_slsam.specs.MethodSpec.selection`; see the "Write your
     own method" page of the docs.
+
+    Example:
+        SAM on a uniformly drawn half of the layers, by name:
+
+        >>> import torch
+        >>> from typing import ClassVar
+        >>> from lightning_slsam.selection import UniformSelection
+        >>> @register_method
+        ... class HalfSAMSpec(MethodSpec):
+        ...     name: ClassVar[str] = "half_sam"
+        ...     label: ClassVar[str] = "HalfSAM"
+        ...     def selection(self, num_layers, generator):
+        ...         return UniformSelection(num_layers, 0.5, generator)
+        >>> engine = make_engine("half_sam", torch.nn.Linear(4, 2), seed=0)
+        >>> type(engine.selection).__name__, engine.selection.ratio
+        ('UniformSelection', 0.5)
+        >>> del SPECS["half_sam"]  # (this example leaves the registry as it found it)
     """
     if not (isinstance(spec_class, type) and issubclass(spec_class, MethodSpec)):
         raise TypeError(f"register_method takes a MethodSpec subclass, got {spec_class!r}.")

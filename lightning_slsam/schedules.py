@@ -39,7 +39,15 @@ STEP_KINDS = ("sam", "plain", "reuse", "single")
 
 
 class Schedule:
-    """Base: SAM on every step."""
+    """Base: SAM on every step. A schedule of one's own overrides :meth:`kind`.
+
+    Example:
+        >>> class SAMEveryThird(Schedule):  # a plain step between SAM steps
+        ...     def kind(self, step):
+        ...         return "sam" if step % 3 == 0 else "plain"
+        >>> [SAMEveryThird().kind(t) for t in range(4)]
+        ['sam', 'plain', 'plain', 'sam']
+    """
 
     def kind(self, step: int) -> str:
         """The kind of training step ``step`` (0-based count of optimizer steps)."""
@@ -53,7 +61,12 @@ class Schedule:
 
 
 class EveryStep(Schedule):
-    """SAM on every step (SAM, SL-SAM and the other two-pass methods)."""
+    """SAM on every step (SAM, SL-SAM and the other two-pass methods).
+
+    Example:
+        >>> {EveryStep().kind(t) for t in range(100)}
+        {'sam'}
+    """
 
 
 class RandomSchedule(Schedule, Seeded):
@@ -64,6 +77,13 @@ class RandomSchedule(Schedule, Seeded):
         probability: chance of a SAM step, in [0, 1]; the SL-SAM paper uses 0.5.
         generator: the schedule's own CPU generator (default: seeded with
             ``torch.initial_seed()``), so the pattern is reproducible from the seed.
+
+    Example:
+        >>> import torch
+        >>> coin = RandomSchedule(0.5, generator=torch.Generator().manual_seed(0))
+        >>> kinds = [coin.kind(t) for t in range(1000)]
+        >>> sorted(set(kinds)), round(kinds.count("sam") / 1000, 1)
+        (['plain', 'sam'], 0.5)
     """
 
     def __init__(self, probability: float = 0.5, generator: torch.Generator | None = None) -> None:
@@ -92,6 +112,10 @@ class IntervalSchedule(Schedule):
     Args:
         interval: steps between SAM steps, ``>= 1`` (LookSAM: 5).
         alpha: weight of the reused component, ``>= 0`` (LookSAM: 0.7).
+
+    Example:
+        >>> [IntervalSchedule(interval=3).kind(t) for t in range(5)]
+        ['sam', 'reuse', 'reuse', 'sam', 'reuse']
     """
 
     def __init__(self, interval: int = 5, alpha: float = 0.7) -> None:
@@ -110,7 +134,12 @@ class SingleStepSchedule(Schedule):
     """S2-SAM (Ji et al., 2024, "Single-step SAM"): every step perturbs along the gradient
     computed in the previous step and runs one pass there. The very first step, with no
     previous gradient, is a plain step on every layer (as the SL-SAM paper does for
-    SL-S2-SAM)."""
+    SL-S2-SAM; the engine makes that step plain).
+
+    Example:
+        >>> [SingleStepSchedule().kind(t) for t in range(3)]
+        ['single', 'single', 'single']
+    """
 
     def kind(self, step: int) -> str:
         return "single"

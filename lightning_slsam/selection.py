@@ -14,12 +14,12 @@ norms. The rules:
   largest gradient norms (Top-SL-SAM);
 * :class:`ExpandToAll` -- wraps a rule for the first pass and trains every layer after
   it (ESAM: sparse perturbation, dense update);
-* :class:`DepthCut` -- wraps a rule and freezes every layer below a random cut along the
-  model's layer order each step, so back-propagation stops at the cut (cost-aware
-  SL-SAM, beyond the paper);
-* :class:`DenseWarmup` -- wraps a rule and adds every layer with a probability that
-  anneals from 1 to 0 over the first steps, so the layer ratio falls from 1 to the rule's
-  own (beyond the paper).
+* :class:`~lightning_slsam.selection_wrappers.DepthCut` -- wraps a rule and freezes
+  every layer below a random cut along the model's layer order each step, so
+  back-propagation stops at the cut (cost-aware SL-SAM, beyond the paper);
+* :class:`~lightning_slsam.selection_wrappers.DenseWarmup` -- wraps a rule and adds every
+  layer with a probability that anneals from 1 to 0 over the first steps, so the layer
+  ratio falls from 1 to the rule's own (beyond the paper).
 
 A wrapper changes how likely each layer is to be drawn. A learning rule (the bandit)
 weights what it learns by the inverse of that *true* inclusion probability
@@ -40,8 +40,6 @@ from lightning_slsam.seeding import Seeded, seeded_generator
 
 __all__ = [
     "AllLayers",
-    "DenseWarmup",
-    "DepthCut",
     "ExpandToAll",
     "LayerSelection",
     "TopKSelection",
@@ -55,6 +53,25 @@ class LayerSelection:
 
     Attributes:
         num_layers: number of layers ``N`` the rule chooses among.
+
+    Example:
+        A rule of one's own: even layers on even steps, odd layers on odd steps (every
+        layer has probability 1/2, which the engine's update scaling and logs read from
+        :attr:`probs`).
+
+        >>> import torch
+        >>> class Alternate(LayerSelection):
+        ...     def __init__(self, num_layers):
+        ...         self.num_layers, self.step = num_layers, 0
+        ...     @property
+        ...     def probs(self):
+        ...         return torch.full((self.num_layers,), 0.5, dtype=torch.float64)
+        ...     def sample(self):
+        ...         self.step += 1
+        ...         return torch.arange(self.num_layers) % 2 == self.step % 2
+        >>> rule = Alternate(4)
+        >>> rule.sample().tolist(), rule.sample().tolist()
+        ([False, True, False, True], [True, False, True, False])
     """
 
     num_layers: int
@@ -103,7 +120,19 @@ class LayerSelection:
 
 class WrappedSelection(LayerSelection):
     """A rule that changes the draw of another rule, ``inner``: its probabilities are
-    ``inner``'s, and ``inner`` learns with this rule's true inclusion probabilities."""
+    ``inner``'s, and ``inner`` learns with this rule's true inclusion probabilities.
+
+    Example:
+        >>> import torch
+        >>> class Skip(WrappedSelection):  # never the first layer
+        ...     def sample(self):
+        ...         mask = self.inner.sample()
+        ...         mask[0] = False
+        ...         return mask
+        >>> rule = Skip(AllLayers(3))
+        >>> rule.sample().tolist(), rule.probs.tolist()
+        ([False, True, True], [1.0, 1.0, 1.0])
+    """
 
     def __init__(self, inner: LayerSelection) -> None:
         self.inner = inner
@@ -124,7 +153,13 @@ class WrappedSelection(LayerSelection):
 
 
 class AllLayers(LayerSelection):
-    """Every layer, every step: vanilla SAM and the dense baselines."""
+    """Every layer, every step: vanilla SAM and the dense baselines.
+
+    Example:
+        >>> rule = AllLayers(3)
+        >>> rule.sample().tolist(), rule.always_all
+        ([True, True, True], True)
+    """
 
     def __init__(self, num_layers: int) -> None:
         self.num_layers = int(num_layers)
@@ -142,6 +177,15 @@ class UniformSelection(LayerSelection, Seeded):
         ratio: probability of each layer, in (0, 1].
         generator: the rule's own CPU generator (default: seeded with
             ``torch.initial_seed()``).
+
+    Example:
+        >>> import torch
+        >>> rule = UniformSelection(6, 0.5, generator=torch.Generator().manual_seed(0))
+        >>> rule.probs.tolist()
+        [0.5, 0.5, 0.5, 0.5, 0.5, 0.5]
+        >>> draws = torch.stack([rule.sample() for _ in range(2000)])
+        >>> round(float(draws.double().mean()), 1)  # never empty, about half the layers
+        0.5
     """
 
     def __init__(
@@ -183,6 +227,14 @@ class TopKSelection(LayerSelection):
     Args:
         num_layers: number of layers.
         k: layers kept for the second pass and the update, ``1 <= k <= num_layers``.
+
+    Example:
+        >>> import torch
+        >>> rule = TopKSelection(4, k=2)
+        >>> first = rule.sample()  # every layer
+        >>> norms = torch.tensor([0.1, 3.0, 0.2, 1.0], dtype=torch.float64)
+        >>> first.tolist(), rule.refine(first, norms).tolist()
+        ([True, True, True, True], [False, True, False, True])
     """
 
     def __init__(self, num_layers: int, k: int) -> None:
@@ -208,7 +260,16 @@ class TopKSelection(LayerSelection):
 
 class ExpandToAll(WrappedSelection):
     """First pass on ``first``'s sample, then every layer (ESAM's SWP with a dense update).
-    ``first`` does not learn."""
+    ``first`` does not learn.
+
+    Example:
+        >>> import torch
+        >>> first_pass = UniformSelection(4, 0.25, generator=torch.Generator().manual_seed(0))
+        >>> rule = ExpandToAll(first_pass)
+        >>> first = rule.sample()
+        >>> first.tolist(), rule.refine(first, None).tolist()
+        ([False, False, True, False], [True, True, True, True])
+    """
 
     def __init__(self, first: LayerSelection) -> None:
         super().__init__(first)
@@ -231,150 +292,3 @@ class ExpandToAll(WrappedSelection):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state)
-
-
-class DepthCut(WrappedSelection, Seeded):
-    """Freeze every layer below a random cut, then let ``inner`` sample above it.
-
-    With independent per-layer sampling some layer near the input is almost always
-    active, so back-propagation runs through the whole network even when few layers are
-    trained. Each step this rule draws a cut along the layer order (the model's parameter
-    order: input to output for Transformers and timm models) and samples only above it, so
-    the activation-gradient pass stops at the cut. The cut is uniform on an interval
-    chosen so that, on average, a ``depth`` fraction of the layers lies above it:
-    ``[0, 2(1 - depth) N]`` for ``depth >= 0.5``, ``[(1 - 2 depth) N, N]`` below.
-
-    ``inner`` learns only from the layers it sampled above the cut; its ``probs`` are the
-    probabilities of a layer that the cut leaves eligible. A layer's true inclusion
-    probability is that times the probability that the cut lies at or below it, divided by
-    the probability that a draw is kept (a draw with nothing above the cut is redrawn), and
-    the inner rule's importance weights use it.
-
-    Args:
-        inner: the rule sampling above the cut (the bandit, for cost-aware SL-SAM).
-        depth: mean fraction of the layers back-propagation reaches, in (0, 1]; 1 disables
-            the cut.
-        generator: the cut's own CPU generator.
-    """
-
-    def __init__(
-        self, inner: LayerSelection, depth: float, generator: torch.Generator | None = None
-    ) -> None:
-        super().__init__(inner)
-        self.depth = check_ratio("backprop_depth", depth)
-        self._gen = seeded_generator(generator)
-        n = self.num_layers
-        if self.depth >= 0.5:
-            self._low, self._high = 0.0, 2.0 * (1.0 - self.depth) * n
-        else:
-            self._low, self._high = (1.0 - 2.0 * self.depth) * n, float(n)
-        self._index = torch.arange(n)
-        self.last_cut = 0
-        # The cut is floor(low + u * (high - low)) with u uniform (high <= n): P(cut = c) is
-        # the overlap of [c, c + 1) with [low, high), and P(cut <= l) its running sum.
-        span = max(self._high - self._low, 1e-12)
-        edges = torch.arange(n + 1, dtype=torch.float64)
-        top = edges[1:].clamp(self._low, self._high)
-        self.cut_probs = (top - edges[:-1].clamp(self._low, self._high)) / span
-        self.cut_probs[-1] += 1.0 - float(self.cut_probs.sum())  # rounding, and u -> 1
-        #: Probability that the cut leaves each layer eligible, ``P(cut <= l)``.
-        self.eligible = torch.cumsum(self.cut_probs, 0).clamp(0.0, 1.0)
-
-    def inclusion(self) -> Tensor:
-        q = self.inner.inclusion()
-        # A draw is kept when something above the cut was drawn: P = sum_c P(cut = c) *
-        # (1 - prod_{j >= c} (1 - q_j)).
-        none_above = torch.cumprod((1.0 - q).flip(0), 0).flip(0)
-        kept = float((self.cut_probs * (1.0 - none_above)).sum())
-        return (q * self.eligible / max(kept, 1e-300)).clamp(max=1.0)
-
-    @property
-    def always_all(self) -> bool:
-        return False
-
-    def sample(self) -> Tensor:
-        # Redrawn while nothing above the cut was sampled: a step always trains something.
-        while True:
-            u = torch.rand((), generator=self._gen, dtype=torch.float64).item()
-            cut = min(int(self._low + u * (self._high - self._low)), self.num_layers - 1)
-            mask = self.inner.sample() & (self._index >= cut)
-            if bool(mask.any()):
-                self.last_cut = cut
-                return mask
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"inner": self.inner.state_dict(), **self.generator_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state.get("inner", {}))
-        self.load_generator_state(state)
-
-
-class DenseWarmup(WrappedSelection, Seeded):
-    """Anneal the layer ratio from 1 to ``inner``'s over the first ``steps`` steps.
-
-    Short fine-tunes lose accuracy to sparse updates: a layer active in a fifth of the
-    steps gets a fifth of the updates, and the first steps, where a fine-tune moves
-    furthest, are where that hurts most. At step ``t < steps`` this rule adds each layer
-    that ``inner`` did not draw with probability ``w_t = 1 - t / steps`` (a linear
-    anneal), so a layer is active with probability ``q = p + (1 - p) * w_t``: every layer at
-    the first step, ``inner``'s own ratio from step ``steps`` on. The expected extra work is
-    ``(1 - ratio) / 2`` of a dense step per warm-up step.
-
-    ``inner`` keeps learning throughout, with importance weights ``1 / q`` (its loss still
-    compares the norms against its own probabilities).
-
-    Args:
-        inner: the rule drawing the sparse set (the bandit for SL-SAM).
-        steps: warm-up length in steps, ``>= 0`` (0 disables the warm-up).
-        generator: the warm-up coins' own CPU generator.
-    """
-
-    def __init__(
-        self, inner: LayerSelection, steps: int, generator: torch.Generator | None = None
-    ) -> None:
-        if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0):
-            raise ValueError(f"`steps` must be an integer >= 0, got {steps!r}.")
-        super().__init__(inner)
-        self.steps = steps
-        self._gen = seeded_generator(generator)
-        self.num_sampled = 0
-        self._weight = 0.0
-
-    @property
-    def refine_uses_norms(self) -> bool:  # type: ignore[override]
-        return self.inner.refine_uses_norms
-
-    def weight(self, step: int) -> float:
-        """Probability with which an undrawn layer is added at ``step``."""
-        return max(0.0, 1.0 - step / self.steps) if self.steps else 0.0
-
-    def sample(self) -> Tensor:
-        self._weight = self.weight(self.num_sampled)
-        self.num_sampled += 1
-        mask = self.inner.sample()
-        if self._weight > 0.0:
-            coins = torch.rand(self.num_layers, generator=self._gen, dtype=torch.float64)
-            mask = mask | (coins < self._weight)
-        return mask
-
-    def inclusion(self) -> Tensor:
-        q = self.inner.inclusion()
-        return q + (1.0 - q) * self._weight
-
-    def refine(self, active: Tensor, norms: Tensor | None) -> Tensor:
-        return self.inner.refine(active, norms)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "inner": self.inner.state_dict(),
-            **self.generator_state(),
-            "num_sampled": self.num_sampled,
-            "weight": self._weight,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state.get("inner", {}))
-        self.load_generator_state(state)
-        self.num_sampled = int(state.get("num_sampled", 0))
-        self._weight = float(state.get("weight", 0.0))

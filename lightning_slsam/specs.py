@@ -135,6 +135,19 @@ class MethodSpec:
             processes drew the same layers and step kind. Default ``False``.
         dense_one_pass: with ``schedule="random"`` or ``"interval"``, the steps that run
             one pass train every layer; only the SAM steps are sparse. Default ``False``.
+
+    Example:
+        >>> import torch
+        >>> spec = MethodSpec(adaptive=True)  # ASAM
+        >>> spec.rho, spec.schedule  # resolved: ASAM's radius, the method's schedule
+        (0.5, 'every_step')
+        >>> engine = spec.build_engine(torch.nn.Linear(4, 2), seed=0)
+        >>> type(engine.selection).__name__, engine.perturbation.adaptive
+        ('AllLayers', True)
+        >>> MethodSpec(bn_stats="third")
+        Traceback (most recent call last):
+        ...
+        ValueError: `bn_stats` must be one of ('first', 'second', 'both'), got 'third': ...
     """
 
     #: Registry name of the method.

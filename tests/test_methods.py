@@ -390,7 +390,7 @@ def test_asam_on_sl_sam_perturbs_only_active_tensors_as_the_reference():
 
 
 def test_depth_cut_freezes_everything_below_the_cut_and_shortens_backprop():
-    from lightning_slsam.selection import DepthCut
+    from lightning_slsam.selection_wrappers import DepthCut
 
     net = nn.Sequential(*[nn.Linear(3, 3) for _ in range(20)])  # 40 tensors, input first
     cb = SparseLayerSAM(layer_ratio=0.2, backprop_depth=0.5, seed=1)
@@ -434,7 +434,7 @@ def test_sl_s2_sam_first_step_is_dense_and_does_not_teach_the_bandit():
 
 
 def test_dense_warmup_and_min_updates_follow_the_run_length():
-    from lightning_slsam.selection import DenseWarmup
+    from lightning_slsam.selection_wrappers import DenseWarmup
 
     net = make_mlp()
     cb = SparseLayerSAM(dense_warmup=0.25, seed=0)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from lightning_slsam.bandit import LayerBandit
-from lightning_slsam.selection import DenseWarmup, DepthCut, LayerSelection, UniformSelection
+from lightning_slsam.selection import LayerSelection, UniformSelection
+from lightning_slsam.selection_wrappers import DenseWarmup, DepthCut
 
 
 def _gen(seed: int) -> torch.Generator:
