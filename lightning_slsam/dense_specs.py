@@ -1,47 +1,8 @@
 """Specifications of the methods that train every layer: SAM and the efficient-SAM
 baselines the SL-SAM paper compares with (S2-SAM, RST, LookSAM, ESAM, SSAM-F).
 
-Each specification builds an engine that runs in a plain loop (what the Lightning
-callbacks run too). ``steps`` below trains a two-layer net for a few steps and lists each
-step's kind, the layers the optimizer updated, and the parameters each backward pass
-computed (58 is all of them):
-
->>> import warnings, torch
->>> from lightning_slsam import make_engine
->>> def steps(name, n=4, **options):
-...     torch.manual_seed(0)
-...     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-...     x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
-...     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-...     engine = make_engine(name, net, seed=0, **options)
-...     def loss(index=slice(None)):  # per-sample losses: ESAM and SSAM-F pick samples
-...         return torch.nn.functional.cross_entropy(net(x[index]), y[index], reduction="none")
-...     for _ in range(n):
-...         r = engine.train_step(loss, opt, batch_size=16)
-...         print(r.kind, r.active_mask.int().tolist(), r.pass_numel)
->>> steps("sam", 2)  # two passes on every layer
-sam [1, 1, 1, 1] [58, 58]
-sam [1, 1, 1, 1] [58, 58]
->>> steps("s2sam", 3)  # one pass, perturbed along the last step's gradient
-plain [1, 1, 1, 1] [58]
-single [1, 1, 1, 1] [58]
-single [1, 1, 1, 1] [58]
->>> steps("looksam", 3, interval=2)  # SAM every 2 steps, reuse in between
-sam [1, 1, 1, 1] [58, 58]
-reuse [1, 1, 1, 1] [58]
-sam [1, 1, 1, 1] [58, 58]
->>> steps("esam", 2)  # the first pass on a random half of the layers
-sam [1, 1, 1, 1] [16, 58]
-sam [1, 1, 1, 1] [18, 58]
->>> steps("rst", 8, probability=0.0)  # RST's coin, here never SAM
-plain [1, 1, 1, 1] [58]
-plain [1, 1, 1, 1] [58]
-plain [1, 1, 1, 1] [58]
-plain [1, 1, 1, 1] [58]
-plain [1, 1, 1, 1] [58]
-plain [1, 1, 1, 1] [58]
-plain [1, 1, 1, 1] [58]
-plain [1, 1, 1, 1] [58]
+Each specification builds an engine for a plain loop; the examples of
+:mod:`lightning_slsam.registry` run every method.
 """
 
 from __future__ import annotations

@@ -2,43 +2,8 @@
 ablations (Random-SL-SAM, Top-SL-SAM) and SL-S2-SAM, with the short-run remedies
 (dense warm-up, a floor on each layer's updates, update scaling, the scale-free bandit).
 
-Each specification builds an engine that runs in a plain loop (what the Lightning
-callbacks run too). ``steps`` below trains a two-layer net for a few steps and lists each
-step's kind, the layers the optimizer updated, and the parameters each backward pass
-computed (58 is all of them):
-
->>> import warnings, torch
->>> from lightning_slsam import make_engine
->>> def steps(name, n=4, **options):
-...     torch.manual_seed(0)
-...     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-...     x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
-...     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-...     engine = make_engine(name, net, seed=0, **options)
-...     def loss(index=slice(None)):  # per-sample losses: ESAM and SSAM-F pick samples
-...         return torch.nn.functional.cross_entropy(net(x[index]), y[index], reduction="none")
-...     for _ in range(n):
-...         r = engine.train_step(loss, opt, batch_size=16)
-...         print(r.kind, r.active_mask.int().tolist(), r.pass_numel)
->>> steps("slsam", 3, layer_ratio=0.5)  # both passes on the sampled layers only
-sam [0, 0, 1, 0] [16, 16]
-sam [0, 0, 1, 1] [18, 18]
-sam [0, 1, 1, 1] [26, 26]
->>> steps("top_slsam", 2, layer_ratio=0.5)  # first pass dense, then the 2 largest norms
-sam [0, 0, 1, 1] [58, 18]
-sam [0, 0, 1, 1] [58, 18]
->>> steps("sl_s2sam", 3, layer_ratio=0.5)  # a dense first step, then one sparse pass
-plain [1, 1, 1, 1] [58]
-single [0, 0, 1, 0] [16]
-single [0, 0, 1, 1] [18]
->>> with warnings.catch_warnings():  # (a Sequential has no fresh head: it warns so)
-...     warnings.simplefilter("ignore")
-...     steps("slsam", 5, preset="robust", layer_ratio=0.5, total_steps=10)  # warm-up: dense first
-sam [1, 1, 1, 1] [58, 58]
-sam [0, 1, 1, 1] [26, 26]
-sam [0, 1, 1, 1] [26, 26]
-sam [1, 0, 1, 1] [50, 50]
-sam [1, 1, 0, 0] [40, 40]
+Each specification builds an engine for a plain loop; the examples of
+:mod:`lightning_slsam.registry` run every method.
 """
 
 from __future__ import annotations
