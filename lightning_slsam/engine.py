@@ -68,6 +68,7 @@ from lightning_slsam.perturbation import FisherMask, SAMPerturbation
 from lightning_slsam.running import BN_STATS, RunningStats
 from lightning_slsam.schedules import EveryStep, IntervalSchedule, Schedule
 from lightning_slsam.selection import LayerSelection
+from lightning_slsam.sharding import check_shardable
 from lightning_slsam.steps import LookSAMReuse, PlainStep, SAMStep, SingleStep, StepKind
 
 __all__ = ["PassOutput", "SparseSAMEngine", "StepContext", "StepResult"]
@@ -139,6 +140,7 @@ class SparseSAMEngine(StepCounters):
             raise ValueError(f"`data_ratio` must be in (0, 1], got {data_ratio!r}.")
         if bn_stats not in BN_STATS:
             raise ValueError(f"`bn_stats` must be one of {BN_STATS}, got {bn_stats!r}.")
+        check_shardable(partition.flat_params, fisher is not None, bool(sync_first_pass))
         self.partition = partition  # also builds self.freezer
         self.selection = selection
         self.perturbation = perturbation
@@ -150,6 +152,7 @@ class SparseSAMEngine(StepCounters):
         self.check_masks = bool(check_masks)
         self.dense_one_pass = bool(dense_one_pass)
         self.update_scale = None if update_scale is None else float(update_scale)
+        self._module = module
         running = RunningStats(module) if module is not None else None
         self.isolation = PassIsolation(running, bn_stats, self.replay_dropout)
         # The step kinds, each owning its state; the schedule names one per step.
@@ -225,6 +228,8 @@ class SparseSAMEngine(StepCounters):
         """Run one training step of the configured method (``context``: gradient scaling
         and multi-process averaging, when the trainer uses them)."""
         context = context if context is not None else StepContext()
+        if self.num_steps == 0 and self._module is not None:
+            self.freezer.check_owned(self._module)
         kind = self.schedule.kind(self.num_steps)
         # Single-step SAM has no previous gradient at first: a plain step on every layer,
         # whose gradients the next steps perturb along. With dense_one_pass, the steps of

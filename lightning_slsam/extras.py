@@ -19,6 +19,7 @@ from lightning_slsam.passes import ForwardBackward, PassOutput, StepCall, as_out
 from lightning_slsam.perturbation import BackupPool, FisherMask
 from lightning_slsam.running import RandomState, RunningStats
 from lightning_slsam.selection import LayerSelection
+from lightning_slsam.sharding import local
 
 if TYPE_CHECKING:
     from lightning_slsam.engine import SparseSAMEngine
@@ -201,6 +202,7 @@ class UpdateScaling:
                 extra.extend([factor - 1.0] * len(group))
         if not params:
             return None
+        params = local(params)  # FSDP2: each process scales its own shards
         return params, pool.copy(params), extra
 
     @staticmethod

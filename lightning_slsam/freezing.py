@@ -76,6 +76,16 @@ class LayerFreezer:
         for param in self.partition.always_frozen:
             param.requires_grad_(True)
 
+    def check_owned(self, module: torch.nn.Module) -> None:
+        """Raise if ``module`` no longer owns the partition's tensors: its parameters were
+        replaced after the partition was built (``fully_shard`` applied afterwards)."""
+        owned = {id(p) for p in module.parameters()}
+        if any(id(p) not in owned for p in self.partition.flat_params):
+            raise RuntimeError(
+                "The model's parameters were replaced after the SAM engine was built (for"
+                " example by fully_shard or a reload): build the engine after sharding."
+            )
+
     def numel(self, mask: Tensor) -> int:
         """Parameters trained with the layers in ``mask`` (always-active ones included)."""
         return int(self._layer_numel[mask].sum()) + self._always_numel

@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_slsam.sharding import ShardLayout, local, shard_layout, sum_over_shards
+
 __all__ = [
     "PERTURBATION_NORMS",
     "FisherMask",
@@ -49,10 +51,20 @@ def tensor_norms(grads: list[Tensor], device: torch.device | None = None) -> Ten
 
     Float32 whatever the gradients' dtype: the norms feed the bandit and the perturbation
     scale, and low-precision or float64 models must not change their bookkeeping dtype.
+    A sharded tensor's norm (FSDP2) is over all its shards, the same on every process.
     """
-    if not grads:
+    return local_norms(local(grads), shard_layout(grads), device)
+
+
+def local_norms(
+    tensors: list[Tensor], layout: ShardLayout | None, device: torch.device | None = None
+) -> Tensor:
+    """:func:`tensor_norms` of local shards whose sharding ``layout`` is known."""
+    if not tensors:
         return torch.zeros(0, dtype=torch.float32, device=device)
-    norms = torch.stack(torch._foreach_norm(grads)).float()
+    norms = torch.stack(torch._foreach_norm(tensors)).float()
+    if layout is not None:
+        norms = sum_over_shards(norms.square(), layout).sqrt()
     return norms if device is None else norms.to(device)
 
 
@@ -197,6 +209,8 @@ class SAMPerturbation:
         """
         if not params:
             return []
+        layout = shard_layout(params)  # FSDP2: each process moves its own shards
+        params, grads = local(params), local(grads)
         backup = self.pool.copy(params)
         step = grads if inplace else torch._foreach_mul(grads, 1.0)
         weighted: list[Tensor] = []
@@ -209,7 +223,7 @@ class SAMPerturbation:
                 weights = torch._foreach_abs([params[i] for i in chosen])
                 torch._foreach_add_(weights, self.eta)
                 torch._foreach_mul_(weighted, weights)  # T_w g
-            norms = tensor_norms(step, norms.device)
+            norms = local_norms(step, layout, norms.device)
         dtype = step[0].dtype
         if self.norm == "global":
             scale = self.rho / (torch.linalg.vector_norm(norms) + self.eps)
@@ -232,7 +246,7 @@ class SAMPerturbation:
     @torch.no_grad()
     def restore_(params: list[Tensor], backup: list[Tensor]) -> None:
         """Copy the pre-ascent values back, bit for bit."""
-        _copy(params, backup)
+        _copy(local(params), backup)
 
 
 class FisherMask:

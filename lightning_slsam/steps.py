@@ -25,7 +25,8 @@ from torch import Tensor
 from lightning_slsam.extras import FisherRefresh, PassIsolation, SharpestSamples, by_position
 from lightning_slsam.finish import finish_step
 from lightning_slsam.passes import StepCall, gradient_pass
-from lightning_slsam.perturbation import tensor_norms
+from lightning_slsam.perturbation import local_norms, tensor_norms
+from lightning_slsam.sharding import local, shard_layout, sum_over_shards
 
 if TYPE_CHECKING:
     from lightning_slsam.engine import SparseSAMEngine
@@ -87,10 +88,14 @@ class LookSAMReuse(PlainStep):
         pairs = [(p, g, g_s[id(p)]) for p, g in zip(pp, pg) if id(p) in g_s]
         if not pairs:
             return
-        g = [x[1] for x in pairs]
-        gs = [x[2] for x in pairs]
-        inner = torch.stack([(a.float() * b.float()).sum() for a, b in zip(g, gs)]).sum()
-        g_sq = tensor_norms(g).square().sum()
+        layout = shard_layout([x[1] for x in pairs])  # FSDP2: sums over all shards
+        g = local([x[1] for x in pairs])
+        gs = local([x[2] for x in pairs])
+        # In float64: g_v is a small difference of nearly parallel vectors, so rounding in
+        # the coefficient is amplified (and would depend on how the tensors are sharded).
+        dots = torch.stack([(a.double() * b.double()).sum() for a, b in zip(g, gs)])
+        squares = torch.stack([a.double().square().sum() for a in g])
+        inner, g_sq = sum_over_shards(torch.stack([dots, squares], 1), layout).sum(0)
         coeff = inner / (g_sq + self.eps)
         vertical = torch._foreach_sub(gs, torch._foreach_mul(g, coeff.to(g[0].dtype)))
         for (param, _, _), v in zip(pairs, vertical):
@@ -102,10 +107,11 @@ class LookSAMReuse(PlainStep):
         pairs = [(g, self.vertical[id(p)]) for p, g in zip(params, grads) if id(p) in self.vertical]
         if not pairs or self.alpha == 0:
             return
-        g = [x[0] for x in pairs]
-        v = [x[1] for x in pairs]
-        ratio = torch.linalg.vector_norm(tensor_norms(g)) / (
-            torch.linalg.vector_norm(tensor_norms(v)) + self.eps
+        layout = shard_layout([x[0] for x in pairs])
+        g = local([x[0] for x in pairs])
+        v = [x[1] for x in pairs]  # stored as local shards
+        ratio = torch.linalg.vector_norm(local_norms(g, layout)) / (
+            torch.linalg.vector_norm(local_norms(v, layout)) + self.eps
         )
         torch._foreach_add_(g, torch._foreach_mul(v, (self.alpha * ratio).to(g[0].dtype)))
 

@@ -16,8 +16,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_slsam"
 CORE = [
     "bandit", "checks", "counters", "dense_specs", "distributed", "engine", "extras",
     "freezing", "layers", "passes", "perturbation", "projection", "registry", "running",
-    "schedules", "seeding", "selection", "selection_wrappers", "shells", "specs", "steps",
-    "subset_specs",
+    "schedules", "seeding", "selection", "selection_wrappers", "sharding", "shells", "specs",
+    "steps", "subset_specs",
 ]  # fmt: skip
 
 #: Heavy libraries that only the surfaces need (tasks, recipes, charts).

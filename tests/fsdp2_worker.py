@@ -1,0 +1,147 @@
+"""Runs SAM methods' engines in a plain loop under FSDP2 on 2 gloo CPU processes.
+
+Run by tests/test_fsdp2.py as a separate program. Every method trains an MLP whose linear
+layers are sharded with ``fully_shard``; each process sees its half of a 16-sample global
+batch. Beside it every process trains an unsharded copy on the whole batch (the one-process
+run). Rank r writes ``<out>/rank<r>.pt``: per method, the masks it drew, the step kinds
+and the largest difference between the gathered sharded weights and the one-process
+weights after every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from lightning_slsam import make_engine
+
+STEPS = 5
+#: name -> (method, options)
+CASES = {
+    "sam": ("sam", {}),
+    "asam": ("sam", {"adaptive": True}),
+    "sam_layer_norm": ("sam", {"perturbation_norm": "layer"}),
+    "slsam": ("slsam", {"layer_ratio": 0.5}),
+    "slsam_robust": ("slsam", {"preset": "robust", "layer_ratio": 0.5, "total_steps": 10}),
+    "random_slsam": ("random_slsam", {"layer_ratio": 0.5}),
+    "top_slsam": ("top_slsam", {"layer_ratio": 0.5}),
+    "s2sam": ("s2sam", {}),
+    "sl_s2sam": ("sl_s2sam", {"layer_ratio": 0.5}),
+    "rst": ("rst", {}),
+    "looksam": ("looksam", {"interval": 2}),
+    "slsam_looksam": ("slsam_looksam", {"layer_ratio": 0.5}),
+    "esam": ("esam", {}),  # each process ranks its own samples: not the one-process run
+}
+#: name -> (method, options) that must be refused with sharded parameters.
+REFUSED = {
+    "ssamf": ("ssamf", {}),
+    "local_first_pass": ("sam", {"sync_first_pass": False}),
+}
+
+
+def _mlp() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+        torch.nn.Linear(16, 3),
+    )  # fmt: skip
+
+
+def _sharded() -> torch.nn.Sequential:
+    net = _mlp()
+    for layer in net:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    return fully_shard(net)
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
+    def compute(index=slice(None)):  # per-sample losses: ESAM picks samples
+        return F.cross_entropy(model(x[index]), y[index], reduction="none")
+
+    return compute
+
+
+def _case(rank: int, world: int, method: str, options: dict) -> dict:
+    net, ref = _sharded(), _mlp()
+    torch.manual_seed(1)
+    x, y = torch.randn(STEPS, 16, 6), torch.randint(0, 3, (STEPS, 16))
+    half = 16 // world
+    mine = slice(rank * half, (rank + 1) * half)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    engine = make_engine(method, net, seed=0, **options)
+    ref_engine = make_engine(method, ref, seed=0, **options)
+    record: dict = {"masks": [], "kinds": [], "diff": []}
+    for step in range(STEPS):
+        xb, yb = x[step], y[step]
+        result = engine.train_step(_loss(net, xb[mine], yb[mine]), opt, batch_size=half)
+        ref_engine.train_step(_loss(ref, xb, yb), ref_opt, batch_size=16)
+        diff = max(
+            float((p.full_tensor() - q).abs().max())
+            for p, q in zip(net.parameters(), ref.parameters())
+        )
+        record["masks"].append(result.active_mask.clone())
+        record["kinds"].append(result.kind)
+        record["diff"].append(diff)
+    record["sharded"] = all(type(p).__name__ == "DTensor" for p in net.parameters())
+    return record
+
+
+def _refusal(method: str, options: dict) -> str:
+    try:
+        make_engine(method, _sharded(), seed=0, **options)
+    except ValueError as err:
+        return str(err)
+    return "not refused"
+
+
+def _built_before_sharding() -> str:
+    net = _mlp()
+    engine = make_engine("slsam", net, seed=0)
+    for layer in net:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(net)
+    opt = torch.optim.AdamW(net.parameters())
+    try:
+        engine.train_step(_loss(net, torch.randn(4, 6), torch.zeros(4, dtype=torch.long)), opt)
+    except RuntimeError as err:
+        return str(err)
+    return "not refused"
+
+
+def _run(rank: int, world: int, port: int, out: str, cases: list[str]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        records: dict = {name: _case(rank, world, *CASES[name]) for name in cases}
+        records["refused"] = {name: _refusal(*REFUSED[name]) for name in REFUSED}
+        records["refused"]["built_before_sharding"] = _built_before_sharding()
+        torch.save(records, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", default=",".join(CASES))
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_run, args=(2, port, args.out, args.cases.split(",")), nprocs=2)
+
+
+if __name__ == "__main__":
+    main()
