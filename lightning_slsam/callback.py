@@ -41,7 +41,7 @@ from lightning_slsam.engine import SparseSAMEngine, StepResult
 from lightning_slsam.guards import (
     LIGHTNING_OPTIONS,
     FitWarnings,
-    check_compile,
+    check_engine,
     check_fit_setup,
     check_lightning_options,
     check_one_optimizer,
@@ -200,7 +200,7 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
         else:
             self.engine = self._build_engine(partition, pl_module, self.spec.total_steps)
         self.partition = partition
-        check_compile(self, pl_module, varies=not self.engine.selection.always_all)
+        check_engine(self, trainer, pl_module, self.engine)
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self._apply_state(state)

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from lightning_slsam.layers import LayerPartition
 from lightning_slsam.perturbation import group_norms, is_weight_name
+from lightning_slsam.sharding import shard_layout
 
 __all__ = ["LayerFreezer"]
 
@@ -43,6 +44,8 @@ class LayerFreezer:
         self._slot = {id(p): i for i, group in enumerate(partition.params) for p in group}
         self._slot.update({id(p): n + j for j, p in enumerate(partition.always_active)})
         self.num_groups = n + len(partition.always_active)
+        #: Whether the tensors are FSDP2 shards (their gradients arrive averaged).
+        self.sharded = shard_layout(partition.flat_params) is not None
         # ASAM scales weight tensors only (biases are perturbed unscaled).
         flat_names = [name for group in partition.param_names for name in group]
         named = [*zip(partition.flat_params, flat_names)]

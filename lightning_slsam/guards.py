@@ -18,7 +18,7 @@ from lightning_slsam.mixin import SAMMixin
 __all__ = [
     "LIGHTNING_OPTIONS",
     "FitWarnings",
-    "check_compile",
+    "check_engine",
     "check_fit_setup",
     "check_lightning_options",
     "check_one_optimizer",
@@ -35,7 +35,10 @@ LIGHTNING_OPTIONS: dict[str, tuple[Any, Any]] = {
 }
 
 #: Strategies that shard or wrap parameters, refused at setup on any number of devices.
-_SHARDED_STRATEGIES = {"DeepSpeedStrategy", "XLAStrategy", "FSDPStrategy", "ModelParallelStrategy"}
+_SHARDED_STRATEGIES = {"DeepSpeedStrategy", "XLAStrategy", "FSDPStrategy"}
+#: Strategies whose sharding (FSDP2's fully_shard, applied in configure_model) the engine
+#: supports.
+_FSDP2_STRATEGIES = {"ModelParallelStrategy"}
 
 #: Lightning warnings that do not apply under a SAM callback, silenced during its fit only.
 #: ModelCheckpoint warns that step checkpoints under manual optimization hold the post-step
@@ -80,14 +83,15 @@ def check_fit_setup(callback: Any, trainer: Any, pl_module: Any) -> None:
     sharded = bases & _SHARDED_STRATEGIES
     # A sharded strategy is refused on one device too: its wrapping (flat parameters,
     # DTensors, ZeRO partitions) is there whatever the world size.
-    if sharded or (trainer.world_size > 1 and not isinstance(strategy, DDPStrategy)):
+    fsdp2 = bool(bases & _FSDP2_STRATEGIES)
+    if sharded or (trainer.world_size > 1 and not isinstance(strategy, DDPStrategy) and not fsdp2):
         raise MisconfigurationException(
             f"{name} does not support {type(strategy).__name__}: SAM methods perturb,"
             " back up and restore whole parameter tensors between two passes and sync"
             " the active layers' gradients themselves, which sharded strategies (FSDP,"
-            " DeepSpeed ZeRO, model parallel, XLA) do not allow. Use strategy='ddp' or"
-            " 'ddp_spawn' (any precision, gradient accumulation and clipping work there),"
-            " or a single device."
+            " DeepSpeed ZeRO, XLA) do not allow. Use strategy='ddp' or 'ddp_spawn' (any"
+            " precision, gradient accumulation and clipping work there), FSDP2 through"
+            " ModelParallelStrategy (fully_shard in configure_model), or a single device."
         )
     others = [cb for cb in trainer.callbacks if isinstance(cb, SAMController)]
     if len(others) > 1:
@@ -106,8 +110,18 @@ def check_one_optimizer(callback: Any, trainer: Any) -> None:
         )
 
 
-def check_compile(callback: Any, pl_module: Any, varies: bool) -> None:
-    """A method whose set of trainable layers ``varies`` refuses a compiled module."""
+def check_engine(callback: Any, trainer: Any, pl_module: Any, engine: Any) -> None:
+    """At fit start, with the engine built: a method whose set of trainable layers varies
+    refuses a compiled module; ModelParallelStrategy needs the parameters sharded."""
+    fsdp2 = {cls.__name__ for cls in type(trainer.strategy).__mro__} & _FSDP2_STRATEGIES
+    if fsdp2 and trainer.world_size > 1 and not engine.freezer.sharded:
+        raise MisconfigurationException(
+            f"{type(callback).__name__} under ModelParallelStrategy needs the model sharded"
+            " with FSDP2, but no parameter is a sharded DTensor: apply fully_shard in"
+            " configure_model (over the data-parallel mesh, tensor_parallel_size=1), or use"
+            " strategy='ddp'. Unsharded, every process would train on its own data alone."
+        )
+    varies = not engine.selection.always_all
     if varies and is_compiled(pl_module):
         raise MisconfigurationException(
             f"{type(callback).__name__} freezes a different set of layers every step, and"

@@ -176,7 +176,8 @@ def gradient_pass(
     if result.loss is None:
         result.loss = output.loss
     result.pass_numel.append(freezer.numel(mask))
-    averager = call.context.averager
+    # FSDP2 has averaged sharded gradients already (reduce-scatter).
+    averager = None if freezer.sharded else call.context.averager
     if averager is not None and sync:
         result.allreduce_bytes += average_grads(active, averager)
     params, grads, slots = freezer.with_grad(active)

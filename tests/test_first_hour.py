@@ -219,7 +219,7 @@ def test_warning_filters_hold_only_during_the_fit():
     assert len(caught) == 1  # another Trainer's warning is not hidden
 
 
-@pytest.mark.parametrize("name", ["FSDPStrategy", "ModelParallelStrategy"])
+@pytest.mark.parametrize("name", ["FSDPStrategy"])  # ModelParallelStrategy: test_fsdp2.py
 def test_a_single_device_sharded_strategy_is_refused(name):
     # Lightning builds FSDPStrategy on GPUs only, so the callback's setup is called with a
     # one-device trainer holding the strategy, as Lightning would call it there.

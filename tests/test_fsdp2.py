@@ -1,8 +1,9 @@
-"""FSDP2 (``fully_shard``) on CPU with two gloo processes: the engine in a plain loop.
+"""FSDP2 (``fully_shard``) on CPU with two gloo processes: the engine in a plain loop, and
+every method through Lightning's ModelParallelStrategy.
 
-The runs happen in ``fsdp2_worker.py``; each rank writes what it saw, and the tests compare
-the ranks with each other and the sharded weights with a one-process run on the same
-global batches.
+The runs happen in ``fsdp2_worker.py`` (plain loop) and ``fsdp2_lightning_worker.py``
+(Lightning); each rank writes what it saw, and the tests compare the ranks with each other
+and the sharded weights with a one-process run on the same global batches.
 """
 
 from __future__ import annotations
@@ -80,3 +81,100 @@ def test_without_a_process_group_nothing_changes():
     assert all(a is b for a, b in zip(local(tensors), tensors))
     values = torch.tensor([1.0, 2.0])
     assert sum_over_shards(values, None) is values
+
+
+# -- through Lightning: ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+# fully_shard in configure_model ------------------------------------------------------------
+LIGHTNING_WORKER = os.path.join(os.path.dirname(__file__), "fsdp2_lightning_worker.py")
+LIGHTNING_METHODS = [
+    "sam", "slsam", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "looksam",
+    "slsam_rst", "slsam_looksam", "slsam_robust", "esam",
+]  # fmt: skip
+
+
+def _lightning(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, LIGHTNING_WORKER, *args], capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp2_lightning")
+    for devices in ("2", "1"):
+        done = _lightning("--methods", ",".join(LIGHTNING_METHODS), "--devices", devices,
+                          "--out", str(out))  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return lambda tag: torch.load(out / f"{tag}.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("method", LIGHTNING_METHODS)
+def test_model_parallel_strategy_equals_one_process(fits, method):
+    r0, r1, one = fits(f"{method}_2_rank0"), fits(f"{method}_2_rank1"), fits(f"{method}_1_rank0")
+    assert r0["sharded"] and not one["sharded"]
+    assert r0["global_step"] == one["global_step"] == 3
+    assert all(torch.equal(a, b) for a, b in zip(r0["masks"], r1["masks"]))
+    assert all(torch.equal(a, b) for a, b in zip(r0["masks"], one["masks"]))
+    diff = max((r0["weights"][k] - one["weights"][k]).abs().max().item() for k in one["weights"])
+    if method == "esam":  # each process ranks its own samples, as under DDP
+        assert 0 < diff < 0.1
+    else:
+        assert diff < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--methods", "ssamf"], ["SSAM-F", "FSDP2", "strategy='ddp'"]),
+        (["--methods", "slsam", "--no-shard"], ["fully_shard in configure_model"]),
+    ],
+)
+def test_model_parallel_strategy_refuses_what_it_cannot_do(tmp_path, args, words):
+    done = _lightning(*args, "--devices", "2", "--out", str(tmp_path))
+    assert done.returncode != 0
+    for word in words:
+        assert word in done.stderr, done.stderr[-3000:]
+
+
+VARIANTS = {  # tag -> worker arguments (sam and slsam, on 2 processes and on 1)
+    "acc2": ["--accumulate", "2"],
+    "bf16-mixed": ["--precision", "bf16-mixed"],
+    "clip": ["--clip", "0.05", "--tag", "_clip"],
+}
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp2_variants")
+    runs = [(devices, args) for args in VARIANTS.values() for devices in ("2", "1")]
+    runs.append(("2", ["--check-masks", "--tag", "_check"]))
+    runs.append(("2", []))
+    for devices, args in runs:
+        done = _lightning("--methods", "sam,slsam", "--devices", devices, "--out", str(out),
+                          *args)  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return lambda tag: torch.load(out / f"{tag}.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("method", ["sam", "slsam"])
+@pytest.mark.parametrize(
+    ("tag", "tolerance"), [("acc2", 1e-5), ("bf16-mixed", 2e-2), ("clip", 1e-5)]
+)
+def test_model_parallel_strategy_with_training_features(variants, method, tag, tolerance):
+    r0, one = variants(f"{method}_2_{tag}_rank0"), variants(f"{method}_1_{tag}_rank0")
+    assert r0["sharded"] and r0["global_step"] == one["global_step"] == 3
+    assert all(torch.equal(a, b) for a, b in zip(r0["masks"], one["masks"]))
+    diff = max((r0["weights"][k] - one["weights"][k]).abs().max().item() for k in one["weights"])
+    assert diff < tolerance  # bf16: bfloat16 arithmetic on half batches vs whole ones
+    if tag == "clip":  # the clipping acted (0.05 is below the gradients' norms)
+        plain = variants(f"{method}_2_rank0")
+        assert max((r0["weights"][k] - plain["weights"][k]).abs().max().item() for k in
+                   one["weights"]) > 1e-3  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["sam", "slsam"])
+def test_check_masks_under_model_parallel_strategy(variants, method):
+    # The debug mode's collective runs beside FSDP2's and changes nothing.
+    checked, plain = variants(f"{method}_2_check_rank0"), variants(f"{method}_2_rank0")
+    for name, weight in plain["weights"].items():
+        assert torch.equal(checked["weights"][name], weight)

@@ -1,0 +1,147 @@
+"""Trains SAM methods through Lightning's ModelParallelStrategy (FSDP2) on 2 gloo CPU
+processes, or on one process without sharding, and records what each rank saw.
+
+Run by tests/test_fsdp2.py as a separate program (the strategy starts its processes by
+running this script again). Each rank writes ``<out>/<tag>_rank<r>.pt`` with its per-step
+layer masks and the final full (gathered) weights. The global batch is the same whatever
+the number of processes: rank r takes samples r, r + 2, ... of each 16-sample batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.utils.data import DataLoader, DistributedSampler
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from helpers import LitModel, make_data, make_mlp
+
+from lightning_slsam import make_callback
+
+GLOBAL_BATCH = 16
+
+
+class Sharded(LitModel):
+    shard = True
+    accumulate = 1
+
+    def configure_model(self) -> None:
+        if self.trainer.world_size == 1 or not self.shard:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y, reduction="none")
+
+    def train_dataloader(self) -> DataLoader:
+        data, world = make_data(64), self.trainer.world_size
+        sampler = (
+            DistributedSampler(data, world, self.trainer.global_rank, shuffle=False)
+            if world > 1
+            else None
+        )
+        return DataLoader(
+            data, batch_size=GLOBAL_BATCH // world // self.accumulate, sampler=sampler
+        )
+
+
+class Record(L.Callback):
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.masks: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == len(self.masks):
+            return  # a micro-batch buffered for accumulation: no step yet
+        sam = [cb for cb in trainer.callbacks if hasattr(cb, "engine")]
+        if sam:
+            self.masks.append(sam[0].engine.last_result.active_mask.clone())
+
+    def on_train_end(self, trainer, pl_module):
+        weights = {}
+        for name, param in pl_module.named_parameters():
+            full = param.full_tensor() if hasattr(param, "full_tensor") else param
+            weights[name] = full.detach().clone()
+        sharded = any(hasattr(p, "full_tensor") for p in pl_module.parameters())
+        torch.save(
+            {"masks": self.masks, "weights": weights, "sharded": sharded,
+             "global_step": trainer.global_step},
+            f"{self.path}_rank{trainer.global_rank}.pt",
+        )  # fmt: skip
+
+
+def run(
+    method: str, devices: int, steps: int, out: str, options: dict, shard: bool,
+    accumulate: int, precision: str,
+) -> None:  # fmt: skip
+    L.seed_everything(7)
+    suffix = options.pop("tag", "")
+    callback = make_callback(method, accumulate_grad_batches=accumulate, **options)
+    tag = f"{method}_{devices}{f'_acc{accumulate}' if accumulate > 1 else ''}"
+    tag += f"_{precision}" if precision != "32-true" else ""
+    tag += suffix
+    strategy = (
+        ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        if devices == 2
+        else "auto"
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        callbacks=[callback, Record(os.path.join(out, tag))],
+        precision=precision,
+        logger=False,
+        default_root_dir=out,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+    )
+    model = Sharded(make_mlp(seed=5))
+    model.shard, model.accumulate = shard, accumulate
+    trainer.fit(model)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--methods", required=True)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--no-shard", action="store_true", help="configure_model shards nothing")
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--check-masks", action="store_true")
+    parser.add_argument("--tag", default="", help="added to the record's name")
+    args = parser.parse_args()
+    for method in args.methods.split(","):
+        options = {"seed": 3, "plot": False, "check_masks": args.check_masks}
+        if args.clip is not None:
+            options["gradient_clip_val"] = args.clip
+        if method in ("slsam", "random_slsam", "sl_s2sam"):
+            options["layer_ratio"] = 0.5
+        options["tag"] = args.tag
+        run(method, args.devices, args.steps, args.out, options, not args.no_shard,
+            args.accumulate, args.precision)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
