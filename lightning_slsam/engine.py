@@ -68,7 +68,7 @@ from lightning_slsam.perturbation import FisherMask, SAMPerturbation
 from lightning_slsam.running import BN_STATS, RunningStats
 from lightning_slsam.schedules import EveryStep, IntervalSchedule, Schedule
 from lightning_slsam.selection import LayerSelection
-from lightning_slsam.sharding import check_shardable
+from lightning_slsam.sharding import check_shardable, full_tensor, shard_of
 from lightning_slsam.steps import LookSAMReuse, PlainStep, SAMStep, SingleStep, StepKind
 
 __all__ = ["PassOutput", "SparseSAMEngine", "StepContext", "StepResult"]
@@ -300,7 +300,7 @@ class SparseSAMEngine(StepCounters):
         }
         for part in self._stateful():
             state.update(part.state_dict(index))
-        return state
+        return self._per_tensor(state, full_tensor)  # FSDP2: whole tensors
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (the partition must match)."""
@@ -313,6 +313,13 @@ class SparseSAMEngine(StepCounters):
         self.selection.load_state_dict(state["selection"])
         self.schedule.load_state_dict(state.get("schedule", {}))
         self.load_counters(state)
+        state = self._per_tensor(state, shard_of)  # FSDP2: this process's shards
         tensors = self.freezer.tensors()
         for part in self._stateful():
             part.load_state_dict(state, tensors)
+
+    def _per_tensor(self, state: dict[str, Any], convert: Callable) -> dict[str, Any]:
+        tensors = self.freezer.tensors()
+        stores = ("last_grad", "vertical", "fisher_masks")
+        return {k: {i: convert(v, tensors[i]) for i, v in x.items()} if k in stores else x
+                for k, x in state.items()}  # fmt: skip

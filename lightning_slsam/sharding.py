@@ -21,7 +21,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["ShardLayout", "check_shardable", "local", "shard_layout", "sum_over_shards"]
+__all__ = [
+    "ShardLayout",
+    "check_shardable",
+    "full_tensor",
+    "local",
+    "shard_layout",
+    "shard_of",
+    "sum_over_shards",
+]
 
 
 def _dtensor_type() -> type | None:
@@ -122,3 +130,29 @@ def check_shardable(tensors: Sequence[Tensor], fisher: bool, sync_first_pass: bo
             " averages every backward pass across the processes (reduce-scatter). Leave"
             " sync_first_pass=True with FSDP2, or use strategy='ddp'."
         )
+
+
+def full_tensor(value: Tensor, param: Tensor) -> Tensor:
+    """The whole tensor of per-tensor state ``value`` kept for ``param``: gathered from
+    every process when ``param`` is sharded (a collective: every process must call it in
+    the same order), else ``value`` itself."""
+    dtensor = _dtensor_type()
+    if dtensor is None or not isinstance(param, dtensor):
+        return value
+    shard = value.to_local() if isinstance(value, dtensor) else value
+    whole = dtensor.from_local(
+        shard, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+    )
+    return whole.full_tensor()
+
+
+def shard_of(value: Tensor, param: Tensor) -> Tensor:
+    """This process's shard of the whole tensor ``value`` for ``param`` (``value`` itself
+    when ``param`` is not sharded): the inverse of :func:`full_tensor`."""
+    dtensor = _dtensor_type()
+    if dtensor is None or not isinstance(param, dtensor):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    placed = distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+    return placed.to_local()

@@ -25,7 +25,7 @@ from torch import Tensor
 from lightning_slsam.extras import FisherRefresh, PassIsolation, SharpestSamples, by_position
 from lightning_slsam.finish import finish_step
 from lightning_slsam.passes import StepCall, gradient_pass
-from lightning_slsam.perturbation import local_norms, tensor_norms
+from lightning_slsam.perturbation import local_norms
 from lightning_slsam.sharding import local, shard_layout, sum_over_shards
 
 if TYPE_CHECKING:
@@ -217,8 +217,10 @@ class SingleStep(StepKind):
         pp = [p for p in active if id(p) in self.last_grad]
         pg = [self.last_grad[id(p)] for p in pp]
         device = pp[0].device if pp else None
+        # The stored gradients may be plain shards (after a resume): the params tell the layout.
+        norms = local_norms(local(pg), shard_layout(pp), device)
         backup = engine.perturbation.perturb_(
-            pp, pg, tensor_norms(pg, device), engine.freezer.slots(pp),
+            pp, pg, norms, engine.freezer.slots(pp),
             engine.freezer.num_groups, inplace=False, scaled=engine.weight_flags(pp),
         )  # fmt: skip
         try:

@@ -16,6 +16,7 @@ import sys
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -86,37 +87,52 @@ class Record(L.Callback):
 
 def run(
     method: str, devices: int, steps: int, out: str, options: dict, shard: bool,
-    accumulate: int, precision: str,
+    accumulate: int, precision: str, resume_at: int = 0, full_checkpoint: bool = False,
 ) -> None:  # fmt: skip
+    """One fit of ``steps`` steps; with ``resume_at``, that fit checkpoints every step
+    (``<tag>_uninterrupted``), and a fresh fit resumes from its checkpoint of step
+    ``resume_at`` up to ``steps`` (``<tag>_resumed``)."""
     L.seed_everything(7)
     suffix = options.pop("tag", "")
-    callback = make_callback(method, accumulate_grad_batches=accumulate, **options)
     tag = f"{method}_{devices}{f'_acc{accumulate}' if accumulate > 1 else ''}"
     tag += f"_{precision}" if precision != "32-true" else ""
     tag += suffix
-    strategy = (
-        ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-        if devices == 2
-        else "auto"
-    )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=steps,
-        callbacks=[callback, Record(os.path.join(out, tag))],
-        precision=precision,
-        logger=False,
-        default_root_dir=out,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        use_distributed_sampler=False,
-    )
-    model = Sharded(make_mlp(seed=5))
-    model.shard, model.accumulate = shard, accumulate
-    trainer.fit(model)
+
+    def fit(name: str, ckpt_path: str | None = None, save_dir: str | None = None) -> None:
+        strategy = (
+            ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
+                                  save_distributed_checkpoint=not full_checkpoint)
+            if devices == 2
+            else "auto"
+        )  # fmt: skip
+        callback = make_callback(method, accumulate_grad_batches=accumulate, **options)
+        savers = [ModelCheckpoint(save_dir, every_n_train_steps=1, save_top_k=-1)]
+        savers = savers if save_dir else []
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=devices,
+            strategy=strategy,
+            max_steps=steps,
+            callbacks=[callback, Record(os.path.join(out, name)), *savers],
+            precision=precision,
+            logger=False,
+            default_root_dir=out,
+            enable_checkpointing=save_dir is not None,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            use_distributed_sampler=False,
+        )
+        model = Sharded(make_mlp(seed=5))
+        model.shard, model.accumulate = shard, accumulate
+        trainer.fit(model, ckpt_path=ckpt_path)
+
+    if not resume_at:
+        fit(tag)
+        return
+    saved = os.path.join(out, f"{tag}_checkpoints")
+    fit(f"{tag}_uninterrupted", save_dir=saved)
+    fit(f"{tag}_resumed", ckpt_path=os.path.join(saved, f"epoch=0-step={resume_at}.ckpt"))
 
 
 def main() -> None:
@@ -131,6 +147,8 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--check-masks", action="store_true")
     parser.add_argument("--tag", default="", help="added to the record's name")
+    parser.add_argument("--resume-at", type=int, default=0)
+    parser.add_argument("--full-checkpoint", action="store_true")
     args = parser.parse_args()
     for method in args.methods.split(","):
         options = {"seed": 3, "plot": False, "check_masks": args.check_masks}
@@ -140,7 +158,7 @@ def main() -> None:
             options["layer_ratio"] = 0.5
         options["tag"] = args.tag
         run(method, args.devices, args.steps, args.out, options, not args.no_shard,
-            args.accumulate, args.precision)  # fmt: skip
+            args.accumulate, args.precision, args.resume_at, args.full_checkpoint)  # fmt: skip
 
 
 if __name__ == "__main__":

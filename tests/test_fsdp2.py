@@ -178,3 +178,31 @@ def test_check_masks_under_model_parallel_strategy(variants, method):
     checked, plain = variants(f"{method}_2_check_rank0"), variants(f"{method}_2_rank0")
     for name, weight in plain["weights"].items():
         assert torch.equal(checked["weights"][name], weight)
+
+
+RESUMED = ["sam", "slsam", "s2sam", "sl_s2sam", "looksam"]
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    # 8 steps (two epochs of 4 batches), checkpointed every step; a fresh fit resumes from
+    # the checkpoint of step 4. Sharded (distributed) and full checkpoints.
+    out = tmp_path_factory.mktemp("fsdp2_resume")
+    for extra in ([], ["--full-checkpoint", "--tag", "_full"]):
+        done = _lightning("--methods", ",".join(RESUMED), "--devices", "2", "--steps", "8",
+                          "--resume-at", "4", "--out", str(out), *extra)  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return lambda tag: torch.load(out / f"{tag}.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("checkpoint", ["", "_full"])
+@pytest.mark.parametrize("method", RESUMED)
+def test_resuming_under_fsdp2_equals_the_uninterrupted_run(resumed, method, checkpoint):
+    # S2-SAM's and LookSAM's per-tensor state is saved whole and resharded on load.
+    whole = resumed(f"{method}_2{checkpoint}_uninterrupted_rank0")
+    for rank in (0, 1):
+        again = resumed(f"{method}_2{checkpoint}_resumed_rank{rank}")
+        assert again["global_step"] == 8
+        assert [m.tolist() for m in again["masks"]] == [m.tolist() for m in whole["masks"][4:]]
+        for name, weight in whole["weights"].items():
+            assert torch.equal(again["weights"][name], weight), name
