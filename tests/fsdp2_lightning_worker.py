@@ -88,6 +88,7 @@ class Record(L.Callback):
 def run(
     method: str, devices: int, steps: int, out: str, options: dict, shard: bool,
     accumulate: int, precision: str, resume_at: int = 0, full_checkpoint: bool = False,
+    resume_from: str | None = None,
 ) -> None:  # fmt: skip
     """One fit of ``steps`` steps; with ``resume_at``, that fit checkpoints every step
     (``<tag>_uninterrupted``), and a fresh fit resumes from its checkpoint of step
@@ -127,6 +128,9 @@ def run(
         model.shard, model.accumulate = shard, accumulate
         trainer.fit(model, ckpt_path=ckpt_path)
 
+    if resume_from:  # another run's checkpoint (another strategy's)
+        fit(tag, ckpt_path=resume_from.format(method=method))
+        return
     if not resume_at:
         fit(tag)
         return
@@ -149,6 +153,7 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="added to the record's name")
     parser.add_argument("--resume-at", type=int, default=0)
     parser.add_argument("--full-checkpoint", action="store_true")
+    parser.add_argument("--resume-from", default=None, help="a checkpoint ({method} filled in)")
     args = parser.parse_args()
     for method in args.methods.split(","):
         options = {"seed": 3, "plot": False, "check_masks": args.check_masks}
@@ -158,7 +163,8 @@ def main() -> None:
             options["layer_ratio"] = 0.5
         options["tag"] = args.tag
         run(method, args.devices, args.steps, args.out, options, not args.no_shard,
-            args.accumulate, args.precision, args.resume_at, args.full_checkpoint)  # fmt: skip
+            args.accumulate, args.precision, args.resume_at, args.full_checkpoint,
+            args.resume_from)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -206,3 +206,37 @@ def test_resuming_under_fsdp2_equals_the_uninterrupted_run(resumed, method, chec
         assert [m.tolist() for m in again["masks"]] == [m.tolist() for m in whole["masks"][4:]]
         for name, weight in whole["weights"].items():
             assert torch.equal(again["weights"][name], weight), name
+
+
+CROSSED = ["slsam", "s2sam", "looksam"]
+
+
+@pytest.fixture(scope="module")
+def crossed(tmp_path_factory):
+    # One device -> FSDP2, and FSDP2 (full checkpoint) -> one device, from step 4 of 8.
+    out = tmp_path_factory.mktemp("fsdp2_crossed")
+    methods = ",".join(CROSSED)
+    runs = [
+        ["--devices", "1", "--resume-at", "4"],
+        ["--devices", "2", "--resume-at", "4", "--full-checkpoint"],
+        ["--devices", "2", "--tag", "_from1",
+         "--resume-from", str(out / "{method}_1_checkpoints" / "epoch=0-step=4.ckpt")],
+        ["--devices", "1", "--tag", "_from2",
+         "--resume-from", str(out / "{method}_2_checkpoints" / "epoch=0-step=4.ckpt")],
+    ]  # fmt: skip
+    for args in runs:
+        done = _lightning("--methods", methods, "--steps", "8", "--out", str(out), *args)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return lambda tag: torch.load(out / f"{tag}.pt", weights_only=False)
+
+
+@pytest.mark.parametrize(("source", "target"), [("1", "2"), ("2", "1")])
+@pytest.mark.parametrize("method", CROSSED)
+def test_a_checkpoint_moves_between_one_device_and_fsdp2(crossed, method, source, target):
+    whole = crossed(f"{method}_{source}_uninterrupted_rank0")
+    again = crossed(f"{method}_{target}_from{source}_rank0")
+    assert again["sharded"] == (target == "2") and again["global_step"] == 8
+    assert [m.tolist() for m in again["masks"]] == [m.tolist() for m in whole["masks"][4:]]
+    diff = max((again["weights"][k] - whole["weights"][k]).abs().max().item() for k in
+               whole["weights"])  # fmt: skip
+    assert diff < 1e-5  # the same run, summed in another order
