@@ -32,6 +32,7 @@ GLOBAL_BATCH = 16
 class Sharded(LitModel):
     shard = True
     accumulate = 1
+    fail_rank = -1  # this process raises in the second pass of step 2
 
     def configure_model(self) -> None:
         if self.trainer.world_size == 1 or not self.shard:
@@ -45,6 +46,8 @@ class Sharded(LitModel):
         fully_shard(self.net, mesh=mesh)
 
     def training_step(self, batch, batch_idx):
+        if self.global_rank == self.fail_rank and self.global_step == 2 and self.sam_pass == 2:
+            raise RuntimeError(f"a fault on rank {self.global_rank}")
         x, y = batch
         return F.cross_entropy(self(x), y, reduction="none")
 
@@ -95,6 +98,7 @@ def run(
     ``resume_at`` up to ``steps`` (``<tag>_resumed``)."""
     L.seed_everything(7)
     suffix = options.pop("tag", "")
+    options_fail_rank = options.pop("fail_rank", -1)
     tag = f"{method}_{devices}{f'_acc{accumulate}' if accumulate > 1 else ''}"
     tag += f"_{precision}" if precision != "32-true" else ""
     tag += suffix
@@ -126,6 +130,7 @@ def run(
         )
         model = Sharded(make_mlp(seed=5))
         model.shard, model.accumulate = shard, accumulate
+        model.fail_rank = options_fail_rank
         trainer.fit(model, ckpt_path=ckpt_path)
 
     if resume_from:  # another run's checkpoint (another strategy's)
@@ -154,6 +159,7 @@ def main() -> None:
     parser.add_argument("--resume-at", type=int, default=0)
     parser.add_argument("--full-checkpoint", action="store_true")
     parser.add_argument("--resume-from", default=None, help="a checkpoint ({method} filled in)")
+    parser.add_argument("--fail-rank", type=int, default=-1)
     args = parser.parse_args()
     for method in args.methods.split(","):
         options = {"seed": 3, "plot": False, "check_masks": args.check_masks}
@@ -161,7 +167,7 @@ def main() -> None:
             options["gradient_clip_val"] = args.clip
         if method in ("slsam", "random_slsam", "sl_s2sam"):
             options["layer_ratio"] = 0.5
-        options["tag"] = args.tag
+        options["tag"], options["fail_rank"] = args.tag, args.fail_rank
         run(method, args.devices, args.steps, args.out, options, not args.no_shard,
             args.accumulate, args.precision, args.resume_at, args.full_checkpoint,
             args.resume_from)  # fmt: skip

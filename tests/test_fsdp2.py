@@ -92,10 +92,11 @@ LIGHTNING_METHODS = [
 ]  # fmt: skip
 
 
-def _lightning(*args: str) -> subprocess.CompletedProcess:
+def _lightning(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, LIGHTNING_WORKER, *args], capture_output=True, text=True, timeout=600
-    )
+        [sys.executable, LIGHTNING_WORKER, *args], capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -240,3 +241,13 @@ def test_a_checkpoint_moves_between_one_device_and_fsdp2(crossed, method, source
     diff = max((again["weights"][k] - whole["weights"][k]).abs().max().item() for k in
                whole["weights"])  # fmt: skip
     assert diff < 1e-5  # the same run, summed in another order
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_fault_on_one_rank_ends_every_rank(tmp_path, rank):
+    # The rank raises inside the second pass of step 2, while the other waits in FSDP2's
+    # collectives: both must end (a hang would hit the timeout) with the fault reported.
+    done = _lightning("--methods", "slsam", "--devices", "2", "--steps", "6",
+                      "--fail-rank", str(rank), "--out", str(tmp_path), timeout=240)  # fmt: skip
+    assert done.returncode != 0
+    assert f"a fault on rank {rank}" in done.stderr
