@@ -251,3 +251,22 @@ def test_a_fault_on_one_rank_ends_every_rank(tmp_path, rank):
                       "--fail-rank", str(rank), "--out", str(tmp_path), timeout=240)  # fmt: skip
     assert done.returncode != 0
     assert f"a fault on rank {rank}" in done.stderr
+
+
+def test_esam_under_fsdp2_equals_esam_under_ddp(tmp_path):
+    # ESAM ranks each process's own samples: the run to equal is DDP's on the same data
+    # (both workers: the same model, seeds, 16-sample global batches split the same way).
+    ddp = subprocess.run(
+        [sys.executable, os.path.join(os.path.dirname(__file__), "ddp_worker.py"),
+         "--methods", "esam", "--devices", "2", "--strategy", "ddp_fork",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    done = _lightning("--methods", "esam", "--devices", "2", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    fsdp2 = torch.load(tmp_path / "esam_2_rank0.pt", weights_only=False)
+    reference = torch.load(tmp_path / "esam_ddp_fork_2_rank0.pt", weights_only=False)
+    assert [m.tolist() for m in fsdp2["masks"]] == [m.tolist() for m in reference["masks"]]
+    for name, weight in reference["weights"].items():
+        assert (fsdp2["weights"][name] - weight).abs().max() < 1e-5, name
