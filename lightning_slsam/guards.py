@@ -84,6 +84,17 @@ def check_fit_setup(callback: Any, trainer: Any, pl_module: Any) -> None:
     # A sharded strategy is refused on one device too: its wrapping (flat parameters,
     # DTensors, ZeRO partitions) is there whatever the world size.
     fsdp2 = bool(bases & _FSDP2_STRATEGIES)
+    if "DeepSpeedStrategy" in bases:
+        config = getattr(strategy, "config", None) or {}
+        stage = (config.get("zero_optimization") or {}).get("stage", "?")
+        raise MisconfigurationException(
+            f"{name} does not support DeepSpeedStrategy (ZeRO stage {stage}): DeepSpeed fixes"
+            " which parameters train when it initialises and reduces the gradients of all"
+            " of them itself (stages 1 and 2 partition optimizer state and gradients, stage"
+            " 3 also the parameters), so layers cannot be frozen per step, and its engine"
+            " does the optimizer step SAM must control. Use FSDP2 (ModelParallelStrategy"
+            " with fully_shard in configure_model) to shard, or strategy='ddp'."
+        )
     if sharded or (trainer.world_size > 1 and not isinstance(strategy, DDPStrategy) and not fsdp2):
         raise MisconfigurationException(
             f"{name} does not support {type(strategy).__name__}: SAM methods perturb,"

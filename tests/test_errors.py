@@ -170,3 +170,17 @@ def test_sharded_strategies_are_refused_with_what_works():
     stub = SimpleNamespace(world_size=2, strategy=FSDPStrategy(), callbacks=[], precision="32-true")
     with pytest.raises(MisconfigurationException, match=r"does not support FSDPStrategy.*'ddp'"):
         SparseLayerSAM().setup(stub, LitModel(make_mlp()), "fit")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_is_refused_naming_the_stage_and_fsdp2(stage):
+    # Lightning runs DeepSpeedStrategy on CUDA only; the callback's setup is called as
+    # Lightning would, with a stand-in holding the strategy's config.
+    from types import SimpleNamespace
+
+    class DeepSpeedStrategy:
+        config = {"zero_optimization": {"stage": stage}}
+
+    stub = SimpleNamespace(world_size=2, strategy=DeepSpeedStrategy(), callbacks=[])
+    with pytest.raises(MisconfigurationException, match=rf"ZeRO stage {stage}\).*ModelParallel"):
+        SparseLayerSAM().setup(stub, LitModel(make_mlp()), "fit")
