@@ -148,8 +148,7 @@ VARIANTS = {  # tag -> worker arguments (sam and slsam, on 2 processes and on 1)
 def variants(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2_variants")
     runs = [(devices, args) for args in VARIANTS.values() for devices in ("2", "1")]
-    runs.append(("2", ["--check-masks", "--tag", "_check"]))
-    runs.append(("2", []))
+    runs.append(("2", ["--check-masks", "--tag", "_check"]))  # plain runs: the fits fixture
     for devices, args in runs:
         done = _lightning("--methods", "sam,slsam", "--devices", devices, "--out", str(out),
                           *args)  # fmt: skip
@@ -161,22 +160,22 @@ def variants(tmp_path_factory):
 @pytest.mark.parametrize(
     ("tag", "tolerance"), [("acc2", 1e-5), ("bf16-mixed", 2e-2), ("clip", 1e-5)]
 )
-def test_model_parallel_strategy_with_training_features(variants, method, tag, tolerance):
+def test_model_parallel_strategy_with_training_features(variants, fits, method, tag, tolerance):
     r0, one = variants(f"{method}_2_{tag}_rank0"), variants(f"{method}_1_{tag}_rank0")
     assert r0["sharded"] and r0["global_step"] == one["global_step"] == 3
     assert all(torch.equal(a, b) for a, b in zip(r0["masks"], one["masks"]))
     diff = max((r0["weights"][k] - one["weights"][k]).abs().max().item() for k in one["weights"])
     assert diff < tolerance  # bf16: bfloat16 arithmetic on half batches vs whole ones
     if tag == "clip":  # the clipping acted (0.05 is below the gradients' norms)
-        plain = variants(f"{method}_2_rank0")
+        plain = fits(f"{method}_2_rank0")
         assert max((r0["weights"][k] - plain["weights"][k]).abs().max().item() for k in
                    one["weights"]) > 1e-3  # fmt: skip
 
 
 @pytest.mark.parametrize("method", ["sam", "slsam"])
-def test_check_masks_under_model_parallel_strategy(variants, method):
+def test_check_masks_under_model_parallel_strategy(variants, fits, method):
     # The debug mode's collective runs beside FSDP2's and changes nothing.
-    checked, plain = variants(f"{method}_2_check_rank0"), variants(f"{method}_2_rank0")
+    checked, plain = variants(f"{method}_2_check_rank0"), fits(f"{method}_2_rank0")
     for name, weight in plain["weights"].items():
         assert torch.equal(checked["weights"][name], weight)
 
@@ -193,7 +192,12 @@ def resumed(tmp_path_factory):
         done = _lightning("--methods", ",".join(RESUMED), "--devices", "2", "--steps", "8",
                           "--resume-at", "4", "--out", str(out), *extra)  # fmt: skip
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return lambda tag: torch.load(out / f"{tag}.pt", weights_only=False)
+
+    def load(tag: str) -> dict:
+        return torch.load(out / f"{tag}.pt", weights_only=False)
+
+    load.out = out  # the crossed fixture resumes from these runs' full checkpoints
+    return load
 
 
 @pytest.mark.parametrize("checkpoint", ["", "_full"])
@@ -213,22 +217,28 @@ CROSSED = ["slsam", "s2sam", "looksam"]
 
 
 @pytest.fixture(scope="module")
-def crossed(tmp_path_factory):
-    # One device -> FSDP2, and FSDP2 (full checkpoint) -> one device, from step 4 of 8.
+def crossed(tmp_path_factory, resumed):
+    # One device -> FSDP2, and FSDP2 (the resumed fixture's full checkpoints) -> one device,
+    # from step 4 of 8.
     out = tmp_path_factory.mktemp("fsdp2_crossed")
     methods = ",".join(CROSSED)
+    sharded = resumed.out / "{method}_2_full_checkpoints" / "epoch=0-step=4.ckpt"
     runs = [
         ["--devices", "1", "--resume-at", "4"],
-        ["--devices", "2", "--resume-at", "4", "--full-checkpoint"],
         ["--devices", "2", "--tag", "_from1",
          "--resume-from", str(out / "{method}_1_checkpoints" / "epoch=0-step=4.ckpt")],
-        ["--devices", "1", "--tag", "_from2",
-         "--resume-from", str(out / "{method}_2_checkpoints" / "epoch=0-step=4.ckpt")],
+        ["--devices", "1", "--tag", "_from2", "--resume-from", str(sharded)],
     ]  # fmt: skip
     for args in runs:
         done = _lightning("--methods", methods, "--steps", "8", "--out", str(out), *args)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return lambda tag: torch.load(out / f"{tag}.pt", weights_only=False)
+
+    def load(tag: str) -> dict:
+        if tag.endswith("_2_uninterrupted_rank0"):  # the FSDP2 run the checkpoints came from
+            return resumed(tag.replace("_2_uninterrupted", "_2_full_uninterrupted"))
+        return torch.load(out / f"{tag}.pt", weights_only=False)
+
+    return load
 
 
 @pytest.mark.parametrize(("source", "target"), [("1", "2"), ("2", "1")])
