@@ -68,6 +68,11 @@ def check_lightning_options(
     }
 
 
+def _strategy_names(strategy: Any) -> set[str]:
+    """The class names of ``strategy`` and its bases (a subclass counts as its base)."""
+    return {cls.__name__ for cls in type(strategy).__mro__}
+
+
 def check_fit_setup(callback: Any, trainer: Any, pl_module: Any) -> None:
     """The module has the mixin, the strategy is one device or DDP, one SAM callback."""
     name = type(callback).__name__
@@ -79,7 +84,7 @@ def check_fit_setup(callback: Any, trainer: Any, pl_module: Any) -> None:
             " (`from lightning_slsam import SAMMixin`)."
         )
     strategy = trainer.strategy
-    bases = {cls.__name__ for cls in type(strategy).__mro__}
+    bases = _strategy_names(strategy)
     sharded = bases & _SHARDED_STRATEGIES
     # A sharded strategy is refused on one device too: its wrapping (flat parameters,
     # DTensors, ZeRO partitions) is there whatever the world size.
@@ -124,7 +129,7 @@ def check_one_optimizer(callback: Any, trainer: Any) -> None:
 def check_engine(callback: Any, trainer: Any, pl_module: Any, engine: Any) -> None:
     """At fit start, with the engine built: a method whose set of trainable layers varies
     refuses a compiled module; ModelParallelStrategy needs the parameters sharded."""
-    fsdp2 = {cls.__name__ for cls in type(trainer.strategy).__mro__} & _FSDP2_STRATEGIES
+    fsdp2 = _strategy_names(trainer.strategy) & _FSDP2_STRATEGIES
     if fsdp2 and trainer.world_size > 1 and not engine.freezer.sharded:
         raise MisconfigurationException(
             f"{type(callback).__name__} under ModelParallelStrategy needs the model sharded"

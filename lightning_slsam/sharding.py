@@ -44,12 +44,13 @@ def local(tensors: Sequence[Tensor]) -> list[Tensor]:
     """Each tensor's local shard (the tensor itself when it is not a ``DTensor``).
 
     The shard shares storage with the parameter or gradient, so in-place arithmetic on it
-    changes the ``DTensor``. Call under ``torch.no_grad()``.
+    changes the ``DTensor``.
     """
     dtensor = _dtensor_type()
     if dtensor is None:
         return list(tensors)
-    return [t.to_local() if isinstance(t, dtensor) else t for t in tensors]
+    with torch.no_grad():  # the shard itself, not an autograd view of it
+        return [t.to_local() if isinstance(t, dtensor) else t for t in tensors]
 
 
 class ShardLayout:

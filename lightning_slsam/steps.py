@@ -217,8 +217,8 @@ class SingleStep(StepKind):
         pp = [p for p in active if id(p) in self.last_grad]
         pg = [self.last_grad[id(p)] for p in pp]
         device = pp[0].device if pp else None
-        # The stored gradients may be plain shards (after a resume): the params tell the layout.
-        norms = local_norms(local(pg), shard_layout(pp), device)
+        # Stored as local shards (FSDP2): the params tell the layout.
+        norms = local_norms(pg, shard_layout(pp), device)
         backup = engine.perturbation.perturb_(
             pp, pg, norms, engine.freezer.slots(pp),
             engine.freezer.num_groups, inplace=False, scaled=engine.weight_flags(pp),
@@ -231,7 +231,7 @@ class SingleStep(StepKind):
         if finish_step(engine, call, out.scalars(), [], out.layer_norms, mask):
             # The gradient tensors themselves (after the optimizer's unscaling/clipping):
             # zero_grad(set_to_none=True) detaches them from .grad, no copy is made.
-            for param, grad in zip(out.params, out.grads):
+            for param, grad in zip(out.params, local(out.grads)):
                 self.last_grad[id(param)] = grad
 
     def state_dict(self, index: dict[int, int]) -> dict[str, Any]:

@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import LitModel, make_data, make_mlp
+from helpers import LitModel, make_mlp, rank_loader
 
 from lightning_slsam import make_callback
 
@@ -40,17 +40,7 @@ class PerSample(LitModel):
         return losses
 
     def train_dataloader(self) -> DataLoader:
-        # Built in each process: rank r takes samples r, r + world, ... (Lightning's own
-        # sampler would shuffle), so the ranks' batches together are the one-process batch.
-        data, world = make_data(64), self.trainer.world_size
-        sampler = (
-            DistributedSampler(data, world, self.trainer.global_rank, shuffle=False)
-            if world > 1
-            else None
-        )
-        return DataLoader(
-            data, batch_size=GLOBAL_BATCH // world // self.accumulate, sampler=sampler
-        )
+        return rank_loader(self.trainer, GLOBAL_BATCH // self.accumulate)
 
 
 class Record(L.Callback):

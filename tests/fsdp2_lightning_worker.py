@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from helpers import LitModel, make_data, make_mlp
+from helpers import LitModel, make_mlp, rank_loader
 
 from lightning_slsam import make_callback
 
@@ -52,15 +52,7 @@ class Sharded(LitModel):
         return F.cross_entropy(self(x), y, reduction="none")
 
     def train_dataloader(self) -> DataLoader:
-        data, world = make_data(64), self.trainer.world_size
-        sampler = (
-            DistributedSampler(data, world, self.trainer.global_rank, shuffle=False)
-            if world > 1
-            else None
-        )
-        return DataLoader(
-            data, batch_size=GLOBAL_BATCH // world // self.accumulate, sampler=sampler
-        )
+        return rank_loader(self.trainer, GLOBAL_BATCH // self.accumulate)
 
 
 class Record(L.Callback):

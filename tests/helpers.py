@@ -9,7 +9,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_slsam import SAMMixin
 
@@ -23,6 +23,17 @@ def make_data(n: int = 64, dim: int = 8, classes: int = 3, seed: int = 0) -> Ten
 
 def loader(dataset: TensorDataset, batch_size: int = 16) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, shuffle=False)
+
+
+def rank_loader(trainer: L.Trainer, global_batch: int) -> DataLoader:
+    """64 samples for a multi-process test: rank r takes samples r, r + world, ... of each
+    batch (Lightning's own sampler would shuffle), so the ranks' batches together are the
+    one-process batch of ``global_batch`` samples."""
+    data, world = make_data(64), trainer.world_size
+    sampler = (
+        DistributedSampler(data, world, trainer.global_rank, shuffle=False) if world > 1 else None
+    )
+    return DataLoader(data, batch_size=global_batch // world, sampler=sampler)
 
 
 def make_mlp(dim: int = 8, hidden: int = 16, classes: int = 3, seed: int = 0) -> nn.Module:
