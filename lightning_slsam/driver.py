@@ -97,7 +97,8 @@ class _Passes:
     """The ``forward_backward`` callable of one training step (the engine's protocol).
 
     ``subsets[i]`` restricts micro-batch ``i`` to those sample indices (an empty tensor
-    skips it); ``backward=False`` runs the forward only. The first full backward pass is
+    skips it); ``backward=False`` runs the forward only; ``loss_scale`` multiplies the
+    loss before the backward pass. The first full backward pass is
     pass 1 for ``SAMMixin.sam_pass``; every other call (second pass, ESAM's selection
     forward, SSAM-F's per-sample passes) is pass 2, whose logging is dropped.
     """
@@ -112,7 +113,9 @@ class _Passes:
     def batch_sizes(self) -> list[int]:
         return [self.module.sam_batch_size(args[0]) for args, _ in self.micro_batches]
 
-    def __call__(self, subsets: list[Tensor] | None = None, backward: bool = True) -> Any:
+    def __call__(
+        self, subsets: list[Tensor] | None = None, backward: bool = True, loss_scale: float = 1.0
+    ) -> Any:
         module = self.module
         first = subsets is None and backward and self._full_passes == 0
         self._full_passes += int(subsets is None and backward)
@@ -133,8 +136,8 @@ class _Passes:
                 if first and self.first_output is None:
                     self.first_output = output
                 per_sample.append(samples)
-                if self.scale != 1.0:
-                    loss = loss * self.scale
+                if self.scale * loss_scale != 1.0:
+                    loss = loss * (self.scale * loss_scale)
                 # No active tensor reached the loss: nothing to back-propagate (norm 0).
                 if backward and loss.requires_grad:
                     module.manual_backward(loss)

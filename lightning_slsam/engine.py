@@ -140,7 +140,7 @@ class SparseSAMEngine(StepCounters):
             raise ValueError(f"`data_ratio` must be in (0, 1], got {data_ratio!r}.")
         if bn_stats not in BN_STATS:
             raise ValueError(f"`bn_stats` must be one of {BN_STATS}, got {bn_stats!r}.")
-        check_shardable(partition.flat_params, fisher is not None, bool(sync_first_pass))
+        check_shardable(partition.flat_params, bool(sync_first_pass))
         self.partition = partition  # also builds self.freezer
         self.selection = selection
         self.perturbation = perturbation

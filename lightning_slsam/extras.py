@@ -6,12 +6,14 @@ inverse-inclusion update scaling (:class:`UpdateScaling`).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_slsam.layers import LayerPartition
@@ -19,7 +21,7 @@ from lightning_slsam.passes import ForwardBackward, PassOutput, StepCall, as_out
 from lightning_slsam.perturbation import BackupPool, FisherMask
 from lightning_slsam.running import RandomState, RunningStats
 from lightning_slsam.selection import LayerSelection
-from lightning_slsam.sharding import local
+from lightning_slsam.sharding import local, shard_layout
 
 if TYPE_CHECKING:
     from lightning_slsam.engine import SparseSAMEngine
@@ -129,7 +131,15 @@ class SharpestSamples:
 
 
 class FisherRefresh:
-    """SSAM-F: refreshes the coordinate mask from per-sample gradients when it is due."""
+    """SSAM-F: refreshes the coordinate mask from per-sample gradients when it is due.
+
+    Under FSDP2 every backward pass is averaged across the processes, so a sample's own
+    gradient is taken one process at a time: every process runs its sample ``i``, and all
+    but the current source scale their loss by 0 (``forward_backward(loss_scale=...)``).
+    The averaged shard is then the source's gradient divided by the number of processes.
+    That is ``world`` backward passes per sample; the Fisher equals the DDP one (the
+    processes' sums averaged), and the mask is the top of the whole tensors.
+    """
 
     def __init__(self, fisher: FisherMask) -> None:
         self.fisher = fisher
@@ -144,20 +154,35 @@ class FisherRefresh:
                 " must have a `batch_sizes` attribute (train_step(..., batch_size=...))."
             )
         active = engine.activate(engine.freezer.all)
-        fisher = [torch.zeros_like(p, dtype=torch.float32) for p in active]
+        shards = local(active)
+        fisher = [torch.zeros_like(s, dtype=torch.float32) for s in shards]
+        count = min(self.fisher.fisher_samples, sizes[0])
+        layout = shard_layout(active) if engine.freezer.sharded else None
+        sources: list[float | None] = [None]
+        if layout is not None:
+            count, sources = _sample_sources(call.forward_backward, layout.group, count,
+                                             shards[0].device)  # fmt: skip
         empty = torch.zeros(0, dtype=torch.long)
         # One sample per pass: normalisation layers use their running statistics (which
         # also keeps these passes from changing them).
         with engine.isolation.evaluating():
-            for i in range(min(self.fisher.fisher_samples, sizes[0])):
-                call.zero_grad()
-                call.forward_backward(subsets=[torch.tensor([i])] + [empty] * (len(sizes) - 1))
-                for acc, param in zip(fisher, active):
-                    if param.grad is not None:
-                        acc.add_(param.grad.float().square())
-                call.result.extra_backward += 1
+            for i in range(count):
+                for loss_scale in sources:
+                    call.zero_grad()
+                    subsets = [torch.tensor([i])] + [empty] * (len(sizes) - 1)
+                    if loss_scale is None:
+                        call.forward_backward(subsets=subsets)
+                    else:
+                        call.forward_backward(subsets=subsets, loss_scale=loss_scale)
+                    grads = [p.grad for p in active]
+                    present = [j for j, g in enumerate(grads) if g is not None]
+                    squares = [local([grads[j]])[0].float().square() for j in present]
+                    torch._foreach_add_([fisher[j] for j in present], squares)
+                    call.result.extra_backward += 1
         call.zero_grad()
-        if call.context.averager is not None:  # the same mask on every process
+        if layout is not None:  # (g / world)^2 summed over sources, times world: the mean
+            torch._foreach_mul_(fisher, float(len(sources)))
+        elif call.context.averager is not None:  # the same mask on every process
             call.result.allreduce_bytes += call.context.averager.average_(fisher)
         self.fisher.set_fisher(active, fisher)
 
@@ -170,6 +195,23 @@ class FisherRefresh:
     def load_state_dict(self, state: dict[str, Any], tensors: list[Tensor]) -> None:
         if state.get("fisher_masks"):
             self.fisher.masks = by_position(state["fisher_masks"], tensors)
+
+
+def _sample_sources(
+    fb: ForwardBackward, group: Any, count: int, device: torch.device
+) -> tuple[int, list[float | None]]:
+    """FSDP2: the per-sample count every process can serve, and this process's loss scale
+    for each source process (1 for itself, 0 for the others)."""
+    if "loss_scale" not in inspect.signature(fb).parameters:
+        raise ValueError(
+            "SSAM-F under FSDP2 needs a forward_backward callable with a `loss_scale`"
+            " argument (the loss is multiplied by it before the backward pass), to take"
+            " each process's per-sample gradients in turn. SAMMixin and train_step have it."
+        )
+    agreed = torch.tensor([count], dtype=torch.int64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    rank = dist.get_rank(group)
+    return int(agreed), [float(r == rank) for r in range(dist.get_world_size(group))]
 
 
 class UpdateScaling:

@@ -54,8 +54,9 @@ class ForwardBackward(Protocol):
     given, skipped when that index tensor is empty), back-propagates it when ``backward``
     and returns it detached -- as a tensor, or as a :class:`PassOutput` carrying per-sample
     losses (needed by ESAM's data selection). Methods that address single samples (ESAM,
-    SSAM-F) also read its ``batch_sizes`` attribute (samples per micro-batch). Simple
-    callables without arguments serve every other method.
+    SSAM-F) also read its ``batch_sizes`` attribute (samples per micro-batch). SSAM-F
+    under FSDP2 also passes ``loss_scale`` (the loss is multiplied by it before the
+    backward pass). Simple callables without arguments serve every other method.
     """
 
     def __call__(
@@ -251,7 +252,9 @@ class PlainLoopPasses:
         self.compute_loss = compute_loss
         self.batch_sizes = [batch_size] if batch_size else []
 
-    def __call__(self, subsets: list[Tensor] | None = None, backward: bool = True) -> PassOutput:
+    def __call__(
+        self, subsets: list[Tensor] | None = None, backward: bool = True, loss_scale: float = 1.0
+    ) -> PassOutput:
         index = subsets[0] if subsets else None
         if index is not None and index.numel() == 0:
             return PassOutput(torch.zeros(()), [None])
@@ -260,5 +263,5 @@ class PlainLoopPasses:
         per_sample = loss.detach() if loss.dim() == 1 else None
         loss = loss.mean() if loss.dim() == 1 else loss
         if backward and loss.requires_grad:  # False when no active layer reaches it
-            loss.backward()
+            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
         return PassOutput(loss.detach(), [per_sample])

@@ -25,7 +25,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_slsam.sharding import ShardLayout, local, shard_layout, sum_over_shards
+from lightning_slsam.sharding import (
+    ShardLayout,
+    local,
+    shard_layout,
+    sum_over_shards,
+    top_coordinates,
+)
 
 __all__ = [
     "PERTURBATION_NORMS",
@@ -293,22 +299,16 @@ class FisherMask:
 
     @torch.no_grad()
     def set_fisher(self, params: list[Tensor], fisher: list[Tensor]) -> None:
-        """Keep the top ``1 - sparsity`` coordinates of ``fisher`` over all ``params``."""
-        flat = torch.cat([f.reshape(-1).float() for f in fisher])
-        keep = round(flat.numel() * (1.0 - self.sparsity))
-        chosen = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
-        if keep > 0:
-            chosen[torch.topk(flat, keep, sorted=False).indices] = True
-        self.masks = {}
-        offset = 0
-        for param in params:
-            n = param.numel()
-            self.masks[id(param)] = chosen[offset : offset + n].view_as(param).to(param.dtype)
-            offset += n
+        """Keep the top ``1 - sparsity`` coordinates of ``fisher`` over all ``params``
+        (ties by position). Under FSDP2 ``fisher`` holds each process's local shards and
+        the top coordinates are those of the whole tensors (:func:`top_coordinates`)."""
+        keep = round(sum(p.numel() for p in params) * (1.0 - self.sparsity))
+        chosen = top_coordinates(fisher, keep, shard_layout(params))
+        self.masks = {id(p): c.to(p.dtype) for p, c in zip(params, chosen)}
 
     def masks_for(self, params: list[Tensor]) -> list[Tensor]:
         """The masks of ``params`` (all ones for a tensor the Fisher pass did not see)."""
-        return [self.masks.get(id(p), torch.ones_like(p)) for p in params]
+        return [self.masks.get(id(p), torch.ones_like(s)) for p, s in zip(params, local(params))]
 
     def kept_fraction(self) -> float:
         """Fraction of coordinates the current mask perturbs."""

@@ -29,6 +29,7 @@ __all__ = [
     "shard_layout",
     "shard_of",
     "sum_over_shards",
+    "top_coordinates",
 ]
 
 
@@ -111,26 +112,85 @@ def sum_over_shards(values: Tensor, layout: ShardLayout | None) -> Tensor:
     return torch.where(mask, partial, values)
 
 
-def check_shardable(tensors: Sequence[Tensor], fisher: bool, sync_first_pass: bool) -> None:
+def check_shardable(tensors: Sequence[Tensor], sync_first_pass: bool) -> None:
     """Refuse, at construction, what the engine cannot do with FSDP2-sharded ``tensors``.
 
     Raises:
-        ValueError: for SSAM-F's Fisher mask or ``sync_first_pass=False``, naming why.
+        ValueError: for ``sync_first_pass=False``, naming why.
     """
     if shard_layout(tensors) is None:
         return
-    if fisher:
-        raise ValueError(
-            "SSAM-F does not support FSDP2-sharded parameters yet: its Fisher mask needs"
-            " each sample's own gradient, and FSDP2 averages every backward pass across the"
-            " processes. Use strategy='ddp' for SSAM-F."
-        )
     if not sync_first_pass:
         raise ValueError(
             "sync_first_pass=False needs each process's own first-pass gradient, but FSDP2"
             " averages every backward pass across the processes (reduce-scatter). Leave"
             " sync_first_pass=True with FSDP2, or use strategy='ddp'."
         )
+
+
+def top_coordinates(
+    values: Sequence[Tensor], keep: int, layout: ShardLayout | None
+) -> list[Tensor]:
+    """Bool masks of the ``keep`` largest coordinates of ``values`` (magnitudes compared),
+    over all tensors and, for sharded ones, all their shards.
+
+    Ties are broken by position in the flattened concatenation of the whole tensors
+    (earlier tensor, then lower process's shard, then lower index), so the choice is the
+    same on one process and on any number of shards. The threshold is found by a radix
+    search over the float32 bit patterns (8 all-reduces of 16 counts) and the ties are
+    shared out with one small all-gather: nothing of the size of the model is gathered.
+
+    Example:
+        >>> values = [torch.tensor([0.1, 0.9, 0.5]), torch.tensor([0.5, 0.0])]
+        >>> masks = top_coordinates(values, 3, None)
+        >>> [m.tolist() for m in masks]  # 0.9, then the first 0.5, then the second
+        [[False, True, True], [True, False]]
+    """
+    device = values[0].device if values else torch.device("cpu")
+    world = dist.get_world_size(layout.group) if layout is not None else 1
+    rank = dist.get_rank(layout.group) if layout is not None else 0
+    flags = layout.flags if layout is not None else [False] * len(values)
+    # Non-negative float32 compare like their int32 bit patterns (NaN counts as largest).
+    bits = [v.detach().float().abs().nan_to_num(nan=float("inf")).reshape(-1).view(torch.int32)
+            for v in values]  # fmt: skip
+    # A tensor every process holds whole is counted once (process 0's copy).
+    counted = [b for b, sharded in zip(bits, flags) if sharded or rank == 0]
+    flat = torch.cat(counted) if counted else torch.zeros(0, dtype=torch.int32, device=device)
+
+    def reduce(counts: Tensor) -> Tensor:
+        if layout is not None:
+            dist.all_reduce(counts, group=layout.group)
+        return counts
+
+    # The largest threshold t with at least `keep` coordinates >= t, 4 bits at a time.
+    low = 0
+    for shift, width in ((27, 4), (23, 4), (19, 4), (15, 4), (11, 4), (7, 4), (3, 4), (0, 3)):
+        steps = torch.arange(1, 2**width, dtype=torch.int64, device=device)
+        bounds = (low + (steps << shift)).clamp(max=2**31 - 1).to(torch.int32)
+        below = torch.bucketize(flat, bounds, right=True)  # bounds <= value
+        at_least = reduce(torch.bincount(below, minlength=2**width).flip(0).cumsum(0).flip(0))
+        reached = (at_least[1:] >= keep).nonzero()
+        if len(reached):
+            low = int(bounds[int(reached[-1])])
+    # Above the threshold everything is kept; the ties fill up to `keep` in position order.
+    ties = [b == low for b in bits]
+    mine = torch.tensor([int(t.sum()) if f or rank == 0 else 0 for t, f in zip(ties, flags)]
+                         + [int((flat > low).sum())], dtype=torch.int64, device=device)  # fmt: skip
+    if layout is not None:
+        gathered = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine, group=layout.group)
+        table = torch.stack(gathered)  # [process, tensor + 1]
+    else:
+        table = mine[None]
+    need = keep - int(table[:, -1].sum())
+    blocks = table[:, :-1].t().reshape(-1)  # position order: tensor, then process
+    before = blocks.cumsum(0) - blocks
+    quota = (need - before).clamp(min=0).minimum(blocks).view(len(values), world)
+    masks = []
+    for i, (b, tie) in enumerate(zip(bits, ties)):
+        take = int(quota[i, rank if flags[i] else 0])
+        masks.append(((b > low) | (tie & (tie.cumsum(0) <= take))).view_as(values[i]))
+    return masks
 
 
 def full_tensor(value: Tensor, param: Tensor) -> Tensor:

@@ -39,11 +39,11 @@ CASES = {
     "rst": ("rst", {}),
     "looksam": ("looksam", {"interval": 2}),
     "slsam_looksam": ("slsam_looksam", {"layer_ratio": 0.5}),
+    "ssamf": ("ssamf", {"mask_interval": 2}),  # Fisher over all 16 samples, as on one process
     "esam": ("esam", {}),  # each process ranks its own samples: not the one-process run
 }
 #: name -> (method, options) that must be refused with sharded parameters.
 REFUSED = {
-    "ssamf": ("ssamf", {}),
     "local_first_pass": ("sam", {"sync_first_pass": False}),
 }
 

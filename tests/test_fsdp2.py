@@ -15,12 +15,13 @@ import sys
 import pytest
 import torch
 
-from lightning_slsam.sharding import local, shard_layout, sum_over_shards
+from lightning_slsam.extras import _sample_sources
+from lightning_slsam.sharding import local, shard_layout, sum_over_shards, top_coordinates
 
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp2_worker.py")
 EXACT = [
     "sam", "asam", "sam_layer_norm", "slsam", "slsam_robust", "random_slsam", "top_slsam",
-    "s2sam", "sl_s2sam", "rst", "looksam", "slsam_looksam",
+    "s2sam", "sl_s2sam", "rst", "looksam", "slsam_looksam", "ssamf",
 ]  # fmt: skip
 
 
@@ -64,7 +65,6 @@ def test_esam_draws_the_same_layers_on_every_rank(ranks):
 @pytest.mark.parametrize(
     ("case", "words"),
     [
-        ("ssamf", ["SSAM-F", "FSDP2", "strategy='ddp'"]),
         ("local_first_pass", ["sync_first_pass=False", "FSDP2"]),
         ("built_before_sharding", ["replaced", "build the engine after sharding"]),
     ],
@@ -83,12 +83,39 @@ def test_without_a_process_group_nothing_changes():
     assert sum_over_shards(values, None) is values
 
 
+@pytest.mark.parametrize("keep", [0, 1, 7, 13, 20])
+def test_top_coordinates_keeps_the_largest_with_ties_by_position(keep):
+    # SSAM-F's mask (the same code on one process and on shards): exactly `keep` kept, every
+    # kept value >= every dropped one, ties taken in position order; NaN counts as largest.
+    torch.manual_seed(0)
+    values = [torch.randint(0, 4, (3, 4)).float() * 0.25, torch.randint(0, 4, (8,)).float()]
+    values[1][2] = float("nan")
+    masks = top_coordinates(values, keep, None)
+    flat = torch.cat([v.reshape(-1) for v in values]).nan_to_num(nan=float("inf"))
+    chosen = torch.cat([m.reshape(-1) for m in masks])
+    assert int(chosen.sum()) == keep
+    order = sorted(range(len(flat)), key=lambda i: (-float(flat[i]), i))
+    assert chosen.nonzero().reshape(-1).tolist() == sorted(order[:keep])
+
+
+def test_top_coordinates_orders_float_magnitudes_exactly():
+    values = [torch.tensor([1e-30, 3.0, 2.9999998, 0.0, 1e30, 7e-45])]
+    (mask,) = top_coordinates(values, 3, None)
+    assert mask.tolist() == [False, True, True, False, True, False]
+
+
+def test_ssamf_under_fsdp2_needs_a_loss_scale_argument():
+    # Refused before any collective, naming the argument.
+    with pytest.raises(ValueError, match="loss_scale"):
+        _sample_sources(lambda subsets=None, backward=True: None, None, 4, torch.device("cpu"))
+
+
 # -- through Lightning: ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
 # fully_shard in configure_model ------------------------------------------------------------
 LIGHTNING_WORKER = os.path.join(os.path.dirname(__file__), "fsdp2_lightning_worker.py")
 LIGHTNING_METHODS = [
     "sam", "slsam", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "looksam",
-    "slsam_rst", "slsam_looksam", "slsam_robust", "esam",
+    "slsam_rst", "slsam_looksam", "slsam_robust", "esam", "ssamf",
 ]  # fmt: skip
 
 
@@ -126,7 +153,6 @@ def test_model_parallel_strategy_equals_one_process(fits, method):
 @pytest.mark.parametrize(
     ("args", "words"),
     [
-        (["--methods", "ssamf"], ["SSAM-F", "FSDP2", "strategy='ddp'"]),
         (["--methods", "slsam", "--no-shard"], ["fully_shard in configure_model"]),
     ],
 )
@@ -180,7 +206,7 @@ def test_check_masks_under_model_parallel_strategy(variants, fits, method):
         assert torch.equal(checked["weights"][name], weight)
 
 
-RESUMED = ["sam", "slsam", "s2sam", "sl_s2sam", "looksam"]
+RESUMED = ["sam", "slsam", "s2sam", "sl_s2sam", "looksam", "ssamf"]
 
 
 @pytest.fixture(scope="module")
