@@ -86,6 +86,7 @@ class SLSAMCLI(LightningCLI):
 
     def after_fit(self) -> None:
         trainer = self.trainer
+        log_dir = trainer.log_dir  # a broadcast under multi-process strategies: every rank
         if not trainer.is_global_zero:
             return
         lines = ["", "SL-SAM run summary"]
@@ -104,7 +105,7 @@ class SLSAMCLI(LightningCLI):
                 " over the passes (SAM: 2.0x, AdamW: 1.0x)"
             )
             lines.append(f"  per-layer chart: {summary['layer_frequency_png'] or 'not written'}")
-        lines.append(f"  log dir: {trainer.log_dir or trainer.default_root_dir}")
+        lines.append(f"  log dir: {log_dir or trainer.default_root_dir}")
         print("\n".join(lines), flush=True)
 
 

@@ -266,3 +266,37 @@ def llama_model(per_sample: bool = False):
 
 
 MODELS = {"timm-vit": vit_model, "bert": bert_model, "llama": llama_model}
+
+
+class ShardProbe(L.Callback):
+    """Writes ``<path>_rank<r>.pt`` per process: whether the parameters were sharded
+    DTensors, the layer masks the SAM callback drew, and the final step (for runs launched
+    as a separate program, e.g. through the CLI)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.masks: list[torch.Tensor] = []
+        self.before: dict[str, torch.Tensor] = {}
+        self.sharded: list[bool] = []
+
+    @staticmethod
+    def _whole(module: nn.Module) -> dict[str, torch.Tensor]:  # a collective when sharded
+        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for n, p in module.named_parameters()}  # fmt: skip
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.before = self._whole(pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # After the step (FSDP2 keeps the root's parameters unsharded after a forward).
+        self.sharded = [type(p).__name__ == "DTensor" for p in pl_module.parameters()]
+        sam = [cb for cb in trainer.callbacks if hasattr(cb, "engine")]
+        if sam and sam[0].engine is not None and sam[0].engine.last_result is not None:
+            self.masks.append(sam[0].engine.last_result.active_mask.clone())
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        after = self._whole(pl_module)
+        changed = [n for n in after if not torch.equal(after[n], self.before[n])]
+        record = {"sharded": all(self.sharded), "masks": self.masks, "changed": changed,
+                  "weights": after, "global_step": trainer.global_step}  # fmt: skip
+        torch.save(record, f"{self.path}_rank{trainer.global_rank}.pt")

@@ -357,6 +357,55 @@ def test_llama_platypus_recipe_trains_in_bf16_and_exports(tmp_path):
     assert (export / "tokenizer_config.json").is_file()
 
 
+def test_llama_fsdp2_recipe_shards_and_trains_on_two_processes(tmp_path):
+    # The FSDP2 recipe through the CLI on 2 gloo CPU processes: every decoder layer sharded,
+    # SL-SAM draws the same layers on both, and the export gathers the whole weights.
+    import subprocess
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path, tokenizer = _tokenizer_dir(tmp_path, _CHAT)
+    LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id).save_pretrained(path)  # fmt: skip
+    export, probe = tmp_path / "export", tmp_path / "probe"
+    config = _yaml(RECIPES, "llama_platypus_fsdp2.yaml")
+    assert config["trainer"]["strategy"]["init_args"]["data_parallel_size"] == 2
+    assert config["trainer"]["devices"] == 2 and config["data"]["init_args"]["batch_size"] == 1
+    command = [str(Path(sys.executable).with_name("lightning-slsam")), "fit",
+               "--config", _recipe("llama_platypus_fsdp2.yaml"), "--config", _method("slsam"),
+               f"--trainer.logger.init_args.save_dir={tmp_path}/runs",
+               "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false",
+               "--trainer.enable_checkpointing=false", "--trainer.max_steps=4",
+               "--trainer.val_check_interval=2", "--trainer.callbacks+=helpers.ShardProbe",
+               f"--trainer.callbacks.init_args.path={probe}",
+               f"--model.init_args.model_name_or_path={path}",
+               "--model.init_args.pretrained=false", f"--model.init_args.export_dir={export}",
+               f"--data.init_args.tokenizer={path}",
+               f"--data.init_args.data_file={_platypus_stand_in(tmp_path)}",
+               "--data.init_args.val_size=4", "--data.init_args.max_length=48"]  # fmt: skip
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
+    )
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env,
+                          cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = [torch.load(f"{probe}_rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert all(r["sharded"] and r["global_step"] == 4 for r in ranks)
+    assert len(ranks[0]["masks"]) == 4 and any(not bool(m.all()) for m in ranks[0]["masks"])
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["masks"], ranks[1]["masks"]))
+    assert len(ranks[0]["changed"]) > 0
+    # The export holds the whole trained weights (gathered from both processes' shards).
+    exported = AutoModelForCausalLM.from_pretrained(export).state_dict()
+    trained = {n.removeprefix("model."): w for n, w in ranks[0]["weights"].items()}
+    assert set(trained) <= set(exported)
+    assert all(torch.equal(exported[n].to(w.dtype), w) for n, w in trained.items())
+
+
 def test_instruction_data_checks_its_split(tmp_path):
     path, _ = _tokenizer_dir(tmp_path)
     data = InstructionDataModule(str(path), data_file=_platypus_stand_in(tmp_path, 5), val_size=5)

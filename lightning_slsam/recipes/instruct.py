@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 from lightning_slsam.checks import check_int, check_number, check_path
 from lightning_slsam.mixin import SAMMixin
 from lightning_slsam.recipes.common import load_hub_dataset, read_jsonl
+from lightning_slsam.recipes.fsdp import full_state_dict, fully_shard_blocks
 from lightning_slsam.tasks.common import (
     check_training,
     require,
@@ -210,6 +211,20 @@ class CausalLMFineTuner(SAMMixin, L.LightningModule):
             (enable or self.model.gradient_checkpointing_enable)()
         self.model.train()
 
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy`` (FSDP2): shard every decoder layer, then the
+        model, over the data-parallel mesh. Nothing to do on one device or under DDP."""
+        mesh = self.device_mesh
+        if mesh is None or getattr(self, "_sharded", False):
+            return
+        if mesh.ndim > 1 and mesh["tensor_parallel"].size() > 1:
+            raise ValueError(
+                "CausalLMFineTuner shards with FSDP2 only: use ModelParallelStrategy("
+                "data_parallel_size=<number of processes>, tensor_parallel_size=1)."
+            )
+        fully_shard_blocks(self.model, mesh["data_parallel"] if mesh.ndim > 1 else mesh)
+        self._sharded = True
+
     def _losses(self, batch: dict[str, Tensor]) -> Tensor:
         """Mean token loss of each example's answer."""
         labels = batch["labels"]
@@ -239,9 +254,12 @@ class CausalLMFineTuner(SAMMixin, L.LightningModule):
 
     def on_train_end(self) -> None:
         hp = self.hparams
-        if hp.export_dir is None or not self.trainer.is_global_zero:
+        if hp.export_dir is None:
+            return
+        weights = full_state_dict(self.model)  # a collective under FSDP2: every process
+        if not self.trainer.is_global_zero:
             return
         from transformers import AutoTokenizer
 
-        self.model.save_pretrained(hp.export_dir)
+        self.model.save_pretrained(hp.export_dir, state_dict=weights)
         AutoTokenizer.from_pretrained(hp.model_name_or_path).save_pretrained(hp.export_dir)
