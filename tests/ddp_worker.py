@@ -79,7 +79,7 @@ class Record(L.Callback):
 
 def run(
     method: str, devices: int, strategy: str, steps: int, out: str, sync: bool, accumulate: int,
-    fp16: bool, precision: str,
+    fp16: bool, precision: str, num_nodes: int = 1,
 ) -> None:  # fmt: skip
     L.seed_everything(7)
     options = {"seed": None, "sync_first_pass": sync, "accumulate_grad_batches": accumulate}
@@ -89,11 +89,12 @@ def run(
     tag = f"{method}_{strategy}_{devices}{'' if sync else '_local'}"
     tag += f"{f'_acc{accumulate}' if accumulate > 1 else ''}{'_fp16' if fp16 else ''}"
     tag += f"_{precision}" if precision != "32-true" else ""
+    tag += f"_nodes{num_nodes}" if num_nodes > 1 else ""
     plugins = []
     if fp16:  # fp16 autocast with a real gradient scaler, as "16-mixed" on CUDA
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
         plugins.append(MixedPrecision("16-mixed", "cpu", scaler=scaler))
-    if devices == 1:
+    if devices == 1 and num_nodes == 1:
         chosen = "auto"
     elif strategy == "ddp":
         chosen = DDPStrategy(process_group_backend="gloo")
@@ -102,6 +103,7 @@ def run(
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
+        num_nodes=num_nodes,
         strategy=chosen,
         max_steps=steps,
         callbacks=[c for c in (callback, Record(os.path.join(out, tag))) if c is not None],
@@ -132,6 +134,7 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--fp16", action="store_true")
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--num-nodes", type=int, default=1, help="under torchrun, one per node")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -139,6 +142,7 @@ def main() -> None:
         run(
             method, args.devices, args.strategy, args.steps, args.out,
             not args.local_first_pass, args.accumulate, args.fp16, args.precision,
+            args.num_nodes,
         )  # fmt: skip
 
 

@@ -165,7 +165,6 @@ def test_model_parallel_strategy_refuses_what_it_cannot_do(tmp_path, args, words
 
 VARIANTS = {  # tag -> worker arguments (sam and slsam, on 2 processes and on 1)
     "acc2": ["--accumulate", "2"],
-    "bf16-mixed": ["--precision", "bf16-mixed"],
     "clip": ["--clip", "0.05", "--tag", "_clip"],
 }
 
@@ -183,19 +182,49 @@ def variants(tmp_path_factory):
 
 
 @pytest.mark.parametrize("method", ["sam", "slsam"])
-@pytest.mark.parametrize(
-    ("tag", "tolerance"), [("acc2", 1e-5), ("bf16-mixed", 2e-2), ("clip", 1e-5)]
-)
+@pytest.mark.parametrize(("tag", "tolerance"), [("acc2", 1e-5), ("clip", 1e-5)])
 def test_model_parallel_strategy_with_training_features(variants, fits, method, tag, tolerance):
     r0, one = variants(f"{method}_2_{tag}_rank0"), variants(f"{method}_1_{tag}_rank0")
     assert r0["sharded"] and r0["global_step"] == one["global_step"] == 3
     assert all(torch.equal(a, b) for a, b in zip(r0["masks"], one["masks"]))
     diff = max((r0["weights"][k] - one["weights"][k]).abs().max().item() for k in one["weights"])
-    assert diff < tolerance  # bf16: bfloat16 arithmetic on half batches vs whole ones
+    assert diff < tolerance
     if tag == "clip":  # the clipping acted (0.05 is below the gradients' norms)
         plain = fits(f"{method}_2_rank0")
         assert max((r0["weights"][k] - plain["weights"][k]).abs().max().item() for k in
                    one["weights"]) > 1e-3  # fmt: skip
+
+
+#: What ModelParallelStrategy accepts besides 32-true. (It refuses 16-mixed and 64-true
+#: itself; 16-true trains float16 weights without a loss scaler, where AdamW fails on its
+#: own: its second moment underflows.)
+BFLOAT16 = ["bf16-mixed", "bf16-true"]
+
+
+@pytest.fixture(scope="module")
+def bfloat16(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp2_bfloat16")
+    for precision in BFLOAT16:
+        done = _lightning("--methods", ",".join(LIGHTNING_METHODS), "--devices", "2",
+                          "--precision", precision, "--out", str(out))  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return lambda tag: torch.load(out / f"{tag}.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("precision", BFLOAT16)
+@pytest.mark.parametrize("method", LIGHTNING_METHODS)
+def test_every_method_in_bfloat16_under_fsdp2(bfloat16, fits, method, precision):
+    # The same layers on both ranks and as in float32, and float32's weights up to bfloat16.
+    r0, r1 = bfloat16(f"{method}_2_{precision}_rank0"), bfloat16(f"{method}_2_{precision}_rank1")
+    full = fits(f"{method}_2_rank0")
+    assert r0["sharded"] and r0["global_step"] == 3
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    assert all(w.dtype == dtype for w in r0["weights"].values())
+    assert all(torch.equal(a, b) for a, b in zip(r0["masks"], r1["masks"]))
+    assert all(torch.equal(a, b) for a, b in zip(r0["masks"], full["masks"]))
+    diff = max((r0["weights"][k].float() - w).abs().max().item() for k, w in
+               full["weights"].items())  # fmt: skip
+    assert diff < (0.1 if method == "esam" else 3e-2)  # ESAM: bfloat16 per-sample losses
 
 
 @pytest.mark.parametrize("method", ["sam", "slsam"])
