@@ -11,7 +11,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export MPLBACKEND := Agg
 
-.PHONY: install demo test lint docs docs-serve format bench clean
+.PHONY: install demo test lint docs docs-serve format bench bench-fsdp2 clean
 
 install: $(STAMP)
 
@@ -44,6 +44,10 @@ test: install lint docs
 
 bench: install
 	$(PY) benchmarks/run_all.py
+
+# SAM vs SL-SAM per-rank peak memory under FSDP2 and DDP (2 gloo CPU processes, ~15 min).
+bench-fsdp2: install
+	$(PY) benchmarks/fsdp2_memory.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache lightning_logs site
