@@ -4,7 +4,8 @@
 
 Prints one JSON line. On a CPU it reports the process's resident set (RSS):
 
-* ``runtime_mb`` -- after the imports, before the model exists (Python, torch, libraries);
+* ``runtime_mb`` -- after the imports (Python, torch, and the model's library: timm or
+  transformers), before the model exists;
 * ``setup_mb`` -- after the model, the batches and the optimizer state exist;
 * ``peak_mb`` -- the highest RSS while training (Linux's high-water mark, reset after
   setup, so model loading does not count);
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> dict:
     from models import make_workload
     from step_time import make_step
 
+    # The model's library is imported before the runtime is read, so its code (about 240 MB
+    # for transformers) does not count as the training's memory.
+    __import__("timm" if args.model in ("vit", "deit_small") else "transformers")
     cuda = torch.cuda.is_available()
     runtime = _rss_mb()
     work = make_workload(args.model, args.steps, "cuda" if cuda else "cpu")
