@@ -39,8 +39,9 @@ format: install
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
+# Two pytest workers, each taking whole test files (module fixtures are built once).
 test: install lint docs
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 bench: install
 	$(PY) benchmarks/run_all.py
