@@ -1,6 +1,7 @@
 """Per-rank peak memory of SAM and SL-SAM under FSDP2 and DDP, on 2 gloo processes.
 
-    python benchmarks/fsdp2_memory.py            # or `make bench-fsdp2`; ~15 min, 2 CPU cores
+    python benchmarks/fsdp2_memory.py            # or `make bench-fsdp2`; ~20 min, 2 CPU cores
+    python benchmarks/fsdp2_memory.py --shapes 2x32   # one shape; the others' results kept
 
 Trains the benchmark's small Llama (``models.py``'s ``llama``) with AdamW (the reference),
 SAM and SL-SAM (the paper's defaults) through the library's engine in a plain loop:
@@ -11,6 +12,12 @@ SAM and SL-SAM (the paper's defaults) through the library's engine in a plain lo
 * ``fsdp2`` -- ``fully_shard`` on every decoder layer, then the root, over a 1-D mesh of the
   processes; the engine is built after sharding and works on the local shards.
 
+Two shapes, batch per rank x tokens (``--shapes``): ``8x128``, where the activations (the
+logits over the 8192-token vocabulary above all) outweigh the weights, gradients and AdamW
+state, and ``2x32``, where those parameter-sized tensors outweigh the activations many times,
+as in the paper's LLM fine-tuning (Llama-3.2-3B, batch 2 x 1024 tokens). Both use the same
+token stream (the first ``batch`` x ``seq`` of the same random batches).
+
 Every configuration runs ``--repeats`` times in fresh processes, each rank measuring as
 ``memory.py`` does: on a CPU, its RSS high-water mark (VmHWM, reset after setup) minus its
 runtime RSS (after the imports and the process group, before the model exists), the
@@ -18,7 +25,8 @@ optimizer state of every parameter allocated first (one AdamW step, zero gradien
 on CUDA, ``torch.cuda.max_memory_allocated`` too. One more run per configuration has glibc
 return freed blocks to the OS (``RETURNED``), so its RSS follows the live memory. Both ranks
 use SL-SAM's seed 0, so they draw the same layers (checked). Writes
-``results/fsdp2_memory.{json,md}``.
+``results/fsdp2_memory.{json,md}``, merging the shapes run into the JSON already there. The
+pure part (ratios, verdicts, the table) is ``fsdp2_memory_report.py``.
 """
 
 from __future__ import annotations
@@ -35,15 +43,17 @@ import subprocess
 import sys
 import time
 
+from fsdp2_memory_report import GOAL, RETURNED, merge, render, shape_name, summarize
 from memory import _reset_peak, _rss_mb  # the same RSS readings as memory.py
+
+__all__ = ["GOAL", "RETURNED", "estimate", "launch", "main", "render", "summarize", "worker"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STRATEGIES = ("ddp", "fsdp2")
 METHODS = ("adamw", "sam", "slsam")
-GOAL = 0.85  # SL-SAM's per-rank peak / SAM's, under each strategy
+#: batch per rank, tokens per sequence: activation-dominated, then parameter-dominated.
+SHAPES = {shape_name(b, t): (b, t) for b, t in ((8, 128), (2, 32))}
 MB = 2**20
-#: glibc told to unmap every block over 128 KiB when freed: the RSS then follows live memory.
-RETURNED = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 #: Hand-written analysis appended to the report (kept beside the results).
 NOTES = os.path.join(HERE, "results", "fsdp2_memory.notes.md")
 
@@ -54,7 +64,43 @@ def _local_mb(tensors) -> float:
     return sum(t.numel() * t.element_size() for t in local) / MB
 
 
-def worker(strategy: str, method: str, steps: int, threads: int) -> dict:
+def _batches(count: int, batch: int, seq: int, vocab: int, device: str) -> list[dict]:
+    """``models.py``'s llama batches (the same generator), cut to ``batch`` x ``seq``."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    return [{"input_ids": torch.randint(0, vocab, (8, 128), generator=gen)[:batch, :seq]
+             .contiguous().to(device)} for _ in range(count)]  # fmt: skip
+
+
+def estimate(batch: int, seq: int, world: int) -> dict:
+    """What dominates AdamW's per-rank memory at a shape, in one process (no training):
+    the weights, gradients and AdamW state (4 x the fp32 parameters; FSDP2 shards them over
+    ``world``), and the activations one forward and the loss keep for the backward."""
+    import torch
+    from models import make_workload
+
+    work = make_workload("llama", 0, "cpu")
+    model, vocab = work.model, work.model.config.vocab_size
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:  # the weights (and their views) are not activations
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        work.loss(model, _batches(1, batch, seq, vocab, "cpu")[0]).mean()
+    param_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / MB
+    return {"param_mb": param_mb, "tokens_per_rank": batch * seq,
+            "weights_grads_adamw_mb": {"ddp": 4 * param_mb, "fsdp2": 4 * param_mb / world},
+            "saved_activations_mb": sum(saved.values()) / MB,
+            "logits_mb": batch * seq * vocab * 4 / MB}  # fmt: skip
+
+
+def worker(strategy: str, method: str, steps: int, threads: int, batch: int, seq: int) -> dict:
     """One rank's run (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT`` in the env)."""
     import torch
     import torch.distributed as dist
@@ -76,7 +122,8 @@ def worker(strategy: str, method: str, steps: int, threads: int) -> dict:
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", rank=rank, world_size=world)
     device = "cuda" if cuda else "cpu"
     runtime = _rss_mb()
-    work = make_workload("llama", steps * world, device)  # rank r trains batches r, r+w, ...
+    work = make_workload("llama", 0, device)  # rank r trains batches r, r+w, ...
+    work.batches = _batches(steps * world, batch, seq, work.model.config.vocab_size, device)
     model = forward = work.model
     if strategy == "fsdp2":
         mesh = init_device_mesh(device, (world,))
@@ -105,10 +152,10 @@ def worker(strategy: str, method: str, steps: int, threads: int) -> dict:
     masks, active = [], []
     start = time.perf_counter()
     for s in range(steps):
-        batch = work.batches[s * world + rank]
+        data = work.batches[s * world + rank]
 
-        def compute_loss(index=None, batch=batch):
-            part = batch if index is None else {k: v[index] for k, v in batch.items()}
+        def compute_loss(index=None, data=data):
+            part = data if index is None else {k: v[index] for k, v in data.items()}
             return work.loss(forward, part)
 
         if engine is None:
@@ -117,11 +164,11 @@ def worker(strategy: str, method: str, steps: int, threads: int) -> dict:
             opt.step()
             continue
         if strategy == "fsdp2":
-            result = engine.train_step(compute_loss, opt, batch_size=work.batch_size(batch))
+            result = engine.train_step(compute_loss, opt, batch_size=work.batch_size(data))
         else:
             with forward.no_sync():  # the engine averages the active layers' gradients
                 result = engine.step(
-                    PlainLoopPasses(compute_loss, work.batch_size(batch)),
+                    PlainLoopPasses(compute_loss, work.batch_size(data)),
                     lambda: opt.zero_grad(set_to_none=True),
                     lambda skip: None if skip else opt.step(),
                     StepContext(averager=averager),
@@ -130,6 +177,7 @@ def worker(strategy: str, method: str, steps: int, threads: int) -> dict:
         active.append(sum(result.pass_numel) / result.trainable_numel)
     out = {
         "strategy": strategy, "method": method, "rank": rank, "world": world, "steps": steps,
+        "batch": batch, "seq": seq,
         "runtime_mb": runtime, "setup_mb": setup,
         "peak_mb": _rss_mb("VmHWM") if reset else float("nan"),
         "param_mb": _local_mb(model.parameters()), "optimizer_state_mb": _local_mb(state),
@@ -152,8 +200,9 @@ def _free_port() -> int:
 
 
 def launch(
-    strategy: str, method: str, steps: int, world: int, threads: int, returned: bool = False
-) -> list[dict]:
+    strategy: str, method: str, steps: int, world: int, threads: int, returned: bool = False,
+    shape: tuple[int, int] = SHAPES["8x128"],
+) -> list[dict]:  # fmt: skip
     """One configuration in ``world`` fresh processes; their results in rank order.
     ``returned``: with :data:`RETURNED`'s allocator settings."""
     port = _free_port()
@@ -164,7 +213,7 @@ def launch(
                "LOCAL_RANK": str(rank)}  # fmt: skip
         command = [sys.executable, os.path.abspath(__file__), "--worker", "--strategy",
                    strategy, "--method", method, "--steps", str(steps), "--threads",
-                   str(threads)]  # fmt: skip
+                   str(threads), "--batch", str(shape[0]), "--seq", str(shape[1])]  # fmt: skip
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))  # fmt: skip
     results = []
@@ -176,128 +225,6 @@ def launch(
             raise RuntimeError(f"{strategy}/{method} rank {rank} failed:\n{err[-3000:]}")
         results.append(json.loads(lines[-1]))
     return results
-
-
-# -- the pure part: medians, ratios, the goal, the table ------------------------------
-def summarize(runs: dict, returned: dict | None = None, goal: float = GOAL) -> dict:
-    """``runs[strategy][method]``: a list of repeats, each the ranks' result dicts;
-    ``returned[strategy][method]``: the ranks' results of the run with :data:`RETURNED`.
-
-    Returns per configuration the median over repeats of the per-rank peak training MB
-    and of its max over ranks, the ratios to SAM (same strategy) and FSDP2 / DDP (same
-    method), the peak with freed memory returned (max over ranks) and its ratio to SAM, and
-    the goal's verdict per strategy (SL-SAM / SAM <= ``goal``, on the default RSS peak)."""
-    returned = returned or {}
-    rows: dict = {}
-    for strategy, methods in runs.items():
-        for method, repeats in methods.items():
-            peaks = [max(r["training_mb"] for r in ranks) for ranks in repeats]
-            world = len(repeats[0])
-            rank_values = [[ranks[i]["training_mb"] for ranks in repeats] for i in range(world)]
-            setup = [max(r["setup_mb"] - r["runtime_mb"] for r in ranks) for ranks in repeats]
-            rows.setdefault(strategy, {})[method] = {
-                "peak_mb": statistics.median(peaks),
-                "repeats_mb": peaks,
-                "per_rank_mb": [statistics.median(v) for v in rank_values],
-                "setup_mb": statistics.median(setup),
-                "param_mb": repeats[0][0].get("param_mb"),
-                "optimizer_state_mb": repeats[0][0].get("optimizer_state_mb"),
-                "active_ratio": repeats[0][0].get("active_ratio"),
-                "masks_agree": all(len({str(r.get("masks")) for r in rs}) == 1 for rs in repeats),
-            }
-            ranks = returned.get(strategy, {}).get(method)
-            if ranks:
-                row = rows[strategy][method]
-                row["returned_mb"] = max(r["training_mb"] for r in ranks)
-                row["returned_per_rank_mb"] = [r["training_mb"] for r in ranks]
-                row["returned_setup_mb"] = max(r["setup_mb"] - r["runtime_mb"] for r in ranks)
-    for methods in rows.values():
-        sam = methods.get("sam", {})
-        for method, row in methods.items():
-            for key, ratio in (("peak_mb", "ratio_to_sam"), ("returned_mb", "returned_to_sam")):
-                base = sam.get(key)
-                row[ratio] = row[key] / base if base and key in row else None
-            ddp = rows.get("ddp", {}).get(method, {}).get("peak_mb")
-            fsdp2 = rows.get("fsdp2", {}).get(method, {}).get("peak_mb")
-            row["fsdp2_over_ddp"] = fsdp2 / ddp if fsdp2 and ddp else None
-    verdict = {}
-    for strategy, methods in rows.items():
-        ratio = methods.get("slsam", {}).get("ratio_to_sam")
-        if ratio is not None:
-            verdict[strategy] = {"ratio": ratio, "goal": goal, "met": ratio <= goal}
-    return {"rows": rows, "goal": verdict}
-
-
-def _f(value: float | None, digits: int = 3) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def render(result: dict) -> str:
-    """The markdown report of :func:`main`'s result."""
-    summary, m = result["summary"], result["machine"]
-    world, batch = result["world"], result["batch_per_rank"]
-    malloc = " ".join(f"{k}={v}" for k, v in result.get("malloc_env", {}).items())
-    lines = [
-        "# SAM and SL-SAM under FSDP2 and DDP: per-rank peak memory",
-        "",
-        f"{result['description']}; {world} gloo processes, each training its own batch of"
-        f" {batch} (global {batch * world}), {result['steps']} steps, {result['threads']} thread"
-        f" per process; median of {result['repeats']} runs in fresh processes. Per rank, as"
-        " `memory.py`: the peak RSS while training (VmHWM, reset after setup) minus the"
-        " runtime RSS (after the imports and the process group, before the model exists), the"
-        " optimizer state of every parameter allocated first. DDP: the whole model on every"
-        " rank, the SAM methods' gradients averaged by the engine inside `no_sync`; FSDP2:"
-        " `fully_shard` on every decoder layer and the root over a 1-D mesh. SL-SAM: the"
-        " paper's defaults (layer ratio 0.2), seed 0 on every rank.",
-        "",
-        f"Command: `{result['command']}`{f' with {malloc}' if malloc else ''}"
-        f" ({result['minutes']:.1f} minutes, {result.get('cpu_minutes', 0):.1f} CPU minutes)."
-        f" Date: {result['date']}. Machine: {m['cpu']},"
-        f" {m['cores']} cores, {m['platform']}, Python {m['python']}, torch {m['torch']},"
-        f" GPU: {m['cuda'] or 'none'}.",
-        "",
-        "| strategy | method | peak training MB (max of ranks) | runs | per rank | / SAM"
-        " | FSDP2 / DDP | freed returned: peak MB | per rank | / SAM | before training"
-        " | active ratio |",
-        "|---|---|" + "---:|" * 10,
-    ]
-    for strategy, methods in summary["rows"].items():
-        for method, row in methods.items():
-            runs = ", ".join(f"{v:.0f}" for v in row["repeats_mb"])
-            back = " / ".join(f"{v:.0f}" for v in row.get("returned_per_rank_mb", []))
-            lines.append(
-                f"| {strategy} | {method} | {row['peak_mb']:.0f} | {runs}"
-                f" | {' / '.join(f'{v:.0f}' for v in row['per_rank_mb'])}"
-                f" | {_f(row['ratio_to_sam'])} | {_f(row['fsdp2_over_ddp'])}"
-                f" | {_f(row.get('returned_mb'), 0)} | {back or '-'}"
-                f" | {_f(row.get('returned_to_sam'))} | {_f(row.get('returned_setup_mb'), 0)}"
-                f" | {_f(row['active_ratio'])} |"
-            )
-    lines += [
-        "",
-        "MB are MiB. *Runs*: each run's max over ranks. *Freed returned*: one more run per"
-        " configuration, measured the same way, with glibc told to give every freed block over"
-        f" 128 KiB back to the OS ({' '.join(f'{k}={v}' for k, v in RETURNED.items())}): the"
-        " RSS then follows the live memory (the CPU counterpart of"
-        " `torch.cuda.max_memory_allocated`) instead of keeping the heap that the default"
-        " allocator grows and keeps; *before training*: that run's setup RSS above the runtime"
-        " (weights, optimizer state, written buffers). *Active ratio*: parameter fraction with"
-        " a gradient, summed over a step's passes.",
-        "",
-        f"## Goal: SL-SAM's per-rank peak <= {result['goal']:.2f}x SAM's, same strategy",
-        "",
-        "| strategy | SL-SAM / SAM | SL-SAM / SAM, freed returned | goal | |",
-        "|---|---:|---:|---:|---|",
-    ]
-    for strategy, v in summary["goal"].items():
-        mark = "met" if v["met"] else "**missed**"
-        back = summary["rows"][strategy]["slsam"].get("returned_to_sam")
-        lines.append(f"| {strategy} | {v['ratio']:.3f} | {_f(back)} | {v['goal']:.2f} | {mark} |")
-    agree = all(r["masks_agree"] for ms in summary["rows"].values() for r in ms.values())
-    lines += ["", f"Both ranks drew the same layers every step: {'yes' if agree else '**no**'}."]
-    if result.get("notes"):
-        lines += ["", result["notes"]]
-    return "\n".join(lines) + "\n"
 
 
 def machine() -> dict:
@@ -322,49 +249,66 @@ def main(argv: list[str] | None = None) -> dict | None:
                         help="a run per configuration with freed memory returned")  # fmt: skip
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="batch per rank x tokens:"
+                        f" {', '.join(SHAPES)}; the JSON's other shapes are kept")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--notes", default=NOTES, help="a file whose text ends the report")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--strategy", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=8, help=argparse.SUPPRESS)
+    parser.add_argument("--seq", type=int, default=128, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.strategy, args.method, args.steps, args.threads)))
+        shape = (args.batch, args.seq)
+        print(json.dumps(worker(args.strategy, args.method, args.steps, args.threads, *shape)))
         return None
-    world, start = 2, time.perf_counter()
+    world, shapes = 2, args.shapes.split(",")
     strategies, methods = args.strategies.split(","), args.methods.split(",")
-    runs: dict = {s: {m: [] for m in methods} for s in strategies}
-    returned: dict = {s: {} for s in strategies}
-    for repeat in range(args.repeats + args.returned_runs):  # a slow spell hits every config
-        back = repeat == args.repeats
-        for strategy in strategies:
-            for method in methods:
-                ranks = launch(strategy, method, args.steps, world, args.threads, back)
-                if back:
-                    returned[strategy][method] = ranks
-                else:
-                    runs[strategy][method].append(ranks)
-                values = " / ".join(f"{r['training_mb']:.0f}" for r in ranks)
-                label = "freed returned" if back else f"run {repeat + 1}"
-                print(f"  {label}: {strategy}/{method}: {values} MB", flush=True)
     result = {
         "description": "small Llama (hidden 384, 6 layers, 14.1M parameters, vocabulary 8192,"
-        " tied embeddings), causal LM on random tokens of length 128, random init",
-        "world": world, "batch_per_rank": 8, "steps": args.steps, "repeats": args.repeats,
-        "threads": args.threads, "goal": GOAL, "runs": runs,
-        "returned": returned, "returned_env": RETURNED, "summary": summarize(runs, returned),
-        "command": "python benchmarks/fsdp2_memory.py" + "".join(f" {a}" for a in argv or []),
-        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "minutes": (time.perf_counter() - start) / 60, "machine": machine(),
-        "cpu_minutes": sum(resource.getrusage(resource.RUSAGE_CHILDREN)[:2]) / 60,
+        " tied embeddings), causal LM on random tokens, random init",
+        "world": world, "threads": args.threads, "goal": GOAL, "returned_env": RETURNED,
+        "machine": machine(), "shapes": {},
     }  # fmt: skip
+    for name in shapes:
+        start, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)[:2]
+        runs: dict = {s: {m: [] for m in methods} for s in strategies}
+        returned: dict = {s: {} for s in strategies}
+        for repeat in range(args.repeats + args.returned_runs):  # a slow spell hits all configs
+            back = repeat == args.repeats
+            for strategy in strategies:
+                for method in methods:
+                    ranks = launch(strategy, method, args.steps, world, args.threads, back,
+                                   SHAPES[name])  # fmt: skip
+                    (returned[strategy].__setitem__(method, ranks) if back
+                     else runs[strategy][method].append(ranks))  # fmt: skip
+                    values = " / ".join(f"{r['training_mb']:.0f}" for r in ranks)
+                    label = "freed returned" if back else f"run {repeat + 1}"
+                    print(f"  {name} {label}: {strategy}/{method}: {values} MB", flush=True)
+        cpu_now = resource.getrusage(resource.RUSAGE_CHILDREN)[:2]
+        result["shapes"][name] = {
+            "batch_per_rank": SHAPES[name][0], "seq": SHAPES[name][1], "steps": args.steps,
+            "repeats": args.repeats, "threads": args.threads, "runs": runs, "returned": returned,
+            "command": "python benchmarks/fsdp2_memory.py" + "".join(f" {a}" for a in argv or []),
+            "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "minutes": (time.perf_counter() - start) / 60, "machine": result["machine"],
+            "cpu_minutes": (sum(cpu_now) - sum(cpu)) / 60,
+        }  # fmt: skip
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, "fsdp2_memory")
+    if os.path.exists(stem + ".json"):  # keep the shapes not run now as they were
+        with open(stem + ".json") as handle:
+            result = merge(json.load(handle), result)
+    for entry in result["shapes"].values():  # (recomputed: same numbers, current fields)
+        entry["summary"] = summarize(entry["runs"], entry["returned"], GOAL)
+        entry["estimate"] = estimate(entry["batch_per_rank"], entry["seq"], world)
+    result.pop("notes", None)
     if args.notes and os.path.exists(args.notes):
         with open(args.notes) as handle:
             result["notes"] = handle.read().strip()
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, "fsdp2_memory")
     with open(stem + ".json", "w") as handle:
         json.dump(result, handle, indent=2)
     with open(stem + ".md", "w") as handle:
