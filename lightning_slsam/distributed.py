@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["GradientAverager"]
+__all__ = ["GradientAverager", "ddp_averager"]
 
 
 class GradientAverager:
@@ -77,3 +77,22 @@ class GradientAverager:
                 last.append(tensor)
                 size += nbytes
         return buckets
+
+
+def ddp_averager(ddp: torch.nn.Module, module: torch.nn.Module | None) -> GradientAverager:
+    """An averager over the processes of ``ddp``, after checking that ``ddp`` is the
+    ``DistributedDataParallel`` wrapper of ``module`` (the engine's model), or ``module``
+    itself; a plain loop's ``train_step(..., ddp=)`` calls it on its first step."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp, DistributedDataParallel):
+        raise TypeError(
+            "`ddp` must be the torch.nn.parallel.DistributedDataParallel wrapper that"
+            f" `compute_loss` runs, got {type(ddp).__name__}."
+        )
+    if module is not None and module is not ddp and ddp.module is not module:
+        raise ValueError(
+            "`ddp` wraps another module than the one this engine was built on: build"
+            " the engine on the wrapped module, `make_engine(method, ddp.module, ...)`."
+        )
+    return GradientAverager(ddp.process_group)

@@ -58,7 +58,7 @@ from lightning_slsam.layers import LayerPartition
 from lightning_slsam.passes import (
     ForwardBackward,
     PassOutput,
-    PlainLoopPasses,
+    PlainLoopStep,
     StepCall,
     StepContext,
     StepResult,
@@ -74,7 +74,7 @@ from lightning_slsam.steps import LookSAMReuse, PlainStep, SAMStep, SingleStep, 
 __all__ = ["PassOutput", "SparseSAMEngine", "StepContext", "StepResult"]
 
 
-class SparseSAMEngine(StepCounters):
+class SparseSAMEngine(StepCounters, PlainLoopStep):
     """Runs SAM-method steps over a :class:`LayerPartition` (pure PyTorch).
 
     Args:
@@ -110,8 +110,9 @@ class SparseSAMEngine(StepCounters):
             it would if it were trained every step. Must be ``>= 1``.
 
     Its counters (``counts``, ``num_steps``, ``mean_active_ratio``, ``last_result``, ...)
-    are :class:`~lightning_slsam.counters.StepCounters`'. A runnable example is in
-    :mod:`lightning_slsam.engine`'s docstring.
+    are :class:`~lightning_slsam.counters.StepCounters`'; its plain-loop step,
+    ``train_step``, is :class:`~lightning_slsam.passes.PlainLoopStep`'s. A runnable example
+    is in :mod:`lightning_slsam.engine`'s docstring.
     """
 
     def __init__(
@@ -240,7 +241,7 @@ class SparseSAMEngine(StepCounters):
         mask = self.freezer.all.clone() if forced else self.selection.sample()
         if self.scaling is not None:
             self.scaling.prepare(self.selection, drawn=not forced)
-        if self.check_masks and context.averager is not None:
+        if (self.check_masks or context.check_draw) and context.averager is not None:
             check_same_draw(mask, kind, self.num_steps, context.averager)
         result = StepResult(None, mask, self.partition.trainable_numel, kind, drawn=not forced)
         call = StepCall(result, forward_backward, zero_grad, optimizer_step, context)
@@ -254,34 +255,6 @@ class SparseSAMEngine(StepCounters):
             self.release()
         self.count(result)
         return result
-
-    def train_step(
-        self,
-        compute_loss: Callable[..., Tensor],
-        optimizer: torch.optim.Optimizer,
-        batch_size: int | None = None,
-    ) -> StepResult:
-        """One step in a plain PyTorch loop.
-
-        Args:
-            compute_loss: runs the forward pass on the current batch and returns the loss
-                (called once per pass; back-propagation is done here). Methods that
-                address single samples (ESAM's data selection, SSAM-F) call it as
-                ``compute_loss(index)`` with a tensor of sample indices, and ESAM needs it
-                to return per-sample losses (a 1-D tensor; it is averaged for the update).
-            optimizer: the base optimizer; not stepped at all when the step is skipped.
-            batch_size: samples in the batch (needed by ESAM and SSAM-F).
-        """
-
-        forward_backward = PlainLoopPasses(compute_loss, batch_size)
-
-        def optimizer_step(skip: bool) -> None:
-            if not skip:
-                optimizer.step()
-
-        return self.step(
-            forward_backward, lambda: optimizer.zero_grad(set_to_none=True), optimizer_step
-        )
 
     def _stateful(self) -> list[Any]:
         parts: list[Any] = [self._single, self.kinds["reuse"]]

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from lightning_slsam.distributed import GradientAverager
+from lightning_slsam.distributed import GradientAverager, ddp_averager
 from lightning_slsam.freezing import LayerFreezer
 from lightning_slsam.perturbation import tensor_norms
 from lightning_slsam.schedules import STEP_KINDS
@@ -24,6 +24,7 @@ __all__ = [
     "GradientPass",
     "PassOutput",
     "PlainLoopPasses",
+    "PlainLoopStep",
     "StepCall",
     "StepContext",
     "StepResult",
@@ -73,10 +74,13 @@ class StepContext:
             gradients' device) when one is in use: the per-layer norms the selection learns
             from are divided by it. Everything else SAM computes is scale-free.
         averager: averages gradients across processes (DDP); ``None`` on one process.
+        check_draw: check on this step that every process drew the same layers (what
+            ``check_masks`` does on every step).
     """
 
     grad_scale: Callable[[], Tensor] | None = None
     averager: GradientAverager | None = None
+    check_draw: bool = False
 
 
 @dataclass
@@ -234,9 +238,10 @@ def check_same_draw(mask: Tensor, kind: str, step: int, averager: GradientAverag
             f"check_masks: at step {step} process(es) {differ} drew other layers"
             f" or another step kind than process 0 (active layers per process:"
             f" {counts.tolist()}). The processes' selection generators have diverged:"
-            " keep the callback's `seed` the same on every process (the default, None,"
-            " takes the `seed_everything` seed of rank 0) and do not draw from the"
-            " callback's generators yourself."
+            " keep the seed the same on every process (the callback's `seed`, whose"
+            " default None takes the `seed_everything` seed of rank 0; in a plain loop,"
+            " `make_engine(..., seed=...)`) and do not draw from the engine's generators"
+            " yourself."
         )
 
 
@@ -265,3 +270,57 @@ class PlainLoopPasses:
         if backward and loss.requires_grad:  # False when no active layer reaches it
             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
         return PassOutput(loss.detach(), [per_sample])
+
+
+class PlainLoopStep:
+    """The engine's step for a plain PyTorch loop (a base class of
+    :class:`~lightning_slsam.SparseSAMEngine`): :meth:`train_step` builds the passes and the
+    optimizer calls that :meth:`SparseSAMEngine.step` takes, on one process or under DDP."""
+
+    _ddp: tuple[torch.nn.Module, GradientAverager] | None = None
+    _module: torch.nn.Module | None
+    step: Callable[..., StepResult]
+
+    def train_step(
+        self,
+        compute_loss: Callable[..., Tensor],
+        optimizer: torch.optim.Optimizer,
+        batch_size: int | None = None,
+        *,
+        ddp: torch.nn.Module | None = None,
+    ) -> StepResult:
+        """One step in a plain PyTorch loop.
+
+        Args:
+            compute_loss: runs the forward pass on the current batch and returns the loss
+                (called once per pass; back-propagation is done here). Methods that
+                address single samples (ESAM's data selection, SSAM-F) call it as
+                ``compute_loss(index)`` with a tensor of sample indices, and ESAM needs it
+                to return per-sample losses (a 1-D tensor; it is averaged for the update).
+            optimizer: the base optimizer; not stepped at all when the step is skipped.
+            batch_size: samples in the batch (needed by ESAM and SSAM-F).
+            ddp: when several processes train with DDP, the ``DistributedDataParallel``
+                wrapper that ``compute_loss`` runs. Build the engine on the wrapped module
+                (``make_engine(method, ddp.module, seed=...)``), with the same ``seed`` on
+                every process. The step runs inside ``ddp.no_sync()``; the engine averages
+                the active layers' gradients itself, and its first step checks that every
+                process drew the same layers. (FSDP2 needs nothing: its parameters average.)
+        """
+
+        forward_backward = PlainLoopPasses(compute_loss, batch_size)
+
+        def optimizer_step(skip: bool) -> None:
+            if not skip:
+                optimizer.step()
+
+        def zero_grad() -> None:
+            optimizer.zero_grad(set_to_none=True)
+
+        if ddp is None:
+            return self.step(forward_backward, zero_grad, optimizer_step)
+        first = self._ddp is None or self._ddp[0] is not ddp
+        if first:
+            self._ddp = (ddp, ddp_averager(ddp, self._module))
+        with ddp.no_sync():
+            context = StepContext(averager=self._ddp[1], check_draw=first)
+            return self.step(forward_backward, zero_grad, optimizer_step, context)

@@ -137,10 +137,15 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", default=",".join(CASES))
     args = parser.parse_args()
+    spawn_two(_run, args.out, args.cases.split(","))
+
+
+def spawn_two(run, *args) -> None:
+    """``run(rank, 2, port, *args)`` in 2 processes, on a free port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_run, args=(2, port, args.out, args.cases.split(",")), nprocs=2)
+    mp.spawn(run, args=(2, port, *args), nprocs=2)
 
 
 if __name__ == "__main__":

@@ -300,3 +300,15 @@ class ShardProbe(L.Callback):
         record = {"sharded": all(self.sharded), "masks": self.masks, "changed": changed,
                   "weights": after, "global_step": trainer.global_step}  # fmt: skip
         torch.save(record, f"{self.path}_rank{trainer.global_rank}.pt")
+
+
+def two_ranks(worker: str, out) -> list[dict]:
+    """Run a 2-process worker script (``--out``) and load what each rank saved."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, worker, "--out", str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]

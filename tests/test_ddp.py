@@ -1,8 +1,9 @@
-"""DDP on CPU with two gloo processes: every method, every launcher, both first-pass modes.
+"""DDP on CPU with two gloo processes: every method, every launcher, both first-pass modes,
+and the engine in a plain PyTorch loop (`train_step(..., ddp=model)`).
 
-The runs happen in ``ddp_worker.py`` (DDP launchers start processes of their own); each
-rank writes what it saw, and the tests compare ranks with each other and with a
-one-process run on the same global batches.
+The runs happen in ``ddp_worker.py`` (DDP launchers start processes of their own) and
+``plain_ddp_worker.py`` (the plain loop); each rank writes what it saw, and the tests
+compare ranks with each other and with a one-process run on the same global batches.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import sys
 
 import pytest
 import torch
+from helpers import two_ranks
+from plain_ddp_worker import CASES as PLAIN_CASES
 
 WORKER = os.path.join(os.path.dirname(__file__), "ddp_worker.py")
 METHODS = [
@@ -187,3 +190,56 @@ def test_two_nodes_under_torchrun_match_one_process(runs, tmp_path):
     assert any(not bool(m.all()) for m in load[0]["masks"])
     assert _max_diff(load[0], runs("slsam_ddp_fork_1")) < 1e-5
     assert _max_diff(load[0], runs("slsam_ddp_fork_2")) < 1e-6
+
+
+# --- a plain PyTorch loop under DDP: engine.train_step(..., ddp=model) ---------------------
+PLAIN_WORKER = os.path.join(os.path.dirname(__file__), "plain_ddp_worker.py")
+# Every method but ESAM (which ranks each process's own samples) and the local first pass.
+PLAIN_EXACT = [c for c in PLAIN_CASES if c not in ("esam", "local_first_pass")]
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    return two_ranks(PLAIN_WORKER, tmp_path_factory.mktemp("plain_ddp"))
+
+
+@pytest.mark.parametrize("case", PLAIN_EXACT)
+def test_plain_loop_under_ddp_equals_one_process(plain, case):
+    r0, r1 = plain[0][case], plain[1][case]
+    assert max(r0["diff"]) < 2e-6 and max(r1["diff"]) < 2e-6, (r0["diff"], r1["diff"])
+    assert r0["kinds"] == r1["kinds"]
+    assert all(torch.equal(a, b) for a, b in zip(r0["masks"], r1["masks"], strict=True))
+
+
+def test_plain_loop_under_ddp_sends_only_the_active_layers(plain):
+    sam, slsam = plain[0]["sam"], plain[0]["slsam"]
+    assert any(not bool(m.all()) for m in slsam["masks"])  # SL-SAM really trains subsets
+    # SAM all-reduces every gradient (and the per-layer norms) each pass; SL-SAM less.
+    assert len(set(sam["bytes"])) == 1 and max(slsam["bytes"]) <= sam["bytes"][0]
+    assert sum(slsam["bytes"]) < 0.8 * sum(sam["bytes"])
+    # Without the synced first pass only the update pass's gradients travel: fewer bytes,
+    # a different ascent, so not the one-process run.
+    local = plain[0]["local_first_pass"]
+    assert all(a < b for a, b in zip(local["bytes"], slsam["bytes"], strict=True))
+    assert max(local["diff"]) > 1e-3
+
+
+def test_plain_loop_esam_under_ddp_keeps_the_ranks_together(plain):
+    r0, r1 = plain[0]["esam"], plain[1]["esam"]
+    assert r0["kinds"] == r1["kinds"] and r0["diff"] == r1["diff"]
+    assert all(torch.equal(a, b) for a, b in zip(r0["masks"], r1["masks"], strict=True))
+
+
+@pytest.mark.parametrize(
+    "what, words",
+    [
+        ("not_ddp", "TypeError: `ddp` must be the torch.nn.parallel.DistributedDataParallel"),
+        ("other_module", "ValueError: `ddp` wraps another module than the one this engine"),
+        ("seeds_differ", "process(es) [1] drew other layers"),
+    ],
+)
+def test_plain_loop_under_ddp_refuses_misuse_before_touching_a_weight(plain, what, words):
+    for rank in (0, 1):
+        error, kept = plain[rank]["refused"][what].rsplit(" | ", 1)
+        assert words in error and kept == "weights kept: True"
+    assert "make_engine(..., seed=...)" in plain[0]["refused"]["seeds_differ"]

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from helpers import two_ranks
 
 from lightning_slsam.extras import _sample_sources
 from lightning_slsam.sharding import local, shard_layout, sum_over_shards, top_coordinates
@@ -27,12 +28,7 @@ EXACT = [
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp2")
-    done = subprocess.run(
-        [sys.executable, WORKER, "--out", str(out)], capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return two_ranks(WORKER, tmp_path_factory.mktemp("fsdp2"))
 
 
 @pytest.mark.parametrize("case", EXACT)
