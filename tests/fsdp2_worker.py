@@ -120,16 +120,29 @@ def _built_before_sharding() -> str:
     return "not refused"
 
 
-def _run(rank: int, world: int, port: int, out: str, cases: list[str]) -> None:
+def _records(rank: int, world: int, cases: list[str]) -> dict:
+    records: dict = {name: _case(rank, world, *CASES[name]) for name in cases}
+    records["refused"] = {name: _refusal(*REFUSED[name]) for name in REFUSED}
+    records["refused"]["built_before_sharding"] = _built_before_sharding()
+    return records
+
+
+def _rank(rank: int, world: int, port: int, out: str, records, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        records: dict = {name: _case(rank, world, *CASES[name]) for name in cases}
-        records["refused"] = {name: _refusal(*REFUSED[name]) for name in REFUSED}
-        records["refused"]["built_before_sharding"] = _built_before_sharding()
-        torch.save(records, os.path.join(out, f"rank{rank}.pt"))
+        torch.save(records(rank, world, *args), os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def spawn_two(records, out: str, *args) -> None:
+    """In 2 gloo processes on a free port, each rank saves ``records(rank, 2, *args)`` to
+    ``<out>/rank<r>.pt``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(2, port, out, records, args), nprocs=2)
 
 
 def main() -> None:
@@ -137,15 +150,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", default=",".join(CASES))
     args = parser.parse_args()
-    spawn_two(_run, args.out, args.cases.split(","))
-
-
-def spawn_two(run, *args) -> None:
-    """``run(rank, 2, port, *args)`` in 2 processes, on a free port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(run, args=(2, port, *args), nprocs=2)
+    spawn_two(_records, args.out, args.cases.split(","))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -84,24 +83,17 @@ def _refusal(rank: int, world: int, what: str) -> str:
     return f"{error} | weights kept: {kept}"
 
 
-def _run(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        records: dict = {name: _case(rank, world, *CASES[name]) for name in CASES}
-        records["refused"] = {
-            what: _refusal(rank, world, what)
-            for what in ("not_ddp", "other_module", "seeds_differ")
-        }
-        torch.save(records, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _records(rank: int, world: int) -> dict:
+    records: dict = {name: _case(rank, world, *CASES[name]) for name in CASES}
+    misuses = ("not_ddp", "other_module", "seeds_differ")
+    records["refused"] = {what: _refusal(rank, world, what) for what in misuses}
+    return records
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    spawn_two(_run, parser.parse_args().out)
+    spawn_two(_records, parser.parse_args().out)
 
 
 if __name__ == "__main__":
