@@ -60,8 +60,8 @@ plain [1, 1, 1, 1] [58]
 single [0, 0, 1, 0] [16]
 single [0, 0, 1, 1] [18]
 >>> with warnings.catch_warnings():  # (a Sequential has no fresh head: it warns so)
-...     warnings.simplefilter("ignore")
-...     steps("slsam", 5, preset="robust", layer_ratio=0.5, total_steps=10)  # warm-up: dense first
+...     warnings.simplefilter("ignore")  # the robust preset with a warm-up: dense first
+...     steps("slsam", 5, preset="robust", dense_warmup=0.3, layer_ratio=0.5, total_steps=10)
 sam [1, 1, 1, 1] [58, 58]
 sam [0, 1, 1, 1] [26, 26]
 sam [0, 1, 1, 1] [26, 26]

@@ -21,7 +21,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import LitModel, make_mlp, rank_loader
+from helpers import EXTRA_OPTIONS, LitModel, make_mlp, rank_loader
 
 from lightning_slsam import make_callback
 
@@ -85,6 +85,7 @@ def run(
     options = {"seed": None, "sync_first_pass": sync, "accumulate_grad_batches": accumulate}
     if method in ("esam", "ssamf"):
         options["seed"] = 3
+    options.update(EXTRA_OPTIONS.get(method, {}))
     callback = make_callback(method, **options) if method != "adamw" else None
     tag = f"{method}_{strategy}_{devices}{'' if sync else '_local'}"
     tag += f"{f'_acc{accumulate}' if accumulate > 1 else ''}{'_fp16' if fp16 else ''}"

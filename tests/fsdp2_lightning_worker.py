@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from helpers import LitModel, make_mlp, rank_loader
+from helpers import EXTRA_OPTIONS, LitModel, make_mlp, rank_loader
 
 from lightning_slsam import make_callback
 
@@ -159,6 +159,7 @@ def main() -> None:
             options["gradient_clip_val"] = args.clip
         if method in ("slsam", "random_slsam", "sl_s2sam"):
             options["layer_ratio"] = 0.5
+        options.update(EXTRA_OPTIONS.get(method, {}))
         options["tag"], options["fail_rank"] = args.tag, args.fail_rank
         run(method, args.devices, args.steps, args.out, options, not args.no_shard,
             args.accumulate, args.precision, args.resume_at, args.full_checkpoint,

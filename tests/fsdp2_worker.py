@@ -31,7 +31,11 @@ CASES = {
     "asam": ("sam", {"adaptive": True}),
     "sam_layer_norm": ("sam", {"perturbation_norm": "layer"}),
     "slsam": ("slsam", {"layer_ratio": 0.5}),
-    "slsam_robust": ("slsam", {"preset": "robust", "layer_ratio": 0.5, "total_steps": 10}),
+    # every remedy at once: the robust preset and a dense warm-up (helpers.EXTRA_OPTIONS)
+    "slsam_robust": (
+        "slsam",
+        {"preset": "robust", "dense_warmup": 0.3, "layer_ratio": 0.5, "total_steps": 10},
+    ),
     "random_slsam": ("random_slsam", {"layer_ratio": 0.5}),
     "top_slsam": ("top_slsam", {"layer_ratio": 0.5}),
     "s2sam": ("s2sam", {}),

@@ -41,6 +41,6 @@ def test_each_label_builds_its_options(label):
 
 
 def test_the_robust_preset_is_the_row_the_docs_name():
-    method, options = VARIANTS["slsam_rank_warmup_head_scale"]
+    method, options = VARIANTS["slsam_rank_head_scale"]
     robust = {k: v for k, v in PRESETS["robust"].items() if PRESETS["paper"][k] != v}
     assert method == "slsam" and options == robust

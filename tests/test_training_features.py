@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import LitModel, Snapshots, loader, make_data, make_mlp, trainer
+from helpers import EXTRA_OPTIONS, LitModel, Snapshots, loader, make_data, make_mlp, trainer
 from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
@@ -303,6 +303,7 @@ def _fit_in(method: str, precision: str) -> tuple[Snapshots, nn.Module]:
     options = {"seed": 3, "plot": False}
     if method in ("slsam", "random_slsam", "sl_s2sam"):
         options["layer_ratio"] = 0.5
+    options.update(EXTRA_OPTIONS.get(method, {}))
     snaps, model = Snapshots(), PerSample(make_mlp(seed=0))
     plugins = [fp16(2.0**8)] if precision == "16-mixed" else []
     fit = trainer([make_callback(method, **options), snaps], max_steps=3, plugins=plugins,

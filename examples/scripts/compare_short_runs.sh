@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The short-fine-tune comparison of docs/results.md: AdamW, SAM, SL-SAM as in the paper,
-# Random-SL-SAM, each remedy alone and combined (the "robust" preset), 5 seeds, on both
-# offline tasks at their short budgets (vision: 92 and 276 steps, text: 454 steps).
+# Random-SL-SAM, each remedy alone and combined (the "robust" preset among them), 5 seeds,
+# on both offline tasks at their short budgets (vision: 92 and 276 steps, text: 454 steps).
 #
 #   bash examples/scripts/compare_short_runs.sh [OUT] [all|vision|vision92|vision276|text]
 #
@@ -25,7 +25,8 @@ cli=${CLI:-lightning-slsam}
 
 # Each variant: a label, the method it configures, and its options. Every remedy is named
 # by its options (not by a preset), so a label means the same configuration whatever the
-# presets become; the robust preset is the rank_warmup_head_scale row.
+# presets become; the robust preset is the rank_head_scale row (until 2026-11-25 it also
+# had the warm-up: the rank_warmup_head_scale row).
 declare -A variant=(
   [slsam_rank]="slsam bandit_loss=rank"
   [slsam_warmup]="slsam dense_warmup=0.3"
