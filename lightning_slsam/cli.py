@@ -257,6 +257,22 @@ def main(args: Sequence[str] | None = None) -> None:
         save_config_kwargs={"overwrite": True},
         args=None if args is None else list(args),
     )
+    release_process_group()
+
+
+def release_process_group() -> None:
+    """Destroys the default process group that a distributed strategy left behind.
+
+    Lightning's strategies keep the group alive after ``fit``; a gloo group still alive
+    when the interpreter exits can abort the process ("terminate called without an active
+    exception", exit code -6) after a run that succeeded. Called only once the run has
+    ended without an error: after a fault on one rank, the other ranks may still wait in
+    a collective, and destroying the group would wait with them.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from helpers import EXTRA_OPTIONS, LitModel, make_mlp, rank_loader
 
 from lightning_slsam import make_callback
+from lightning_slsam.cli import release_process_group
 
 GLOBAL_BATCH = 16
 
@@ -168,3 +169,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    release_process_group()  # a gloo group alive at exit can abort a finished run

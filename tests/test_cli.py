@@ -180,3 +180,34 @@ def test_summary_names_every_validation_metric_monitor_first(tiny_config, tmp_pa
               if line.strip().startswith("final ")]  # fmt: skip
     # The checkpoint's monitor first, then every other val* metric; not only val_acc.
     assert finals == ["final val_loss", "final val_acc"]
+
+
+def _fit_that_leaves_a_process_group(*args, **kwargs):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+
+
+def _fit_that_fails_with_a_process_group(*args, **kwargs):
+    _fit_that_leaves_a_process_group()
+    raise RuntimeError("a fault in fit")
+
+
+def test_the_cli_destroys_a_process_group_only_after_a_run_that_ended_well(monkeypatch):
+    # A gloo group alive at interpreter exit can abort a finished run (exit code -6), so
+    # main() destroys it; after a fault it stays (the other ranks may wait in a collective).
+    import torch.distributed as dist
+
+    import lightning_slsam.cli as cli
+
+    monkeypatch.setattr(cli, "SLSAMCLI", _fit_that_leaves_a_process_group)
+    main(["fit"])
+    assert not dist.is_initialized()
+    monkeypatch.setattr(cli, "SLSAMCLI", _fit_that_fails_with_a_process_group)
+    try:
+        with pytest.raises(RuntimeError, match="a fault in fit"):
+            main(["fit"])
+        assert dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
