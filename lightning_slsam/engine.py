@@ -68,7 +68,7 @@ from lightning_slsam.perturbation import FisherMask, SAMPerturbation
 from lightning_slsam.running import BN_STATS, RunningStats
 from lightning_slsam.schedules import EveryStep, IntervalSchedule, Schedule
 from lightning_slsam.selection import LayerSelection
-from lightning_slsam.sharding import check_shardable, full_tensor, shard_of
+from lightning_slsam.sharding import check_shardable, fsdp_modules, full_tensor, reshard, shard_of
 from lightning_slsam.steps import LookSAMReuse, PlainStep, SAMStep, SingleStep, StepKind
 
 __all__ = ["PassOutput", "SparseSAMEngine", "StepContext", "StepResult"]
@@ -154,6 +154,9 @@ class SparseSAMEngine(StepCounters, PlainLoopStep):
         self.dense_one_pass = bool(dense_one_pass)
         self.update_scale = None if update_scale is None else float(update_scale)
         self._module = module
+        self._sharded_modules = (
+            fsdp_modules(module) if module is not None and self.freezer.sharded else []
+        )
         running = RunningStats(module) if module is not None else None
         self.isolation = PassIsolation(running, bn_stats, self.replay_dropout)
         # The step kinds, each owning its state; the schedule names one per step.
@@ -229,6 +232,8 @@ class SparseSAMEngine(StepCounters, PlainLoopStep):
         """Run one training step of the configured method (``context``: gradient scaling
         and multi-process averaging, when the trainer uses them)."""
         context = context if context is not None else StepContext()
+        # FSDP2: a forward without backward (validation) may have left the root unsharded.
+        reshard(self._sharded_modules)
         if self.num_steps == 0 and self._module is not None:
             self.freezer.check_owned(self._module)
         kind = self.schedule.kind(self.num_steps)

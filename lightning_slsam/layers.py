@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from lightning_slsam.sharding import fsdp_modules, reshard
+
 GroupingFn = Callable[[str, nn.Parameter], Hashable | None]
 LayerSpec = str | Sequence[str] | GroupingFn
 
@@ -189,6 +191,7 @@ def build_partition(
         _compile(layers, "layers") if not isinstance(layers, str) and not callable(layers) else []
     )
 
+    reshard(fsdp_modules(model))  # FSDP2: the sharded parameters, even after an evaluation
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not trainable:
         raise ValueError(

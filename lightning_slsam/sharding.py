@@ -24,8 +24,10 @@ from torch import Tensor
 __all__ = [
     "ShardLayout",
     "check_shardable",
+    "fsdp_modules",
     "full_tensor",
     "local",
+    "reshard",
     "shard_layout",
     "shard_of",
     "sum_over_shards",
@@ -52,6 +54,31 @@ def local(tensors: Sequence[Tensor]) -> list[Tensor]:
         return list(tensors)
     with torch.no_grad():  # the shard itself, not an autograd view of it
         return [t.to_local() if isinstance(t, dtensor) else t for t in tensors]
+
+
+def fsdp_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The FSDP2 modules (``fully_shard`` applied) in ``module``, root first; ``[]``
+    without an initialised process group, where nothing can be sharded."""
+    if _dtensor_type() is None:
+        return []
+    from torch.distributed.fsdp import FSDPModule
+
+    return [sub for sub in module.modules() if isinstance(sub, FSDPModule)]
+
+
+def reshard(modules: Sequence[torch.nn.Module]) -> None:
+    """Register the sharded parameters again on FSDP2 ``modules`` (:func:`fsdp_modules`)
+    that a forward without backward left unsharded.
+
+    FSDP2 keeps the root module's parameters unsharded after its forward (the backward
+    would gather them again at once); after a forward with no backward -- a validation
+    loop, an evaluation under ``torch.no_grad`` -- they stay so, and ``module.parameters()``
+    holds other tensors than the sharded ones the engine trains, which per-step freezing
+    would not reach (FSDP2 copies ``requires_grad`` to the unsharded tensors only when it
+    gathers them). A no-op for modules already sharded.
+    """
+    for sub in modules:
+        sub.reshard()  # type: ignore[operator]
 
 
 class ShardLayout:

@@ -27,6 +27,8 @@ from lightning_slsam import make_callback
 from lightning_slsam.cli import release_process_group
 
 GLOBAL_BATCH = 16
+#: Trainer options of a run that validates before training and between its steps.
+VALIDATE = {"val_check_interval": 1, "limit_val_batches": 2}
 
 
 class PerSample(LitModel):
@@ -43,11 +45,18 @@ class PerSample(LitModel):
     def train_dataloader(self) -> DataLoader:
         return rank_loader(self.trainer, GLOBAL_BATCH // self.accumulate)
 
+    def val_dataloader(self) -> DataLoader:
+        return rank_loader(self.trainer, GLOBAL_BATCH)
+
 
 class Record(L.Callback):
     def __init__(self, path: str) -> None:
         self.path = path
         self.masks, self.bytes, self.checksums, self.scales = [], [], [], []
+        self.validations = 0  # validation loops run, the sanity check included
+
+    def on_validation_end(self, trainer, pl_module):
+        self.validations += 1
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == len(self.checksums):
@@ -70,6 +79,7 @@ class Record(L.Callback):
                 "checksums": self.checksums,
                 "scales": self.scales,
                 "global_step": trainer.global_step,
+                "validations": self.validations,
                 "weights": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
                 "probs": sam[0].probs.clone() if sam else None,
                 "numel": [p.numel() for p in pl_module.parameters()],
@@ -80,7 +90,7 @@ class Record(L.Callback):
 
 def run(
     method: str, devices: int, strategy: str, steps: int, out: str, sync: bool, accumulate: int,
-    fp16: bool, precision: str, num_nodes: int = 1,
+    fp16: bool, precision: str, num_nodes: int = 1, validate: bool = False,
 ) -> None:  # fmt: skip
     L.seed_everything(7)
     options = {"seed": None, "sync_first_pass": sync, "accumulate_grad_batches": accumulate}
@@ -92,6 +102,7 @@ def run(
     tag += f"{f'_acc{accumulate}' if accumulate > 1 else ''}{'_fp16' if fp16 else ''}"
     tag += f"_{precision}" if precision != "32-true" else ""
     tag += f"_nodes{num_nodes}" if num_nodes > 1 else ""
+    tag += "_val" if validate else ""
     plugins = []
     if fp16:  # fp16 autocast with a real gradient scaler, as "16-mixed" on CUDA
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
@@ -114,7 +125,8 @@ def run(
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        num_sanity_val_steps=0,
+        # --validate: Lightning's default sanity check, then validation after every step.
+        **VALIDATE if validate else {"limit_val_batches": 0},
         deterministic=True,
         use_distributed_sampler=False,
         plugins=plugins,
@@ -137,6 +149,7 @@ def main() -> None:
     parser.add_argument("--fp16", action="store_true")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--num-nodes", type=int, default=1, help="under torchrun, one per node")
+    parser.add_argument("--validate", action="store_true", help="validate before and between steps")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -144,7 +157,7 @@ def main() -> None:
         run(
             method, args.devices, args.strategy, args.steps, args.out,
             not args.local_first_pass, args.accumulate, args.fp16, args.precision,
-            args.num_nodes,
+            args.num_nodes, args.validate,
         )  # fmt: skip
 
 

@@ -28,6 +28,8 @@ from lightning_slsam import make_callback
 from lightning_slsam.cli import release_process_group
 
 GLOBAL_BATCH = 16
+#: Trainer options of a run that validates before training and between its steps.
+VALIDATE = {"val_check_interval": 1, "limit_val_batches": 2}
 
 
 class Sharded(LitModel):
@@ -55,11 +57,18 @@ class Sharded(LitModel):
     def train_dataloader(self) -> DataLoader:
         return rank_loader(self.trainer, GLOBAL_BATCH // self.accumulate)
 
+    def val_dataloader(self) -> DataLoader:
+        return rank_loader(self.trainer, GLOBAL_BATCH)
+
 
 class Record(L.Callback):
     def __init__(self, path: str) -> None:
         self.path = path
         self.masks: list[torch.Tensor] = []
+        self.validations = 0  # validation loops run, the sanity check included
+
+    def on_validation_end(self, trainer, pl_module):
+        self.validations += 1
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == len(self.masks):
@@ -76,7 +85,7 @@ class Record(L.Callback):
         sharded = any(hasattr(p, "full_tensor") for p in pl_module.parameters())
         torch.save(
             {"masks": self.masks, "weights": weights, "sharded": sharded,
-             "global_step": trainer.global_step},
+             "global_step": trainer.global_step, "validations": self.validations},
             f"{self.path}_rank{trainer.global_rank}.pt",
         )  # fmt: skip
 
@@ -84,7 +93,7 @@ class Record(L.Callback):
 def run(
     method: str, devices: int, steps: int, out: str, options: dict, shard: bool,
     accumulate: int, precision: str, resume_at: int = 0, full_checkpoint: bool = False,
-    resume_from: str | None = None,
+    resume_from: str | None = None, validate: bool = False,
 ) -> None:  # fmt: skip
     """One fit of ``steps`` steps; with ``resume_at``, that fit checkpoints every step
     (``<tag>_uninterrupted``), and a fresh fit resumes from its checkpoint of step
@@ -94,7 +103,7 @@ def run(
     options_fail_rank = options.pop("fail_rank", -1)
     tag = f"{method}_{devices}{f'_acc{accumulate}' if accumulate > 1 else ''}"
     tag += f"_{precision}" if precision != "32-true" else ""
-    tag += suffix
+    tag += suffix + ("_val" if validate else "")
 
     def fit(name: str, ckpt_path: str | None = None, save_dir: str | None = None) -> None:
         strategy = (
@@ -118,7 +127,8 @@ def run(
             enable_checkpointing=save_dir is not None,
             enable_progress_bar=False,
             enable_model_summary=False,
-            num_sanity_val_steps=0,
+            # --validate: Lightning's default sanity check, then validation after every step.
+            **VALIDATE if validate else {"limit_val_batches": 0},
             use_distributed_sampler=False,
         )
         model = Sharded(make_mlp(seed=5))
@@ -153,6 +163,7 @@ def main() -> None:
     parser.add_argument("--full-checkpoint", action="store_true")
     parser.add_argument("--resume-from", default=None, help="a checkpoint ({method} filled in)")
     parser.add_argument("--fail-rank", type=int, default=-1)
+    parser.add_argument("--validate", action="store_true", help="validate before and between steps")
     args = parser.parse_args()
     for method in args.methods.split(","):
         options = {"seed": 3, "plot": False, "check_masks": args.check_masks}
@@ -164,7 +175,7 @@ def main() -> None:
         options["tag"], options["fail_rank"] = args.tag, args.fail_rank
         run(method, args.devices, args.steps, args.out, options, not args.no_shard,
             args.accumulate, args.precision, args.resume_at, args.full_checkpoint,
-            args.resume_from)  # fmt: skip
+            args.resume_from, args.validate)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -46,6 +46,9 @@ CASES = {
     "ssamf": ("ssamf", {"mask_interval": 2}),  # Fisher over all 16 samples, as on one process
     "esam": ("esam", {}),  # each process ranks its own samples: not the one-process run
 }
+#: name -> the case run again, with the head sharded by the root, and an evaluation (a
+#: forward under ``torch.no_grad``, which leaves FSDP2's root unsharded) before every step.
+EVALUATED = {"sam_evaluated": "sam", "slsam_evaluated": "slsam", "sl_s2sam_evaluated": "sl_s2sam"}
 #: name -> (method, options) that must be refused with sharded parameters.
 REFUSED = {
     "local_first_pass": ("sam", {"sync_first_pass": False}),
@@ -60,9 +63,11 @@ def _mlp() -> torch.nn.Sequential:
     )  # fmt: skip
 
 
-def _sharded() -> torch.nn.Sequential:
+def _sharded(root_owns_head: bool = False) -> torch.nn.Sequential:
+    """Each linear layer sharded on its own, or all but the head, whose tensors are then
+    the root's (FSDP2 leaves the root unsharded after a forward without backward)."""
     net = _mlp()
-    for layer in net:
+    for layer in net[:-1] if root_owns_head else net:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer)
     return fully_shard(net)
@@ -75,8 +80,13 @@ def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
     return compute
 
 
-def _case(rank: int, world: int, method: str, options: dict) -> dict:
-    net, ref = _sharded(), _mlp()
+def _evaluate(model: torch.nn.Module, x: torch.Tensor) -> None:
+    with torch.no_grad():
+        model(x)
+
+
+def _case(rank: int, world: int, method: str, options: dict, evaluate: bool = False) -> dict:
+    net, ref = _sharded(root_owns_head=evaluate), _mlp()
     torch.manual_seed(1)
     x, y = torch.randn(STEPS, 16, 6), torch.randint(0, 3, (STEPS, 16))
     half = 16 // world
@@ -88,6 +98,8 @@ def _case(rank: int, world: int, method: str, options: dict) -> dict:
     record: dict = {"masks": [], "kinds": [], "diff": []}
     for step in range(STEPS):
         xb, yb = x[step], y[step]
+        if evaluate:
+            _evaluate(net, xb[mine])
         result = engine.train_step(_loss(net, xb[mine], yb[mine]), opt, batch_size=half)
         ref_engine.train_step(_loss(ref, xb, yb), ref_opt, batch_size=16)
         diff = max(
@@ -126,6 +138,9 @@ def _built_before_sharding() -> str:
 
 def _records(rank: int, world: int, cases: list[str]) -> dict:
     records: dict = {name: _case(rank, world, *CASES[name]) for name in cases}
+    for name, case in EVALUATED.items():
+        if case in cases:
+            records[name] = _case(rank, world, *CASES[case], evaluate=True)
     records["refused"] = {name: _refusal(*REFUSED[name]) for name in REFUSED}
     records["refused"]["built_before_sharding"] = _built_before_sharding()
     return records

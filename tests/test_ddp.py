@@ -47,6 +47,8 @@ def runs(tmp_path_factory):
     _run(out, "--methods", methods, "--devices", "1")
     _run(out, "--methods", "slsam", "--devices", "2", "--strategy", "ddp")
     _run(out, "--methods", "slsam", "--devices", "2", "--strategy", "ddp_spawn")
+    for launcher in ("ddp", "ddp_spawn"):  # the default sanity check, validation every step
+        _run(out, "--methods", "slsam", "--devices", "2", "--strategy", launcher, "--validate")
     _run(out, "--methods", "slsam,sam", "--devices", "2", "--strategy", "ddp_fork",
          "--local-first-pass")  # fmt: skip
     _run(out, "--methods", "slsam", "--devices", "2", "--accumulate", "2")
@@ -91,6 +93,17 @@ def test_other_launchers_match_one_process(runs, launcher):
     r0, r1 = runs(f"slsam_{launcher}_2", 0), runs(f"slsam_{launcher}_2", 1)
     assert _same_ranks(r0, r1)
     assert _max_diff(r0, runs("slsam_ddp_fork_1")) < 1e-5
+
+
+@pytest.mark.parametrize("launcher", ["ddp", "ddp_spawn"])
+def test_validation_before_and_between_steps_under_ddp(runs, launcher):
+    plain = runs(f"slsam_{launcher}_2", 0)
+    for rank in (0, 1):
+        run = runs(f"slsam_{launcher}_2_val", rank)
+        assert run["validations"] == 4  # the sanity check, then one after each step
+        assert run["checksums"] == plain["checksums"]
+        assert all(torch.equal(a, b) for a, b in zip(run["masks"], plain["masks"], strict=True))
+        assert all(torch.equal(run["weights"][k], w) for k, w in plain["weights"].items())
 
 
 def _active(record: dict, mask: torch.Tensor) -> tuple[int, int]:

@@ -41,6 +41,16 @@ def test_sharded_training_equals_one_process(ranks, case):
     assert all(torch.equal(a, b) for a, b in zip(r0["masks"], r1["masks"]))
 
 
+@pytest.mark.parametrize("case", ["sam", "slsam", "sl_s2sam"])
+def test_an_evaluation_between_steps_changes_nothing_in_the_plain_loop(ranks, case):
+    # A forward under no_grad leaves FSDP2's root (which owns the head here) unsharded;
+    # the engine trains the sharded tensors all the same, and equals one process.
+    plain, evaluated = ranks[0][case], ranks[0][f"{case}_evaluated"]
+    assert evaluated["sharded"] and max(evaluated["diff"]) < 1e-5, evaluated["diff"]
+    assert evaluated["kinds"] == plain["kinds"]
+    assert all(torch.equal(a, b) for a, b in zip(evaluated["masks"], plain["masks"]))
+
+
 def test_sparse_methods_freeze_layers_under_fsdp2(ranks):
     # The sharded run really trains subsets (the equality above is not all-dense).
     masks = ranks[0]["slsam"]["masks"]
@@ -144,6 +154,34 @@ def test_model_parallel_strategy_equals_one_process(fits, method):
         assert 0 < diff < 0.1
     else:
         assert diff < 1e-5
+
+
+VALIDATED = ["sam", "slsam", "slsam_robust", "sl_s2sam", "ssamf"]
+
+
+@pytest.fixture(scope="module")
+def validated(tmp_path_factory):
+    # Lightning's default sanity check (2 batches) before the first step, then a validation
+    # loop after every training step.
+    out = tmp_path_factory.mktemp("fsdp2_validated")
+    done = _lightning("--methods", ",".join(VALIDATED), "--devices", "2", "--validate",
+                      "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return lambda tag: torch.load(out / f"{tag}.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("method", VALIDATED)
+def test_validation_before_and_between_steps_under_fsdp2(validated, fits, method):
+    # FSDP2 leaves the root's parameters unsharded after a forward without backward: the
+    # run still trains the sharded tensors, and equals the run without validation exactly.
+    plain = fits(f"{method}_2_rank0")
+    for rank in (0, 1):
+        run = validated(f"{method}_2_val_rank{rank}")
+        assert run["sharded"] and run["global_step"] == 3
+        assert run["validations"] == 4  # the sanity check, then one after each step
+        assert [m.tolist() for m in run["masks"]] == [m.tolist() for m in plain["masks"]]
+        for name, weight in plain["weights"].items():
+            assert torch.equal(run["weights"][name], weight), name
 
 
 @pytest.mark.parametrize(
