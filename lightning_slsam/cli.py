@@ -20,27 +20,39 @@ method's mean active ratio and per-layer chart, and the log folder.
 
 from __future__ import annotations
 
-import importlib
+import io
 import os
 import sys
 from collections.abc import Sequence
+from contextlib import redirect_stdout
 from importlib import resources
 from typing import Any
 
-import yaml
+import torch
 from jsonargparse import Namespace
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_slsam.callback import SAMCallback
+from lightning_slsam.cli_checks import (
+    SUBCOMMANDS,
+    annotate_print_config,
+    asks_help,
+    check_callback_options,
+    check_sam_trainer,
+    missing_run,
+)
+from lightning_slsam.cli_errors import OneLineParser, debugging, fail
 from lightning_slsam.compat import add_cli_subcommand, spawns_processes
+from lightning_slsam.distributed import release_process_group
 from lightning_slsam.driver import find_sam_callback
 
-__all__ = ["SLSAMCLI", "demo_config_path", "main"]
+__all__ = ["SLSAMCLI", "demo_config_path", "main", "release_process_group"]
 
-_CONFIG_FLAGS = ("-c", "--config")
 _DEMO_FLAG = "--demo"
-_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+#: Where the step of the last validation loop is kept (in ``trainer.callback_metrics``,
+#: which ``ddp_spawn`` hands back to the launching process).
+VALIDATED_AT = "slsam/validated_at_step"
 _COMPARE_HELP = (
     "train several methods over several seeds and write the comparison table and plots"
     " (lightning-slsam compare --help)"
@@ -58,7 +70,10 @@ class SLSAMCLI(LightningCLI):
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
         # Lists `compare` (handled by main() before this parser runs) beside Lightning's
-        # subcommands, so that --help and the missing-subcommand error show it.
+        # subcommands, so that --help and the missing-subcommand error show it; each
+        # subcommand's --help ends with the SAM methods and how to see one's options.
+        for subcommand in SUBCOMMANDS:
+            kwargs[subcommand] = {"epilog": methods_epilog(), **kwargs.get(subcommand, {})}
         compare = LightningArgumentParser(description=_COMPARE_HELP)
         add_cli_subcommand(
             lambda: super(SLSAMCLI, self)._add_subcommands(parser, **kwargs),
@@ -72,11 +87,15 @@ class SLSAMCLI(LightningCLI):
         # Parsed here rather than by the parent, which warns when `args` and sys.argv are
         # both set: with the demo config added, `args` is always set.
         argv = _with_demo_config(list(sys.argv[1:] if args is None else args))
-        problem = _missing_run(argv) or check_callback_options(argv)
+        problem = None if asks_help(argv) else missing_run(argv) or check_callback_options(argv)
         if problem:
-            print(f"lightning-slsam: error: {problem}", file=sys.stderr, flush=True)
-            raise SystemExit(2)
-        self.config = parser.parse_args(argv)
+            fail(problem)
+        self.config = _parse(parser, argv)
+        subcommand = self.config.get("subcommand")
+        trainer = self.config.get(f"{subcommand}.trainer") if subcommand else None
+        problem = check_sam_trainer(trainer) if trainer is not None else None
+        if problem:
+            fail(problem)
 
     def before_fit(self) -> None:
         # Under ddp_spawn the training runs in child processes: fixing the log folder's
@@ -84,29 +103,57 @@ class SLSAMCLI(LightningCLI):
         if spawns_processes(self.trainer.strategy):
             _ = self.trainer.log_dir
 
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        trainer = super().instantiate_trainer(**kwargs)
+        trainer.callbacks.append(_ValidationStep())
+        return trainer
+
     def after_fit(self) -> None:
         trainer = self.trainer
         log_dir = trainer.log_dir  # a broadcast under multi-process strategies: every rank
-        if not trainer.is_global_zero:
-            return
-        lines = ["", "SL-SAM run summary"]
-        metrics = _validation_metrics(trainer)
-        if not metrics:
-            lines.append("  final validation metrics: n/a (no validation ran)")
-        for name, value in metrics.items():
-            lines.append(f"  final {name}: {value:.4f} (after {trainer.global_step} steps)")
-        sam = find_sam_callback(trainer)
-        if sam is None:
-            lines.append("  method: AdamW (no SAM callback in trainer.callbacks)")
+        if trainer.is_global_zero:
+            print("\n".join(run_summary(trainer, log_dir)), flush=True)
+
+
+class _ValidationStep(Callback):
+    """Keeps the step of the last validation loop (the sanity check excluded), so that the
+    summary says when the final validation metrics were measured."""
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if not trainer.sanity_checking:
+            trainer.callback_metrics[VALIDATED_AT] = torch.tensor(float(trainer.global_step))
+
+
+def run_summary(trainer: Any, log_dir: str | None) -> list[str]:
+    """The lines printed after ``fit``: the method, each final validation metric with the
+    step it was measured at, the active ratio, the tensors out of sampling, the chart and
+    the log folder."""
+    sam = find_sam_callback(trainer)
+    method = type(sam).__name__ if sam is not None else "no SAM method"
+    lines = ["", f"Run summary ({method}, {trainer.global_step} steps)"]
+    metrics = _validation_metrics(trainer)
+    measured = trainer.callback_metrics.get(VALIDATED_AT)
+    if not metrics:
+        lines.append("  final validation metrics: n/a (no validation ran)")
+    for name, value in metrics.items():
+        if name.startswith("val") and measured is not None:
+            when = f"validated at step {int(measured)}"
         else:
-            summary = sam.summary(trainer)
-            lines.append(
-                f"  {type(sam).__name__} mean active ratio: {summary['mean_active_ratio']:.3f}x"
-                " over the passes (SAM: 2.0x, AdamW: 1.0x)"
-            )
-            lines.append(f"  per-layer chart: {summary['layer_frequency_png'] or 'not written'}")
-        lines.append(f"  log dir: {log_dir or trainer.default_root_dir}")
-        print("\n".join(lines), flush=True)
+            when = "last logged value"
+        lines.append(f"  final {name}: {value:.4f} ({when})")
+    if sam is None:
+        lines.append("  method: plain optimizer steps (no SAM callback in trainer.callbacks)")
+    else:
+        summary = sam.summary(trainer)
+        lines.append(
+            f"  {type(sam).__name__} mean active ratio: {summary['mean_active_ratio']:.3f}x"
+            " over the passes (SAM: 2.0x, AdamW: 1.0x)"
+        )
+        if summary["out_of_sampling"]:
+            lines.append(f"  {summary['out_of_sampling']}")
+        lines.append(f"  per-layer chart: {summary['layer_frequency_png'] or 'not written'}")
+    lines.append(f"  log dir: {log_dir or trainer.default_root_dir}")
+    return lines
 
 
 def _validation_metrics(trainer: Any) -> dict[str, float]:
@@ -120,6 +167,20 @@ def _validation_metrics(trainer: Any) -> dict[str, float]:
     ]
     names += sorted(k for k in found if k.startswith("val") and k not in names)
     return {name: float(found[name]) for name in names if found[name].numel() == 1}
+
+
+def _parse(parser: LightningArgumentParser, argv: list[str]) -> Namespace:
+    """``parser.parse_args(argv)``; for ``--print_config``, the printed YAML says which value
+    each SAM callback option left ``null`` takes."""
+    if "--print_config" not in {a.split("=")[0] for a in argv}:
+        return parser.parse_args(argv)
+    printed = io.StringIO()
+    try:
+        with redirect_stdout(printed):
+            return parser.parse_args(argv)
+    finally:
+        sys.stdout.write(annotate_print_config(printed.getvalue()))
+        sys.stdout.flush()
 
 
 def demo_config_path() -> str:
@@ -138,100 +199,25 @@ def _with_demo_config(args: list[str]) -> list[str]:
         return args
     args = [a for a in args if a != _DEMO_FLAG]
     for i, arg in enumerate(args):
-        if arg in _SUBCOMMANDS:
+        if arg in SUBCOMMANDS:
             return [*args[: i + 1], "--config", demo_config_path(), *args[i + 1 :]]
     return args
 
 
-def _missing_run(args: list[str]) -> str | None:
-    """The error for ``fit`` (or another subcommand) with neither a config nor a model."""
-    command = next((a for a in args if a in _SUBCOMMANDS), None)
-    asks_help = {"-h", "--help", "--print_config"} & {a.split("=")[0] for a in args}
-    given = any(a in _CONFIG_FLAGS or a.split("=")[0] in ("--config", "--model") for a in args)
-    if command is None or asks_help or given:
-        return None
-    return (
-        f"`lightning-slsam {command}` needs a run: give --config RUN.yaml (or --model and"
-        " --data class paths), or --demo for the packaged demo (MiniLM-L6 on Rotten"
-        " Tomatoes)."
+def methods_epilog() -> str:
+    """The end of ``fit --help``: the SAM method classes and how to see one's options."""
+    from lightning_slsam.methods import METHODS
+
+    classes = dict.fromkeys(
+        f"lightning_slsam.{cls.__name__}" for cls, _ in METHODS.values() if cls is not None
     )
-
-
-def check_callback_options(args: list[str]) -> str | None:
-    """Build every SAM callback that ``args`` configure (``trainer.callbacks`` in the
-    ``--config`` files, then ``--trainer.callbacks...`` flags) and return the first error,
-    naming where the callback came from, its class, the option and the fix."""
-    entries: list[tuple[str, dict[str, Any]]] = []  # (where, {class_path, init_args})
-    i = 0
-    while i < len(args):
-        arg, value = args[i], None
-        if "=" in arg and arg.startswith("-"):
-            arg, value = arg.split("=", 1)
-        elif i + 1 < len(args) and arg.startswith("--") and not args[i + 1].startswith("--"):
-            value = (
-                args[i + 1]
-                if arg in _CONFIG_FLAGS or arg.startswith("--trainer.callbacks")
-                else None
-            )
-            i += value is not None
-        i += 1
-        if value is None:
-            continue
-        if arg in _CONFIG_FLAGS and os.path.isfile(value):
-            with open(value) as handle:
-                loaded = yaml.safe_load(handle)
-            trainer = (loaded or {}).get("trainer") if isinstance(loaded, dict) else None
-            callbacks = trainer.get("callbacks") if isinstance(trainer, dict) else None
-            if callbacks is not None:
-                listed = callbacks if isinstance(callbacks, list) else [callbacks]
-                entries = [
-                    (f"{value}: trainer.callbacks[{k}]", _entry(c)) for k, c in enumerate(listed)
-                ]
-        elif arg in ("--trainer.callbacks", "--trainer.callbacks+"):
-            loaded = yaml.safe_load(value)
-            listed = loaded if isinstance(loaded, list) else [loaded]
-            new = [(f"{arg}={value}", _entry(c)) for c in listed]
-            entries = new if arg == "--trainer.callbacks" else entries + new
-        elif arg.startswith("--trainer.callbacks.") and entries:
-            key = arg[len("--trainer.callbacks.") :].removeprefix("init_args.")
-            where, entry = entries[-1]
-            entry["init_args"] = {**entry["init_args"], key: yaml.safe_load(value)}
-            entries[-1] = (f"{arg}={value}", entry)
-    for where, entry in entries:
-        cls = _resolve(entry.get("class_path"))
-        if cls is None:
-            continue
-        try:
-            cls(**entry["init_args"])
-        except TypeError as err:
-            return f"{where}: {err}"
-        except (ValueError, MisconfigurationException) as err:
-            return f"{where}: {cls.__name__}: {err}"
-    return None
-
-
-def _entry(item: Any) -> dict[str, Any]:
-    if isinstance(item, str):
-        return {"class_path": item, "init_args": {}}
-    if isinstance(item, dict):
-        return {
-            "class_path": item.get("class_path"),
-            "init_args": dict(item.get("init_args") or {}),
-        }
-    return {"class_path": None, "init_args": {}}
-
-
-def _resolve(class_path: Any) -> type[SAMCallback] | None:
-    """The SAM callback class that ``class_path`` names, or ``None`` for anything else."""
-    if not isinstance(class_path, str):
-        return None
-    module_name, _, name = class_path.rpartition(".")
-    try:
-        module = importlib.import_module(module_name or "lightning_slsam")
-    except ImportError:
-        return None
-    cls = getattr(module, name, None)
-    return cls if isinstance(cls, type) and issubclass(cls, SAMCallback) else None
+    return (
+        "SAM methods are callbacks: add one with --trainer.callbacks+=CLASS (or in the YAML"
+        " config's trainer.callbacks), the model inheriting lightning_slsam.SAMMixin."
+        f" Classes: {', '.join(classes)}. To list one method's options with their defaults"
+        " and meaning, add --trainer.callbacks.help CLASS to this command, for example"
+        " --trainer.callbacks.help lightning_slsam.SparseLayerSAM."
+    )
 
 
 def main(args: Sequence[str] | None = None) -> None:
@@ -249,30 +235,22 @@ def main(args: Sequence[str] | None = None) -> None:
 
         compare(argv[1:])
         return
-    SLSAMCLI(
-        model_class=None,
-        datamodule_class=None,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        save_config_kwargs={"overwrite": True},
-        args=None if args is None else list(args),
-    )
+    try:
+        SLSAMCLI(
+            model_class=None,
+            datamodule_class=None,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_kwargs={"overwrite": True},
+            parser_class=OneLineParser,
+            args=None if args is None else list(args),
+        )
+    except MisconfigurationException as err:
+        # A setup check's refusal (raised before any weight changes): one line, exit 2.
+        if debugging():
+            raise
+        fail(" ".join(str(err).split()))
     release_process_group()
-
-
-def release_process_group() -> None:
-    """Destroys the default process group that a distributed strategy left behind.
-
-    Lightning's strategies keep the group alive after ``fit``; a gloo group still alive
-    when the interpreter exits can abort the process ("terminate called without an active
-    exception", exit code -6) after a run that succeeded. Called only once the run has
-    ended without an error: after a fault on one rank, the other ranks may still wait in
-    a collective, and destroying the group would wait with them.
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -222,7 +222,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         metavar="METHOD.KEY=VALUE",
         help="override a method's option, e.g. slsam.layer_ratio=0.25",
     )
-    parser.add_argument("--methods", default="adamw,sam,slsam", help="names from METHODS")
+    parser.add_argument(
+        "--methods",
+        default="adamw,sam,slsam",
+        help="comma-separated method names or --variant labels (default: %(default)s);"
+        f" the methods: {', '.join(METHODS)}",
+    )
     parser.add_argument(
         "--variant",
         action="append",
@@ -236,16 +241,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="reuse the runs of an interrupted compare in --out (each run.json) with the same"
         " configuration, and train only the missing ones",
     )
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=3,
+        help="runs per method, with consecutive seeds from --seed (default: %(default)s)",
+    )
     parser.add_argument(
         "--seed",
         type=int,
         default=None,
         help="first seed (default: the task config's seed_everything, else 42)",
     )
-    parser.add_argument("--monitor", default="val_acc")
-    parser.add_argument("--mode", default="max", choices=["max", "min"])
-    parser.add_argument("--out", default="runs/compare")
+    parser.add_argument(
+        "--monitor",
+        default="val_acc",
+        help="the logged validation metric to tabulate (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--mode",
+        default="max",
+        choices=["max", "min"],
+        help="whether the best --monitor value is the largest or the smallest"
+        " (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--out",
+        default="runs/compare",
+        help="folder for the runs, the table and the plots (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     if args.render:
         return _render_saved(args.render, args.monitor)

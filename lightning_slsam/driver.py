@@ -35,7 +35,7 @@ from lightning_slsam.compat import (
     loss_scale_reader,
 )
 from lightning_slsam.distributed import GradientAverager
-from lightning_slsam.passes import PassOutput, StepContext
+from lightning_slsam.passes import PER_SAMPLE_NEEDED, PassOutput, StepContext
 
 if TYPE_CHECKING:
     from lightning_slsam.engine import SparseSAMEngine
@@ -103,9 +103,17 @@ class _Passes:
     forward, SSAM-F's per-sample passes) is pass 2, whose logging is dropped.
     """
 
-    def __init__(self, module: Any, user_step, micro_batches: list[Call], scale: float) -> None:
+    def __init__(
+        self,
+        module: Any,
+        user_step,
+        micro_batches: list[Call],
+        scale: float,
+        needs_per_sample: bool = False,
+    ) -> None:
         self.module, self.user_step = module, user_step
         self.micro_batches, self.scale = micro_batches, scale
+        self.needs_per_sample = needs_per_sample
         self.first_output: Any = None
         self._full_passes = 0
 
@@ -133,6 +141,8 @@ class _Passes:
                     args = (module.sam_subset_batch(args[0], index, size), *args[1:])
                 output = self.user_step(module, *args, **kwargs)
                 loss, samples = loss_of(output)
+                if samples is None and self.needs_per_sample:
+                    raise MisconfigurationException(PER_SAMPLE_NEEDED)  # before any backward
                 if first and self.first_output is None:
                     self.first_output = output
                 per_sample.append(samples)
@@ -190,12 +200,13 @@ class StepDriver:
         micro_batches = self._accumulate(args, kwargs)
         if micro_batches is None:
             return None  # buffered for gradient accumulation; the step comes later
-        passes = _Passes(
-            self.module, user_step, micro_batches, 1.0 / self.controller.accumulate_grad_batches
-        )
         engine = self.controller.engine
         if engine is None:
             raise RuntimeError(f"{type(self.controller).__name__} ran a step before on_fit_start.")
+        passes = _Passes(
+            self.module, user_step, micro_batches, 1.0 / self.controller.accumulate_grad_batches,
+            needs_per_sample=engine.data_ratio < 1,
+        )  # fmt: skip
         context = StepContext(grad_scale=loss_scale_reader(self.scaler), averager=self.averager)
         trainer = self.trainer
         # Under DDP the engine averages the active layers' gradients itself.

@@ -17,7 +17,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_slsam.layers import LayerPartition
-from lightning_slsam.passes import ForwardBackward, PassOutput, StepCall, as_output
+from lightning_slsam.passes import (
+    PER_SAMPLE_NEEDED,
+    ForwardBackward,
+    PassOutput,
+    StepCall,
+    as_output,
+)
 from lightning_slsam.perturbation import BackupPool, FisherMask
 from lightning_slsam.running import RandomState, RunningStats
 from lightning_slsam.selection import LayerSelection
@@ -114,12 +120,7 @@ class SharpestSamples:
     def select(self, first: PassOutput, forward_backward: ForwardBackward) -> list[Tensor]:
         before = first.per_sample
         if not before or any(b is None for b in before):
-            raise ValueError(
-                "ESAM's data selection (data_ratio < 1) needs per-sample losses: return"
-                " them from training_step as a 1-D tensor (e.g. cross_entropy(...,"
-                " reduction='none')), or as {'loss': ..., 'per_sample_loss': ...}; or set"
-                " data_ratio=1.0 to disable it."
-            )
+            raise ValueError(PER_SAMPLE_NEEDED)  # a loop that does not check it earlier
         with torch.no_grad():
             after = as_output(forward_backward(backward=False)).per_sample
         subsets = []

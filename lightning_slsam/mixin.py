@@ -220,11 +220,12 @@ class SAMMixin:
         controller = _sam_controller(self)
         trainer = attached_trainer(self)
         if controller is not None and trainer is not None:
+            name = type(controller).__name__
             if trainer.gradient_clip_val:
                 raise MisconfigurationException(
                     f"`Trainer(gradient_clip_val={trainer.gradient_clip_val})` cannot be used with"
                     " a SAM callback (Lightning refuses it under manual optimization). Set"
-                    f" `SparseLayerSAM(gradient_clip_val={trainer.gradient_clip_val},"
+                    f" `{name}(gradient_clip_val={trainer.gradient_clip_val},"
                     f" gradient_clip_algorithm={trainer.gradient_clip_algorithm or 'norm'!r})`"
                     " instead: it clips the update gradient after unscaling."
                 )
@@ -232,7 +233,7 @@ class SAMMixin:
                 raise MisconfigurationException(
                     f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})` cannot"
                     " be used with a SAM callback (Lightning refuses it under manual"
-                    " optimization). Set `SparseLayerSAM(accumulate_grad_batches="
+                    f" optimization). Set `{name}(accumulate_grad_batches="
                     f"{trainer.accumulate_grad_batches})` instead."
                 )
         return super().configure_callbacks()  # type: ignore[misc]

@@ -20,6 +20,7 @@ from lightning_slsam.perturbation import tensor_norms
 from lightning_slsam.schedules import STEP_KINDS
 
 __all__ = [
+    "PER_SAMPLE_NEEDED",
     "ForwardBackward",
     "GradientPass",
     "PassOutput",
@@ -32,6 +33,17 @@ __all__ = [
     "check_same_draw",
     "gradient_pass",
 ]
+
+
+#: The error for a loss without per-sample losses where ESAM's data selection needs them,
+#: raised at the first pass of the first step, before its backward pass: nothing has
+#: changed yet.
+PER_SAMPLE_NEEDED = (
+    "ESAM's data selection (data_ratio < 1) needs per-sample losses, but the loss is a"
+    " scalar: return them from training_step (or compute_loss) as a 1-D tensor, e.g."
+    " F.cross_entropy(logits, y, reduction='none') (it is averaged for the update), or as"
+    " {'loss': ..., 'per_sample_loss': ...}; or set data_ratio=1.0 to turn the selection off."
+)
 
 
 @dataclass
@@ -253,9 +265,15 @@ class PlainLoopPasses:
     sample indices. A 1-D loss is a vector of per-sample losses (averaged for the update).
     """
 
-    def __init__(self, compute_loss: Callable[..., Tensor], batch_size: int | None) -> None:
+    def __init__(
+        self,
+        compute_loss: Callable[..., Tensor],
+        batch_size: int | None,
+        needs_per_sample: bool = False,
+    ) -> None:
         self.compute_loss = compute_loss
         self.batch_sizes = [batch_size] if batch_size else []
+        self.needs_per_sample = needs_per_sample
 
     def __call__(
         self, subsets: list[Tensor] | None = None, backward: bool = True, loss_scale: float = 1.0
@@ -266,6 +284,8 @@ class PlainLoopPasses:
         with torch.set_grad_enabled(backward and torch.is_grad_enabled()):
             loss = self.compute_loss() if index is None else self.compute_loss(index)
         per_sample = loss.detach() if loss.dim() == 1 else None
+        if per_sample is None and self.needs_per_sample:
+            raise ValueError(PER_SAMPLE_NEEDED)
         loss = loss.mean() if loss.dim() == 1 else loss
         if backward and loss.requires_grad:  # False when no active layer reaches it
             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
@@ -279,6 +299,7 @@ class PlainLoopStep:
 
     _ddp: tuple[torch.nn.Module, GradientAverager] | None = None
     _module: torch.nn.Module | None
+    data_ratio: float
     step: Callable[..., StepResult]
 
     def train_step(
@@ -307,7 +328,7 @@ class PlainLoopStep:
                 process drew the same layers. (FSDP2 needs nothing: its parameters average.)
         """
 
-        forward_backward = PlainLoopPasses(compute_loss, batch_size)
+        forward_backward = PlainLoopPasses(compute_loss, batch_size, self.data_ratio < 1)
 
         def optimizer_step(skip: bool) -> None:
             if not skip:

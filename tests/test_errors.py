@@ -78,6 +78,32 @@ def test_trainer_gradient_clip_and_accumulation_point_to_the_plugin_options():
     )
 
 
+def test_the_options_advice_names_the_callback_in_use():
+    from lightning_slsam import SAM
+
+    _fit_fails(LitModel(make_mlp()), SAM(), r"Set `SAM\(gradient_clip_val=0.5",
+               gradient_clip_val=0.5)  # fmt: skip
+
+
+def test_esam_without_per_sample_losses_is_refused_before_any_backward():
+    # The first pass's loss shape is checked as soon as training_step returns: no
+    # gradient, no weight, no optimizer state has changed.
+    from lightning_slsam import ESAM
+
+    model = LitModel(make_mlp())  # returns the batch's mean loss
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    t = trainer(callbacks=[ESAM()], max_steps=2)
+    with pytest.raises(
+        MisconfigurationException, match=r"needs per-sample losses.*reduction='none'"
+    ):
+        t.fit(model, loader(make_data()))
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]), name
+        assert param.grad is None, name
+    assert not t.optimizers[0].state
+    assert t.global_step == 0
+
+
 def test_no_trainable_parameters():
     model = LitModel(make_mlp())
     model.requires_grad_(False)

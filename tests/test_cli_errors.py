@@ -1,0 +1,168 @@
+"""The command line as a new user meets it: help that needs no run, the options that help
+lists, and every mistake reported as one line on stderr with exit code 2."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import make_data, make_mlp
+from torch.utils.data import DataLoader
+
+from lightning_slsam import METHODS, SAMMixin
+from lightning_slsam.cli import main
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:lightning.pytorch.cli")
+
+ROOT = Path(__file__).resolve().parent.parent
+MODULE = Path(__file__).stem  # this file, importable by class path (tests/ is on sys.path)
+
+
+class ScalarLossModel(SAMMixin, L.LightningModule):
+    """Returns the batch's mean loss (a scalar): enough for every method but ESAM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_mlp()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class Blobs(L.LightningDataModule):
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(make_data(64), batch_size=16)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(make_data(32), batch_size=16)
+
+
+@pytest.fixture
+def run_yaml(tmp_path) -> str:
+    """A run config of this file's model and data, with SL-SAM."""
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        f"model: {{class_path: {MODULE}.ScalarLossModel}}\n"
+        f"data: {{class_path: {MODULE}.Blobs}}\n"
+        "trainer:\n  max_steps: 2\n  logger: false\n  enable_checkpointing: false\n"
+        "  enable_progress_bar: false\n  enable_model_summary: false\n"
+        "  callbacks:\n    - class_path: lightning_slsam.SparseLayerSAM\n"
+    )
+    return str(path)
+
+
+def command(capsys, *args: str) -> tuple[int, str, str]:
+    """Run ``lightning-slsam ARGS`` in this process: (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as done:
+        main(list(args))
+        raise SystemExit(0)
+    out = capsys.readouterr()
+    return int(done.value.code or 0), out.out, out.err
+
+
+def one_error_line(err: str) -> str:
+    """The error line; asserts it is the only one from the command (no traceback, no usage
+    dump) -- Lightning's own info lines, when a fit had started, aside."""
+    assert "Traceback" not in err and "usage:" not in err, err[-3000:]
+    ours = [line for line in err.splitlines() if line.startswith("lightning-slsam: error:")]
+    assert len(ours) == 1, err[-3000:]
+    return ours[0]
+
+
+# -- help needs no run ------------------------------------------------------------------
+def test_one_methods_options_are_listed_without_a_run(capsys):
+    code, out, err = command(capsys, "fit", "--trainer.callbacks.help",
+                             "lightning_slsam.SparseLayerSAM")  # fmt: skip
+    assert code == 0, err
+    for option in ("layer_ratio", "preset", "bandit_loss", "gradient_clip_val"):
+        assert f"--trainer.callbacks.{option}" in out
+    assert "needs a run" not in err
+
+
+def test_fit_help_ends_with_the_method_classes_and_how_to_see_their_options(capsys):
+    code, out, _ = command(capsys, "fit", "--help")
+    assert code == 0
+    epilog = " ".join(out[out.index("SAM methods are callbacks") :].split())
+    for cls, _ in METHODS.values():
+        if cls is not None:
+            assert f"lightning_slsam.{cls.__name__}" in epilog
+    assert "--trainer.callbacks.help lightning_slsam.SparseLayerSAM" in epilog
+    # The API page says the same: fit --help lists the classes, callbacks.help the options.
+    api = " ".join((ROOT / "docs" / "api.md").read_text().split())
+    assert "lightning-slsam fit --trainer.callbacks.help lightning_slsam.SparseLayerSAM" in api
+    assert "`lightning-slsam fit --help` list all of them" not in api
+
+
+def test_compare_help_names_the_methods_and_every_default(capsys):
+    code, out, _ = command(capsys, "compare", "--help")
+    assert code == 0
+    text = " ".join(out[out.index("options:") :].split())  # past the usage lines
+    methods = text[text.index("--methods METHODS") : text.index("--variant LABEL")]
+    for name in METHODS:
+        assert re.search(rf"\b{name}\b", methods), name
+    for option, default in (("--seeds SEEDS", "3"), ("--monitor MONITOR", "val_acc"),
+                            ("--mode {max,min}", "max"), ("--out OUT", "runs/compare"),
+                            ("--methods METHODS", "adamw,sam,slsam")):  # fmt: skip
+        help_text = text[text.index(option) + len(option) :][:200]
+        assert f"(default: {default})" in help_text, (option, help_text)
+
+
+# -- one line, exit code 2 --------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--trainer.gradient_clip_val=1.0"],
+         ["trainer.gradient_clip_val=1.0 cannot be used with SparseLayerSAM",
+          "`gradient_clip_val: 1.0`", "trainer.callbacks[0] (SparseLayerSAM) init_args",
+          "--trainer.callbacks.gradient_clip_val=1.0"]),
+        (["--trainer.accumulate_grad_batches=4"],
+         ["trainer.accumulate_grad_batches=4 cannot be used with SparseLayerSAM",
+          "`accumulate_grad_batches: 4`", "--trainer.callbacks.accumulate_grad_batches=4"]),
+        (["--trainer.callbacks+=lightning_slsam.SparseLayerSam"],
+         ["class 'lightning_slsam.SparseLayerSam' not found",
+          "did you mean 'lightning_slsam.SparseLayerSAM'?"]),
+        (["--trainer.max_stpes=3"],
+         ["unrecognized argument(s) --trainer.max_stpes=3", "did you mean --trainer.max_steps?"]),
+        (["--trainer.max_epochs=abc"], ["trainer.max_epochs: expected int or None, got 'abc'"]),
+        (["--trainer.callbacks+=lightning_slsam.SparseLayerSAM"],
+         ["2 SAM callbacks ([0] SparseLayerSAM, [1] SparseLayerSAM)", "keep exactly one"]),
+        (["--trainer.callbacks+=lightning_slsam.SAM"],
+         ["2 SAM callbacks ([0] SparseLayerSAM, [1] SAM)", "keep exactly one"]),
+    ],
+)  # fmt: skip
+def test_mistakes_are_one_line_with_exit_code_2(capsys, run_yaml, args, words):
+    code, _, err = command(capsys, "fit", "--config", run_yaml, *args)
+    assert code == 2
+    line = one_error_line(err)
+    for word in words:
+        assert word in line, line
+
+
+def test_esam_without_per_sample_losses_is_one_line_before_any_step(capsys, run_yaml):
+    code, _, err = command(capsys, "fit", "--config", run_yaml,
+                           "--trainer.callbacks=lightning_slsam.ESAM")  # fmt: skip
+    assert code == 2
+    line = one_error_line(err)
+    assert "needs per-sample losses" in line and "reduction='none'" in line
+    assert "data_ratio=1.0" in line
+
+
+def test_a_debug_run_keeps_the_traceback(capsys, run_yaml, monkeypatch):
+    # With JSONARGPARSE_DEBUG=true, a refusal at setup raises as it would in Python.
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    monkeypatch.setenv("JSONARGPARSE_DEBUG", "true")
+    with pytest.raises(MisconfigurationException, match="per-sample losses"):
+        main(["fit", "--config", run_yaml, "--trainer.callbacks=lightning_slsam.ESAM"])
