@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 # The pure-PyTorch core, imported with the package (torch only).
 from lightning_slsam.bandit import LayerBandit, kl_projection
+from lightning_slsam.distributed import release_process_group
 from lightning_slsam.engine import PassOutput, SparseSAMEngine, StepResult
 from lightning_slsam.layers import LayerPartition, build_partition, find_new_head
 from lightning_slsam.perturbation import FisherMask, SAMPerturbation
@@ -130,4 +131,5 @@ __all__ = [
     "make_engine",
     "method_spec",
     "register_method",
+    "release_process_group",
 ]

@@ -14,6 +14,8 @@ Example:
 >>> callback = SparseLayerSAM(layer_ratio=0.3, gradient_clip_val=1.0)
 >>> callback.spec.layer_ratio, callback.layer_ratio, callback.gradient_clip_val
 (0.3, 0.3, 1.0)
+>>> callback  # the options that differ from the defaults
+SparseLayerSAM(layer_ratio=0.3, gradient_clip_val=1.0)
 >>> SparseLayerSAM(accumulate_grad_batches=0)
 Traceback (most recent call last):
 ...
@@ -55,6 +57,7 @@ from lightning_slsam.record import (
     fit_message,
     fit_summary,
     fresh_stem,
+    out_of_sampling,
     record_dir,
     step_metrics,
     write_record,
@@ -68,6 +71,11 @@ from lightning_slsam.shells import (
 from lightning_slsam.specs import SCHEDULES, MethodSpec, default_seed
 
 __all__ = ["SCHEDULES", "SAMCallback", "callback_for", "estimated_stepping_batches"]
+
+
+def _quiet(message: str) -> None:
+    """A ``warn`` that drops the message (a partition rebuilt only to name its tensors)."""
+
 
 #: Specification class -> the callback class of that method (the first one declared).
 _CALLBACKS: dict[type[MethodSpec], type[SAMCallback]] = {}
@@ -287,13 +295,12 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
         rank_zero_info(fit_message(type(self).__name__, self.engine, self.frequency_plot_path))
 
     def summary(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """The run's mean active ratio and per-layer chart, after ``fit``.
-
-        Works in the process that called ``fit`` under ``ddp_spawn`` too, where the training
-        ran in child processes: the ratio then comes from ``trainer.callback_metrics`` and
-        the chart is the newest one in the run's record folder.
-        """
-        return fit_summary(trainer, self.mean_active_ratio, self.frequency_plot_path)
+        """After ``fit``: the run's mean active ratio, per-layer chart and the tensors out of
+        sampling (``out_of_sampling``), in the process that called ``fit`` under ``ddp_spawn``
+        too (the ratio from ``trainer.callback_metrics``, the newest chart of the run)."""
+        partition = self.partition or self.spec.partition(trainer.lightning_module, warn=_quiet)
+        summary = fit_summary(trainer, self.mean_active_ratio, self.frequency_plot_path)
+        return {**summary, "out_of_sampling": out_of_sampling(partition)}
 
     # -- checkpoint state ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

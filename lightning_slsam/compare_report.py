@@ -6,11 +6,24 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-__all__ = ["plot", "plot_selection", "render", "summarize"]
+__all__ = ["mean_std", "plot", "plot_selection", "render", "summarize"]
 
 
-def _stats(values: list[float]) -> tuple[float, float]:
-    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+def _stats(values: list[float]) -> tuple[float, float | None]:
+    """Mean and standard deviation; no deviation (``None``) for a single run."""
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def mean_std(mean: float | None, std: float | None) -> str:
+    """``"0.8312 ± 0.0041"``, ``"0.8312"`` for a single run, ``"-"`` for none.
+
+    Example:
+        >>> mean_std(0.83125, 0.0041), mean_std(0.28125, None), mean_std(None, None)
+        ('0.8313 ± 0.0041', '0.2812', '-')
+    """
+    if mean is None:
+        return "-"
+    return f"{mean:.4f}" if std is None else f"{mean:.4f} ± {std:.4f}"
 
 
 def summarize(records: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -53,7 +66,8 @@ def render(rows: dict[str, dict[str, Any]], monitor: str, task: str) -> str:
     lines = [
         f"# Comparison on `{task}`",
         "",
-        f"`{monitor}`: best over the run and final, mean ± std over seeds. Active ratio:"
+        f"`{monitor}`: best over the run and final, mean ± std over seeds (a single seed:"
+        " its value). Active ratio:"
         " parameter fraction with a gradient, summed over a step's passes (AdamW 1.0x, SAM"
         " 2.0x). Epoch time: training batches only, each run's mean over all its epochs (a"
         " costlier warm-up counts), median over the seeds."
@@ -72,9 +86,7 @@ def render(rows: dict[str, dict[str, Any]], monitor: str, task: str) -> str:
         return "-" if value is None else format(value, fmt)
 
     for method, row in rows.items():
-        (bm, bs), (fm, fs) = row["best"], row["final"]
-        best = "-" if bm is None else f"{bm:.4f} ± {bs:.4f}"
-        final = "-" if fm is None else f"{fm:.4f} ± {fs:.4f}"
+        best, final = mean_std(*row["best"]), mean_std(*row["final"])
         epoch = row["epoch_time_s"]
         floor = row.get("final_floor")
         lines.append(

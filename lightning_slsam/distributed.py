@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["GradientAverager", "ddp_averager"]
+__all__ = ["GradientAverager", "ddp_averager", "release_process_group"]
 
 
 class GradientAverager:
@@ -96,3 +96,23 @@ def ddp_averager(ddp: torch.nn.Module, module: torch.nn.Module | None) -> Gradie
             " the engine on the wrapped module, `make_engine(method, ddp.module, ...)`."
         )
     return GradientAverager(ddp.process_group)
+
+
+def release_process_group() -> None:
+    """Destroys the default process group that a distributed run left behind.
+
+    Lightning's strategies keep the group alive after ``fit``; a gloo group still alive
+    when the interpreter exits can abort the process ("terminate called without an active
+    exception", exit code -6) after a run that succeeded. Call it at the end of a script
+    that trained with a multi-process strategy, once the run has ended without an error:
+    after a fault on one rank, the other ranks may still wait in a collective, and
+    destroying the group would wait with them. ``lightning-slsam`` calls it itself.
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> release_process_group()  # no group: nothing to do
+        >>> dist.is_initialized()
+        False
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -15,6 +15,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from lightning_slsam.metrics import (
+    FixedTensor,
     normalized_entropy,
     plot_layer_frequency,
     write_layer_frequency_csv,
@@ -31,8 +32,10 @@ __all__ = [
     "RECORD_STEM",
     "fit_message",
     "fit_summary",
+    "fixed_tensors",
     "fresh_stem",
     "newest_chart",
+    "out_of_sampling",
     "record_dir",
     "step_metrics",
     "write_record",
@@ -76,10 +79,34 @@ def fit_message(name: str, engine: SparseSAMEngine, chart: str | None) -> str:
     """The line printed at the end of fit."""
     message = (
         f"{name}: mean active ratio {engine.mean_active_ratio:.3f}x over the passes"
-        f" (SAM: 2.0x, AdamW: 1.0x), {engine.partition.num_layers} layers,"
+        f" (SAM: 2.0x, AdamW: 1.0x), {engine.partition.num_layers} sampled layers,"
         f" {engine.never_selected()} never selected, {engine.num_skipped} skipped steps."
     )
+    fixed = out_of_sampling(engine.partition)
+    message += f" {fixed}." if fixed else ""
     return message + (f" Per-layer activation chart: {chart}" if chart else "")
+
+
+def out_of_sampling(partition: LayerPartition, shown: int = 6) -> str:
+    """The tensors taken out of sampling, named (``""`` when there are none).
+
+    Example:
+        >>> import torch
+        >>> from lightning_slsam.layers import build_partition
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        >>> out_of_sampling(build_partition(net, always_active=["^1[.]"]))
+        'Always active (trained every step, not sampled): 1.weight, 1.bias'
+    """
+    parts = []
+    for label, names in (
+        ("Always active (trained every step, not sampled)", partition.always_active_names),
+        ("always frozen (never trained)", partition.always_frozen_names),
+    ):
+        if names:
+            more = f" and {len(names) - shown} more" if len(names) > shown else ""
+            parts.append(f"{label}: {', '.join(names[:shown])}{more}")
+    text = "; ".join(parts)
+    return text[:1].upper() + text[1:]
 
 
 def fit_summary(trainer: Any, ratio: float, chart: str | None) -> dict[str, Any]:
@@ -99,6 +126,16 @@ def newest_chart(directory: str) -> str | None:
     return max(found, key=os.path.getmtime) if found else None
 
 
+def fixed_tensors(partition: LayerPartition) -> list[FixedTensor]:
+    """The tensors taken out of sampling, as the record lists them."""
+    return [
+        *((n, p.numel(), "always_active") for n, p in
+          zip(partition.always_active_names, partition.always_active)),
+        *((n, p.numel(), "always_frozen") for n, p in
+          zip(partition.always_frozen_names, partition.always_frozen)),
+    ]  # fmt: skip
+
+
 def write_record(
     stem: str, engine: SparseSAMEngine, partition: LayerPartition, plot: bool, title: str
 ) -> tuple[str, str | None]:
@@ -106,6 +143,7 @@ def write_record(
     frequency, probability and mean gradient norm. Returns both paths."""
     steps = engine.num_steps - engine.num_skipped
     probs = engine.selection.probs
+    fixed = fixed_tensors(partition)
     csv_path = write_layer_frequency_csv(
         stem + ".csv",
         partition.names,
@@ -114,6 +152,7 @@ def write_record(
         steps,
         probs,
         engine.mean_norms(),
+        fixed=fixed,
     )
     png_path = None
     if plot:
@@ -125,6 +164,7 @@ def write_record(
             probs,
             float(probs.mean()),
             title=title,
+            fixed=fixed,
         )
     return csv_path, png_path
 

@@ -117,8 +117,9 @@ def with_options_doc(cls: type, base_doc: str | None) -> str:
 
 
 class ChecksOptions:
-    """Names an unknown option with the class the user wrote (Python's own error would
-    name ``SAMCallback.__init__``, where the keywords end up), with the closest valid name.
+    """Shows the options given in ``repr``, and names an unknown option with the class the
+    user wrote (Python's own error would name ``SAMCallback.__init__``, where the keywords
+    end up), with the closest valid name.
 
     A base class of its own rather than ``SAMCallback.__new__``: jsonargparse reads a class's own
     ``__new__`` as its signature, and would then accept none of ``SAMCallback``'s options
@@ -128,4 +129,16 @@ class ChecksOptions:
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             check_options(cls, kwargs)
-        return super().__new__(cls)
+        obj = super().__new__(cls)
+        obj._given_options = dict(kwargs)  # for repr: the options as they were written
+        return obj
+
+    def __repr__(self) -> str:
+        # The options given that differ from the signature's defaults.
+        defaults = inspect.signature(type(self).__init__).parameters
+        shown = [
+            f"{k}={v!r}"
+            for k, v in self.__dict__.get("_given_options", {}).items()
+            if k not in defaults or defaults[k].default != v
+        ]
+        return f"{type(self).__name__}({', '.join(shown)})"

@@ -83,7 +83,7 @@ def tiny_config(tmp_path, stand_in_csv):
 
 
 def summary_chart(out: str) -> Path:
-    assert "SL-SAM run summary" in out
+    assert re.search(r"Run summary \(SparseLayerSAM, \d+ steps\)", out)
     assert re.search(r"final val_acc: [01]\.\d{4}", out)
     assert re.search(r"mean active ratio: \d\.\d{3}x", out)
     chart = re.search(r"per-layer chart: (\S+\.png)", out)
@@ -180,6 +180,61 @@ def test_summary_names_every_validation_metric_monitor_first(tiny_config, tmp_pa
               if line.strip().startswith("final ")]  # fmt: skip
     # The checkpoint's monitor first, then every other val* metric; not only val_acc.
     assert finals == ["final val_loss", "final val_acc"]
+
+
+def test_summary_says_when_each_metric_was_measured(tiny_config, capsys):
+    # 6 batches per epoch, validation every 3: the last one ran at step 6 of 8.
+    main(["fit", "--config", tiny_config, "--trainer.max_steps=8",
+          "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "Run summary (SparseLayerSAM, 8 steps)" in out
+    assert re.search(r"final val_acc: [01]\.\d{4} \(validated at step 6\)", out), out
+    assert re.search(r"final val_loss: \d+\.\d{4} \(validated at step 6\)", out), out
+    assert "after 8 steps" not in out
+
+
+def test_summary_of_a_run_without_a_sam_method(tiny_config, capsys):
+    main(["fit", "--config", tiny_config, "--trainer.callbacks=null", "--trainer.max_steps=2",
+          "--trainer.limit_val_batches=1"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "Run summary (no SAM method, 2 steps)" in out
+    assert "SL-SAM" not in out and "AdamW" not in out
+    assert "method: plain optimizer steps (no SAM callback in trainer.callbacks)" in out
+
+
+def test_always_active_tensors_are_named_and_kept_in_the_record(tiny_config, tmp_path, capsys):
+    main(["fit", "--config", tiny_config, "--trainer.callbacks.head_always_active=true",
+          "--trainer.max_steps=3", "--trainer.val_check_interval=3",
+          "--trainer.limit_val_batches=1"])  # fmt: skip
+    out = capsys.readouterr().out
+    head = "model.classifier.weight, model.classifier.bias"
+    assert f"Always active (trained every step, not sampled): {head}" in out
+    chart = summary_chart(out)
+    with open(chart.with_suffix(".csv")) as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == 41  # 39 sampled tensors, then the 2 of the head
+    assert {r["role"] for r in rows[:39]} == {"sampled"}
+    assert [(r["layer"], r["role"], r["activations"], r["frequency"]) for r in rows[39:]] == [
+        ("model.classifier.weight", "always_active", "3", "1.000000"),
+        ("model.classifier.bias", "always_active", "3", "1.000000"),
+    ]
+
+
+def test_print_config_says_what_the_presets_nulls_resolve_to(tiny_config, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", tiny_config, "--trainer.callbacks.preset=robust",
+              "--print_config"])  # fmt: skip
+    assert done.value.code in (0, None)
+    out = capsys.readouterr().out
+    for line in ("bandit_loss: null  # takes effect: rank",
+                 "head_always_active: null  # takes effect: true",
+                 "scale_updates: null  # takes effect: true",
+                 "alpha_p: null  # takes effect: 0.03"):  # fmt: skip
+        assert line in out, out
+    # The config itself is unchanged: null still means "decided by the preset".
+    (callback,) = yaml.safe_load(out)["trainer"]["callbacks"]
+    assert callback["init_args"]["bandit_loss"] is None
+    assert callback["init_args"]["preset"] == "robust"
 
 
 def _fit_that_leaves_a_process_group(*args, **kwargs):

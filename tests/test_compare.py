@@ -53,6 +53,20 @@ def test_compare_runs_every_method_and_seed_and_writes_the_table(tmp_path, capsy
     assert json.loads(json.dumps(again["rows"])) == rows
 
 
+def test_a_single_seed_shows_its_value_without_a_spread():
+    from lightning_slsam.compare_report import render, summarize
+
+    def record(best):
+        return {"best": best, "final": best, "epoch_times": [1.0], "active_ratio": 2.0,
+                "peak_memory_mb": 100.0}  # fmt: skip
+
+    rows = summarize({"sam": [record(0.28125)], "slsam": [record(0.5), record(0.7)]})
+    assert rows["sam"]["best"] == (0.28125, None)
+    table = render(rows, "val_acc", "task.yaml")
+    assert "| sam | 1 | 0.2812 | 0.2812 |" in table
+    assert "| slsam | 2 | 0.6000 ± 0.1414 | 0.6000 ± 0.1414 |" in table
+
+
 def test_compare_rejects_unknown_methods(tmp_path):
     with pytest.raises(SystemExit):
         main(["compare", "--config", TASK, "--methods", "adamw,sgd", "--out", str(tmp_path)])

@@ -146,6 +146,25 @@ def test_python_typos_name_the_class_written():
     assert SparseLayerSAM(layer_ratio=0.3).layer_ratio == 0.3  # valid ones still work
 
 
+def test_a_callbacks_repr_shows_the_options_given():
+    assert repr(SparseLayerSAM(rho=0.05)) == "SparseLayerSAM(rho=0.05)"
+    assert repr(SparseLayerSAM()) == "SparseLayerSAM()"
+    assert (
+        repr(SparseLayerSAM(preset="robust", layer_ratio=0.2)) == "SparseLayerSAM(preset='robust')"
+    )
+    assert (
+        repr(RandomSLSAM(layer_ratio=0.3, plot=False)) == "RandomSLSAM(layer_ratio=0.3, plot=False)"
+    )
+
+
+def test_release_process_group_is_exported_where_users_look():
+    import lightning_slsam
+    from lightning_slsam.cli import release_process_group
+
+    assert lightning_slsam.release_process_group is release_process_group
+    assert "release_process_group" in lightning_slsam.__all__
+
+
 # -- 5. no None callback ------------------------------------------------------------------------
 def test_make_callback_never_returns_none():
     with pytest.raises(ValueError, match="plain AdamW, which needs no callback"):
@@ -172,7 +191,8 @@ def test_ddp_spawn_parent_prints_the_summary(tmp_path):
     assert 0.0 < float(ratio.group(1)) < 2.0  # not nan
     chart = re.search(r"per-layer chart: (\S+\.png)", done.stdout)
     assert chart and Path(chart.group(1)).is_file() and str(tmp_path) in chart.group(1)
-    assert re.search(r"final val_acc: [01]\.\d{4}", done.stdout)
+    # The validation's step comes back from the spawned processes too.
+    assert re.search(r"final val_acc: [01]\.\d{4} \(validated at step 3\)", done.stdout)
     assert re.search(r"final val_loss: \d+\.\d{4}", done.stdout)
 
 
