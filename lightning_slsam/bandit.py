@@ -47,11 +47,12 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
+from typing import Any
 
 import torch
 
 from lightning_slsam.checks import check_value
-from lightning_slsam.projection import REL_TOL, kl_projection
+from lightning_slsam.projection import REL_TOL, kl_projection, weighted_kl_projection
 from lightning_slsam.seeding import Seeded, seeded_generator
 from lightning_slsam.selection import LayerSelection
 
@@ -108,6 +109,11 @@ class LayerBandit(LayerSelection, Seeded):
             is seeded with ``torch.initial_seed()``, so a global seed (e.g. Lightning's
             ``seed_everything``) makes sampling reproducible without consuming the global
             RNG stream.
+        costs: ``[N]`` positive cost of drawing each layer (beyond the paper). ``None``
+            (default): the paper's count budget, ``sum(p) = s``. Given: a compute budget,
+            ``sum(costs * p) = layer_ratio * sum(costs)``: the expected cost of a draw is
+            ``layer_ratio`` of drawing everything, whichever layers the bandit favours
+            (:func:`~lightning_slsam.projection.weighted_kl_projection`).
 
     Attributes:
         num_samples: Masks returned by :meth:`sample`.
@@ -136,14 +142,17 @@ class LayerBandit(LayerSelection, Seeded):
         alpha_p: float | None = None,
         loss: str = "shifted",
         generator: torch.Generator | None = None,
+        costs: torch.Tensor | None = None,
     ) -> None:
         cfg = _validated(num_layers, layer_ratio, p_min, alpha_p, loss)
         self._n, self._ratio, self._p_min, self._alpha, self._loss = cfg
-        self._budget = self._ratio * self._n
+        self._costs = _costs(costs, self._n)
+        self._budget = self._ratio * self._total()
         if generator is not None and generator.device.type != "cpu":
             raise ValueError(f"generator must be a CPU torch.Generator, got {generator.device}.")
         self._gen = seeded_generator(generator)
-        self._probs = torch.full((self._n,), self._budget / self._n, dtype=torch.float64)
+        start = self._budget / self._n if self._costs is None else self._ratio  # uniform
+        self._probs = torch.full((self._n,), start, dtype=torch.float64)
         self.num_samples = self.num_redraws = self.num_updates = self.num_skipped = 0
 
     @property
@@ -163,8 +172,22 @@ class LayerBandit(LayerSelection, Seeded):
 
     @property
     def budget(self) -> float:
-        """Expected number of active layers per step, ``s = layer_ratio * N``."""
+        """Expected number of active layers per step, ``s = layer_ratio * N``; under a
+        compute budget, the expected cost of a draw, ``layer_ratio * sum(costs)``."""
         return self._budget
+
+    @property
+    def costs(self) -> torch.Tensor | None:
+        """Each layer's cost under a compute budget (float64 ``[N]``), else ``None``."""
+        return None if self._costs is None else self._costs.clone()
+
+    def _total(self) -> float:
+        return float(self._n if self._costs is None else self._costs.sum())
+
+    def _project(self, log_u: torch.Tensor) -> torch.Tensor:
+        if self._costs is None:
+            return kl_projection(log_u, self._budget, self._p_min, 1.0)
+        return weighted_kl_projection(log_u, self._costs, self._budget, self._p_min, 1.0)
 
     def sample(self) -> torch.Tensor:
         """Draw the active set: bool ``[N]``, layer ``l`` True with probability ``p_l``.
@@ -245,7 +268,7 @@ class LayerBandit(LayerSelection, Seeded):
             k = torch.where(active, (z_ref - z) * (z_ref + z), 0.0)  # difference of squares
             # Gate on k > 0 so an overflowing G**2 cannot turn 0 * inf into NaN.
             expo = torch.where(k > 0, self._alpha * k / q * g * g, 0.0)
-        new = kl_projection(torch.log(p) - expo, self._budget, self._p_min, 1.0)
+        new = self._project(torch.log(p) - expo)
         if not bool(torch.isfinite(new).all()):  # defensive: never store a broken state
             warnings.warn("LayerBandit.update skipped: projection failed.", RuntimeWarning, 2)
             self.num_skipped += 1
@@ -272,6 +295,7 @@ class LayerBandit(LayerSelection, Seeded):
             "p_min": self._p_min,
             "alpha_p": self._alpha,
             "loss": self._loss,
+            "costs": self.costs,
             "num_updates": self.num_updates,
             "num_samples": self.num_samples,
             "num_redraws": self.num_redraws,
@@ -288,15 +312,24 @@ class LayerBandit(LayerSelection, Seeded):
         cfg = _validated(
             self._n, state["layer_ratio"], state["p_min"], state["alpha_p"], state["loss"]
         )
-        budget = cfg[1] * self._n
+        saved_costs = state.get("costs")  # absent in checkpoints from before compute budgets
+        if (saved_costs is None) != (self._costs is None) or (
+            saved_costs is not None and not torch.equal(_costs(saved_costs, self._n), self._costs)
+        ):
+            raise ValueError(
+                "Bandit state was saved under another budget (a count budget against a"
+                " compute budget, or other layer costs); resume with the same `budget` option."
+            )
+        weights = torch.ones(self._n, dtype=torch.float64) if self._costs is None else self._costs
+        budget = cfg[1] * float(weights.sum())
         probs = torch.as_tensor(state["probs"]).detach().to("cpu", torch.float64).reshape(-1)
         if probs.numel() != self._n or not (
             bool(((probs >= cfg[2]) & (probs <= 1.0)).all())
-            and abs(probs.sum().item() - budget) <= 1e-9 * budget
+            and abs(float((weights * probs).sum()) - budget) <= 1e-9 * budget
         ):
             raise ValueError(
                 f"state['probs'] must be {self._n} values in [p_min={cfg[2]}, 1] summing to "
-                f"s={budget:g}; the checkpoint is corrupt or from another bandit."
+                f"the budget {budget:g}; the checkpoint is corrupt or from another bandit."
             )
         self._n, self._ratio, self._p_min, self._alpha, self._loss = cfg
         self._budget = budget
@@ -304,6 +337,16 @@ class LayerBandit(LayerSelection, Seeded):
         self._probs = probs.clone()
         for key in ("num_updates", "num_samples", "num_redraws", "num_skipped"):
             setattr(self, key, int(state[key]))
+
+
+def _costs(costs: Any, n: int) -> torch.Tensor | None:
+    """``costs`` as a float64 CPU ``[n]`` tensor of positive finite values (or ``None``)."""
+    if costs is None:
+        return None
+    c = torch.as_tensor(costs).detach().to("cpu", torch.float64).reshape(-1)
+    if c.numel() != n or not bool(((c > 0) & (c < math.inf)).all()):
+        raise ValueError(f"costs must be {n} positive finite values (one per layer).")
+    return c
 
 
 def _rank_loss(z: torch.Tensor, active: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-__all__ = ["REL_TOL", "kl_projection"]
+__all__ = ["REL_TOL", "kl_projection", "weighted_kl_projection"]
 
 # Largest |log-weight| used; beyond it the weights are clipped (still ordered, still finite).
 _LOG_CLAMP = 1e300
@@ -125,3 +125,121 @@ def kl_projection(
     fix = (budget - torch.where(free_mask, 0.0, q).sum()) / free_sum
     q = torch.where(free_mask & (free_sum > 0), q * fix, q).clamp(lower, upper)
     return torch.empty_like(q).scatter_(0, order, q)
+
+
+def weighted_kl_projection(
+    log_u: torch.Tensor,
+    costs: torch.Tensor,
+    budget: float,
+    lower: float,
+    upper: float = 1.0,
+) -> torch.Tensor:
+    """Exact KL projection of ``u = exp(log_u)`` onto a cost-weighted capped simplex.
+
+    Returns the minimiser of ``KL(q || u)`` over ``{q : sum(costs * q) = budget, lower <=
+    q_l <= upper}``: the constraint of a compute budget, where drawing entry ``l`` costs
+    ``costs[l]``. The optimality conditions give ``q_l = clip(u_l * exp(-lam * costs[l]),
+    lower, upper)`` for the scalar ``lam`` making the weighted sum equal ``budget``. With
+    equal costs this is :func:`kl_projection` (``exp(-lam * c)`` is then one common factor).
+
+    Args:
+        log_u: ``[N]`` log-weights (as :func:`kl_projection`).
+        costs: ``[N]`` positive, finite costs; only their ratios matter.
+        budget: required ``sum(costs * q)``, in ``[lower * sum(costs), upper * sum(costs)]``.
+        lower: lower bound of every entry, ``> 0``.
+        upper: upper bound of every entry, ``>= lower``; default 1.0.
+
+    Returns:
+        ``[N]`` float64 tensor on ``log_u``'s device.
+
+    ``g(lam) = sum(costs * q(lam))`` is continuous and non-increasing, with breakpoints where
+    an entry leaves ``upper`` or reaches ``lower``. A binary search over the ``2N`` sorted
+    breakpoints (``g`` evaluated ``O(log N)`` times) finds the segment where ``g`` crosses the
+    budget; there the free entries are fixed and ``g`` is a sum of exponentials, convex and
+    decreasing in ``lam``, which Newton's method solves from the segment's left end (its
+    iterates rise monotonically to the root) to float64 precision.
+
+    Example:
+        >>> import torch
+        >>> log_u = torch.log(torch.tensor([0.2, 0.2, 0.2]))
+        >>> costs = torch.tensor([1.0, 1.0, 8.0])  # the third entry costs 8 times more
+        >>> q = weighted_kl_projection(log_u, costs, budget=0.2 * 10.0, lower=1e-3)
+        >>> [round(v, 6) for v in q.tolist()]  # a uniform start is already feasible
+        [0.2, 0.2, 0.2]
+        >>> q = weighted_kl_projection(log_u, costs, budget=1.0, lower=1e-3)
+        >>> round(float((costs * q).sum()), 9), bool(q[2] < q[0])  # the costly one gives most
+        (1.0, True)
+    """
+    x = torch.as_tensor(log_u).detach().to(dtype=torch.float64).reshape(-1)
+    c = torch.as_tensor(costs).detach().to(dtype=torch.float64, device=x.device).reshape(-1)
+    n = x.numel()
+    lower, upper, budget = float(lower), float(upper), float(budget)
+    if n == 0 or c.numel() != n:
+        raise ValueError(
+            f"log_u and costs must have the same N >= 1 entries, got {n}, {c.numel()}."
+        )
+    if not bool(((c > 0) & (c < math.inf)).all()):
+        raise ValueError("costs must be positive and finite.")
+    if not (math.isfinite(upper) and 0.0 < lower <= upper):
+        raise ValueError(f"Need 0 < lower <= upper < inf, got lower={lower}, upper={upper}.")
+    scale = float(c.mean())
+    c, budget = c / scale, budget / scale  # costs of mean 1: lam stays of order log-weights
+    total = float(c.sum())
+    lo_sum, hi_sum = lower * total, upper * total
+    if not lo_sum - REL_TOL * hi_sum <= budget <= hi_sum * (1.0 + REL_TOL):
+        raise ValueError(
+            f"budget={budget * scale} is infeasible for these costs in [{lower}, {upper}]: it"
+            f" must lie in [{lo_sum * scale}, {hi_sum * scale}]."
+        )
+    if not bool((x < math.inf).all()):
+        raise ValueError("log_u contains NaN or +inf; pass finite log-weights (or -inf).")
+    if budget >= hi_sum:
+        return torch.full_like(x, upper)
+    if budget <= lo_sum:
+        return torch.full_like(x, lower)
+    x = torch.where(x == -math.inf, -3 * _LOG_CLAMP, x.clamp(-_LOG_CLAMP, _LOG_CLAMP))
+    log_lo, log_hi = math.log(lower), math.log(upper)
+
+    def q_at(lam: float) -> torch.Tensor:  # exactly `lower` / `upper` at the bounds
+        z = x - lam * c
+        return torch.where(z <= log_lo, lower, torch.where(z >= log_hi, upper, torch.exp(z)))
+
+    def g(lam: float) -> float:
+        return float((c * q_at(lam)).sum())
+
+    # Breakpoints: entry l is at `upper` for lam <= (x_l - log upper) / c_l and at `lower`
+    # for lam >= (x_l - log lower) / c_l. g(first) = hi_sum > budget > lo_sum = g(last).
+    t = torch.sort(torch.cat([(x - log_hi) / c, (x - log_lo) / c])).values
+    left, right = 0, 2 * n - 1
+    while right - left > 1:  # keep g(t[left]) >= budget >= g(t[right])
+        mid = (left + right) // 2
+        if g(float(t[mid])) >= budget:
+            left = mid
+        else:
+            right = mid
+    a, b = float(t[left]), float(t[right])
+    middle = x - 0.5 * (a + b) * c
+    free = (middle > log_lo) & (middle < log_hi)  # the same on the whole segment
+    rest = budget - float((c * torch.where(free, 0.0, q_at(0.5 * (a + b)))).sum())
+    lam = a
+    if bool(free.any()) and rest > 0:
+        xf, cf = x[free], c[free]
+        for _ in range(100):  # f(lam) = sum(cf * exp(xf - lam * cf)) - rest, convex decreasing
+            terms = cf * torch.exp(xf - lam * cf)
+            f, slope = float(terms.sum()) - rest, -float((cf * terms).sum())
+            if f <= 0.0 or slope == 0.0:
+                break
+            step = f / slope
+            if abs(step) <= 1e-15 * max(1.0, abs(lam)):
+                lam -= step
+                break
+            lam -= step
+        lam = min(max(lam, a), b)
+    q = torch.where(free, torch.exp(x - lam * c), q_at(0.5 * (a + b)))
+    # Rounding may leave the weighted sum a hair off: the free entries absorb it.
+    is_free = free & (q > lower) & (q < upper)
+    free_sum = float((c * torch.where(is_free, q, 0.0)).sum())
+    if free_sum > 0:
+        fix = (budget - float((c * torch.where(is_free, 0.0, q)).sum())) / free_sum
+        q = torch.where(is_free, q * fix, q).clamp(lower, upper)
+    return q

@@ -292,6 +292,7 @@ class MethodSpec:
             partition = self.partition(module, warn)
         if seed is None:
             seed = self.seed if self.seed is not None else default_seed()
+        self.layer_numel = list(partition.numel)  # a compute budget's per-layer costs
         selection_gen = torch.Generator().manual_seed(seed)
         schedule_gen = torch.Generator().manual_seed(seed + 1)
         try:

@@ -16,12 +16,14 @@ import torch
 
 from lightning_slsam.bandit import LayerBandit, kl_projection
 from lightning_slsam.checks import check_choice, check_flag, check_int, check_ratio, is_ratio
+from lightning_slsam.projection import weighted_kl_projection
 from lightning_slsam.selection import LayerSelection, TopKSelection, UniformSelection
 from lightning_slsam.selection_wrappers import DenseWarmup, DepthCut
 from lightning_slsam.specs import MethodSpec, Warn
 
 __all__ = [
     "BANDIT_LOSSES",
+    "BUDGETS",
     "PRESETS",
     "LayerSubsetSpec",
     "RandomSLSAMSpec",
@@ -31,6 +33,8 @@ __all__ = [
 ]
 
 BANDIT_LOSSES = ("shifted", "paper", "rank")
+#: What the bandit's budget counts: drawn layers (the paper), or their parameters.
+BUDGETS = ("count", "compute")
 
 #: What each SL-SAM preset sets; an option given explicitly wins. ``"paper"``: the SL-SAM
 #: paper and its released code. ``"robust"``: the short-fine-tune remedies measured in
@@ -39,6 +43,7 @@ BANDIT_LOSSES = ("shifted", "paper", "rank")
 #: was as accurate on every measured budget and costlier, so the preset leaves it off.
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": {
+        "budget": "count",
         "bandit_loss": "shifted",
         "dense_warmup": 0,
         "min_updates": 0,
@@ -47,6 +52,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "scale_updates": False,
     },
     "robust": {
+        "budget": "count",
         "bandit_loss": "rank",
         "dense_warmup": 0,
         "min_updates": 0,
@@ -171,6 +177,13 @@ class SLSAMSpec(LayerSubsetSpec):
             and ``"paper"``, 0.03 for ``"rank"``).
         bandit_loss: ``"shifted"`` (released code), ``"paper"`` (Algorithm 2 literally) or
             ``"rank"`` (scale-free). ``None``: the preset's.
+        budget: what the bandit's budget counts (beyond the paper). ``"count"``: the
+            paper's ``sum(p) = layer_ratio * N``, an expected number of drawn layers, whatever
+            their size. ``"compute"``: ``sum(numel * p) = layer_ratio * sum(numel)``, an
+            expected fraction of the parameters, which bounds the weight-gradient,
+            perturbation and update work per step whichever layers the bandit favours (a
+            vocabulary embedding costs its size, a LayerNorm bias almost nothing).
+            ``None``: the preset's.
         backprop_depth: cost-aware SL-SAM: freeze every layer below a random cut so
             back-propagation reaches a ``backprop_depth`` fraction of the layers on average.
             1.0 (default) disables it.
@@ -187,6 +200,7 @@ class SLSAMSpec(LayerSubsetSpec):
     p_min: float = 1e-3
     alpha_p: float | None = None
     bandit_loss: str | None = None
+    budget: str | None = None
     backprop_depth: float = 1.0
     dense_warmup: int | float | None = None  # type: ignore[assignment]
     min_updates: int | None = None  # type: ignore[assignment]
@@ -206,6 +220,10 @@ class SLSAMSpec(LayerSubsetSpec):
                 setattr(self, name, value)
         check_ratio("backprop_depth", self.backprop_depth)
         check_choice(
+            "budget", self.budget, BUDGETS,
+            ": 'count' is the paper's (expected drawn layers), 'compute' counts their parameters",
+        )  # fmt: skip
+        check_choice(
             "bandit_loss", self.bandit_loss, BANDIT_LOSSES,
             ": 'shifted' is the released code's loss (default), 'paper' Algorithm 2"
             " literally, 'rank' the scale-free loss",
@@ -220,10 +238,23 @@ class SLSAMSpec(LayerSubsetSpec):
         self.alpha_p = probe_bandit.alpha_p
         self.backprop_depth = float(self.backprop_depth)
 
+    def layer_costs(self, num_layers: int) -> torch.Tensor | None:
+        """The bandit's per-layer costs: ``None`` under the count budget, else each layer's
+        parameter count (known once :meth:`build_engine` has partitioned the model)."""
+        if self.budget == "count":
+            return None
+        numel = getattr(self, "layer_numel", None)
+        if numel is None or len(numel) != num_layers:
+            raise ValueError(
+                f"{self.label}(budget='compute') needs each layer's parameter count: build the"
+                " engine with build_engine (or make_engine), which partitions the model."
+            )
+        return torch.tensor(numel, dtype=torch.float64)
+
     def selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
         bandit = LayerBandit(
             num_layers, self.effective_ratio, self.p_min, self.alpha_p, self.bandit_loss,
-            generator,
+            generator, costs=self.layer_costs(num_layers),
         )  # fmt: skip
         rule: LayerSelection = bandit
         if self.backprop_depth < 1.0:
@@ -240,6 +271,7 @@ class SLSAMSpec(LayerSubsetSpec):
         added or removed since the checkpoint (a depth cut, a dense warm-up) start afresh.
         """
         bandit = _innermost(saved)
+        costs = self.layer_costs(bandit["probs"].numel())
         wanted = {
             "layer_ratio": self.effective_ratio,
             "p_min": self.p_min,
@@ -247,6 +279,11 @@ class SLSAMSpec(LayerSubsetSpec):
             "loss": self.bandit_loss,
         }
         changed = {k: (bandit[k], v) for k, v in wanted.items() if bandit.get(k) != v}
+        saved_costs = bandit.get("costs")
+        if (saved_costs is None) != (costs is None) or (
+            costs is not None and not torch.equal(torch.as_tensor(saved_costs).double(), costs)
+        ):
+            changed["budget"] = ("count" if saved_costs is None else "compute", self.budget)
         if changed:
             warn(
                 "Resuming SL-SAM with options that differ from the checkpoint's: "
@@ -255,8 +292,12 @@ class SLSAMSpec(LayerSubsetSpec):
                 " (projected onto the new budget where needed)."
             )
             probs = bandit["probs"].double()
-            budget = wanted["layer_ratio"] * probs.numel()
-            bandit = {**bandit, **wanted, "probs": kl_projection(probs.log(), budget, self.p_min)}
+            ratio, log_p = wanted["layer_ratio"], probs.log()
+            if costs is None:
+                probs = kl_projection(log_p, ratio * probs.numel(), self.p_min)
+            else:
+                probs = weighted_kl_projection(log_p, costs, ratio * float(costs.sum()), self.p_min)
+            bandit = {**bandit, **wanted, "costs": costs, "probs": probs}
         if _depth(current) == _depth(saved):
             return _replace_innermost(saved, bandit)
         return _replace_innermost(current, bandit)
