@@ -21,6 +21,34 @@ _LOG_CLAMP = 1e300
 REL_TOL = 1e-12
 
 
+def _trivial(
+    x: torch.Tensor, total: float, budget: float, lower: float, upper: float, what: str
+) -> torch.Tensor | None:
+    """Check a projection's input (``total``: the sum of the costs, ``N`` without costs);
+    return the solution when the budget leaves no choice (everything at a bound)."""
+    if not (math.isfinite(upper) and 0.0 < lower <= upper):
+        raise ValueError(f"Need 0 < lower <= upper < inf, got lower={lower}, upper={upper}.")
+    lo_sum, hi_sum = total * lower, total * upper
+    if not lo_sum - REL_TOL * hi_sum <= budget <= hi_sum * (1.0 + REL_TOL):
+        raise ValueError(
+            f"budget={budget} is infeasible for {what} in [{lower}, {upper}]: "
+            f"it must lie in [{lo_sum}, {hi_sum}]."
+        )
+    if not bool((x < math.inf).all()):
+        raise ValueError("log_u contains NaN or +inf; pass finite log-weights (or -inf).")
+    if budget >= hi_sum:
+        return torch.full_like(x, upper)
+    if budget <= lo_sum:
+        return torch.full_like(x, lower)
+    return None
+
+
+def _clamped(x: torch.Tensor) -> torch.Tensor:
+    """Finite log-weights clamped to +-1e300, and -inf (u == 0) sent strictly below all of
+    them, so a max-shift can neither overflow nor produce inf - inf."""
+    return torch.where(x == -math.inf, -3 * _LOG_CLAMP, x.clamp(-_LOG_CLAMP, _LOG_CLAMP))
+
+
 def kl_projection(
     log_u: torch.Tensor, budget: float, lower: float, upper: float = 1.0
 ) -> torch.Tensor:
@@ -57,24 +85,10 @@ def kl_projection(
     lower, upper, budget = float(lower), float(upper), float(budget)
     if n == 0:
         raise ValueError("log_u must have at least one entry.")
-    if not (math.isfinite(upper) and 0.0 < lower <= upper):
-        raise ValueError(f"Need 0 < lower <= upper < inf, got lower={lower}, upper={upper}.")
-    lo_sum, hi_sum = n * lower, n * upper
-    if not lo_sum - REL_TOL * hi_sum <= budget <= hi_sum * (1.0 + REL_TOL):
-        raise ValueError(
-            f"budget={budget} is infeasible for {n} entries in [{lower}, {upper}]: "
-            f"it must lie in [{lo_sum}, {hi_sum}]."
-        )
-    if not bool((x < math.inf).all()):
-        raise ValueError("log_u contains NaN or +inf; pass finite log-weights (or -inf).")
-    if budget >= hi_sum:
-        return torch.full_like(x, upper)
-    if budget <= lo_sum:
-        return torch.full_like(x, lower)
-
-    # Clamp finite weights to +-1e300 and send -inf (u == 0) strictly below all of them, so the
-    # max-shift below can neither overflow nor produce inf - inf.
-    x = torch.where(x == -math.inf, -3 * _LOG_CLAMP, x.clamp(-_LOG_CLAMP, _LOG_CLAMP))
+    trivial = _trivial(x, float(n), budget, lower, upper, f"{n} entries")
+    if trivial is not None:
+        return trivial
+    x = _clamped(x)
     xs, order = torch.sort(x - x.max(), descending=True)
     log_a, width = math.log(lower), math.log(upper) - math.log(lower)
     idx = torch.arange(n, device=x.device)
@@ -180,24 +194,12 @@ def weighted_kl_projection(
         )
     if not bool(((c > 0) & (c < math.inf)).all()):
         raise ValueError("costs must be positive and finite.")
-    if not (math.isfinite(upper) and 0.0 < lower <= upper):
-        raise ValueError(f"Need 0 < lower <= upper < inf, got lower={lower}, upper={upper}.")
+    trivial = _trivial(x, float(c.sum()), budget, lower, upper, "these costs")
+    if trivial is not None:
+        return trivial
     scale = float(c.mean())
     c, budget = c / scale, budget / scale  # costs of mean 1: lam stays of order log-weights
-    total = float(c.sum())
-    lo_sum, hi_sum = lower * total, upper * total
-    if not lo_sum - REL_TOL * hi_sum <= budget <= hi_sum * (1.0 + REL_TOL):
-        raise ValueError(
-            f"budget={budget * scale} is infeasible for these costs in [{lower}, {upper}]: it"
-            f" must lie in [{lo_sum * scale}, {hi_sum * scale}]."
-        )
-    if not bool((x < math.inf).all()):
-        raise ValueError("log_u contains NaN or +inf; pass finite log-weights (or -inf).")
-    if budget >= hi_sum:
-        return torch.full_like(x, upper)
-    if budget <= lo_sum:
-        return torch.full_like(x, lower)
-    x = torch.where(x == -math.inf, -3 * _LOG_CLAMP, x.clamp(-_LOG_CLAMP, _LOG_CLAMP))
+    x = _clamped(x)
     log_lo, log_hi = math.log(lower), math.log(upper)
 
     def q_at(lam: float) -> torch.Tensor:  # exactly `lower` / `upper` at the bounds
