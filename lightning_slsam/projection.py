@@ -148,13 +148,21 @@ def weighted_kl_projection(
     lower: float,
     upper: float = 1.0,
 ) -> torch.Tensor:
-    """Exact KL projection of ``u = exp(log_u)`` onto a cost-weighted capped simplex.
+    """Exact projection of ``u = exp(log_u)`` onto a cost-weighted capped simplex, in the
+    cost-weighted KL divergence.
 
-    Returns the minimiser of ``KL(q || u)`` over ``{q : sum(costs * q) = budget, lower <=
-    q_l <= upper}``: the constraint of a compute budget, where drawing entry ``l`` costs
-    ``costs[l]``. The optimality conditions give ``q_l = clip(u_l * exp(-lam * costs[l]),
-    lower, upper)`` for the scalar ``lam`` making the weighted sum equal ``budget``. With
-    equal costs this is :func:`kl_projection` (``exp(-lam * c)`` is then one common factor).
+    Returns the minimiser of ``sum(costs * KL(q_l || u_l))`` over ``{q : sum(costs * q) =
+    budget, lower <= q_l <= upper}``: the constraint of a compute budget, where drawing entry
+    ``l`` costs ``costs[l]``. The optimality conditions give ``q_l = clip(t * u_l, lower,
+    upper)`` for the scalar ``t > 0`` making the weighted sum equal ``budget``: one common
+    factor, as in :func:`kl_projection` (which this is with equal costs), so the budget a
+    penalised entry frees goes to the others in proportion to their weights.
+
+    Weighting the divergence by the costs is what keeps that proportion. The plain
+    ``KL(q || u)`` under the same constraint gives ``q_l = clip(u_l * exp(-lam * costs[l]))``,
+    a factor that depends on the cost: budget freed by cheap entries flows to the expensive
+    ones first, and a bandit whose costly layer keeps a large gradient starves every cheap
+    layer (measured: MiniLM's word embedding at its cap, 86 of its 102 other tensors below 0.01).
 
     Args:
         log_u: ``[N]`` log-weights (as :func:`kl_projection`).
@@ -166,12 +174,11 @@ def weighted_kl_projection(
     Returns:
         ``[N]`` float64 tensor on ``log_u``'s device.
 
-    ``g(lam) = sum(costs * q(lam))`` is continuous and non-increasing, with breakpoints where
-    an entry leaves ``upper`` or reaches ``lower``. A binary search over the ``2N`` sorted
-    breakpoints (``g`` evaluated ``O(log N)`` times) finds the segment where ``g`` crosses the
-    budget; there the free entries are fixed and ``g`` is a sum of exponentials, convex and
-    decreasing in ``lam``, which Newton's method solves from the segment's left end (its
-    iterates rise monotonically to the root) to float64 precision.
+    ``h(s) = sum(costs * clip(exp(s + log_u)))`` is non-decreasing in ``s = log(t)``, with
+    breakpoints where an entry leaves ``lower`` or reaches ``upper``. A binary search over
+    the ``2N`` sorted breakpoints (``h`` evaluated ``O(log N)`` times) finds the segment where
+    ``h`` crosses the budget; there the free entries are fixed and ``t`` is in closed form,
+    ``(budget - cost at the bounds) / sum(costs * u)`` over the free entries.
 
     Example:
         >>> import torch
@@ -181,8 +188,8 @@ def weighted_kl_projection(
         >>> [round(v, 6) for v in q.tolist()]  # a uniform start is already feasible
         [0.2, 0.2, 0.2]
         >>> q = weighted_kl_projection(log_u, costs, budget=1.0, lower=1e-3)
-        >>> round(float((costs * q).sum()), 9), bool(q[2] < q[0])  # the costly one gives most
-        (1.0, True)
+        >>> [round(v, 6) for v in q.tolist()], round(float((costs * q).sum()), 9)
+        ([0.1, 0.1, 0.1], 1.0)
     """
     x = torch.as_tensor(log_u).detach().to(dtype=torch.float64).reshape(-1)
     c = torch.as_tensor(costs).detach().to(dtype=torch.float64, device=x.device).reshape(-1)
@@ -198,46 +205,34 @@ def weighted_kl_projection(
     if trivial is not None:
         return trivial
     scale = float(c.mean())
-    c, budget = c / scale, budget / scale  # costs of mean 1: lam stays of order log-weights
+    c, budget = c / scale, budget / scale
     x = _clamped(x)
-    log_lo, log_hi = math.log(lower), math.log(upper)
+    x = x - x.max()  # u <= 1: the shift is part of t
+    log_lo, log_hi, log_c = math.log(lower), math.log(upper), torch.log(c)
 
-    def q_at(lam: float) -> torch.Tensor:  # exactly `lower` / `upper` at the bounds
-        z = x - lam * c
+    def q_at(s: float) -> torch.Tensor:  # exactly `lower` / `upper` at the bounds
+        z = x + s
         return torch.where(z <= log_lo, lower, torch.where(z >= log_hi, upper, torch.exp(z)))
 
-    def g(lam: float) -> float:
-        return float((c * q_at(lam)).sum())
-
-    # Breakpoints: entry l is at `upper` for lam <= (x_l - log upper) / c_l and at `lower`
-    # for lam >= (x_l - log lower) / c_l. g(first) = hi_sum > budget > lo_sum = g(last).
-    t = torch.sort(torch.cat([(x - log_hi) / c, (x - log_lo) / c])).values
+    # Breakpoints in s: entry l leaves `lower` at log(lower) - x_l, reaches `upper` at
+    # log(upper) - x_l. h(first) = lower * sum(c) < budget < upper * sum(c) = h(last).
+    t = torch.sort(torch.cat([log_lo - x, log_hi - x])).values
     left, right = 0, 2 * n - 1
-    while right - left > 1:  # keep g(t[left]) >= budget >= g(t[right])
+    while right - left > 1:  # keep h(t[left]) <= budget <= h(t[right])
         mid = (left + right) // 2
-        if g(float(t[mid])) >= budget:
+        if float((c * q_at(float(t[mid]))).sum()) <= budget:
             left = mid
         else:
             right = mid
-    a, b = float(t[left]), float(t[right])
-    middle = x - 0.5 * (a + b) * c
+    middle = x + 0.5 * float(t[left] + t[right])
     free = (middle > log_lo) & (middle < log_hi)  # the same on the whole segment
-    rest = budget - float((c * torch.where(free, 0.0, q_at(0.5 * (a + b)))).sum())
-    lam = a
+    at_bounds = torch.where(middle >= log_hi, upper, torch.full_like(x, lower))  # float64
+    rest = budget - float((c * torch.where(free, 0.0, at_bounds)).sum())
     if bool(free.any()) and rest > 0:
-        xf, cf = x[free], c[free]
-        for _ in range(100):  # f(lam) = sum(cf * exp(xf - lam * cf)) - rest, convex decreasing
-            terms = cf * torch.exp(xf - lam * cf)
-            f, slope = float(terms.sum()) - rest, -float((cf * terms).sum())
-            if f <= 0.0 or slope == 0.0:
-                break
-            step = f / slope
-            if abs(step) <= 1e-15 * max(1.0, abs(lam)):
-                lam -= step
-                break
-            lam -= step
-        lam = min(max(lam, a), b)
-    q = torch.where(free, torch.exp(x - lam * c), q_at(0.5 * (a + b)))
+        log_t = math.log(rest) - float(torch.logsumexp((log_c + x)[free], 0))
+        q = torch.where(free, torch.exp(x + log_t), at_bounds).clamp(lower, upper)
+    else:
+        q = at_bounds
     # Rounding may leave the weighted sum a hair off: the free entries absorb it.
     is_free = free & (q > lower) & (q < upper)
     free_sum = float((c * torch.where(is_free, q, 0.0)).sum())

@@ -13,20 +13,18 @@ from lightning_slsam.projection import kl_projection, weighted_kl_projection
 
 
 def _bisect_weighted(log_u, costs, budget: float, lower: float, upper: float) -> np.ndarray:
-    """Independent reference: bisection on lam for sum(c * clip(exp(x - lam * c))) == budget,
-    in NumPy, with a bracket wide enough for every entry to reach both bounds."""
+    """Independent reference: bisection on s for sum(c * clip(exp(s + x))) == budget, in
+    NumPy, with a bracket wide enough for every entry to reach both bounds."""
     x, c = np.asarray(log_u, dtype=float), np.asarray(costs, dtype=float)
-    c = c / c.mean()
-    budget = budget / np.asarray(costs, dtype=float).mean()
-    ends = np.concatenate([(x - math.log(upper)) / c, (x - math.log(lower)) / c])
+    ends = np.concatenate([math.log(lower) - x, math.log(upper) - x])
     lo, hi = ends.min() - 1.0, ends.max() + 1.0
 
-    def q(lam):
-        return np.exp(np.clip(x - lam * c, math.log(lower), math.log(upper)))
+    def q(s):
+        return np.exp(np.clip(s + x, math.log(lower), math.log(upper)))
 
     for _ in range(400):
         mid = 0.5 * (lo + hi)
-        if (c * q(mid)).sum() > budget:
+        if (c * q(mid)).sum() < budget:
             lo = mid
         else:
             hi = mid
@@ -75,14 +73,16 @@ def test_a_uniform_start_is_feasible_and_kept():
     torch.testing.assert_close(got, start, rtol=0, atol=1e-12)
 
 
-def test_the_costly_entry_gives_way_first():
-    # u favours the expensive entry; the budget forces it down, the cheap ones barely move.
+def test_the_free_entries_keep_their_proportions():
+    # One common factor: what a penalised entry frees goes to the others in proportion to
+    # their weights, whatever their costs (the cost-weighted divergence's property).
     costs = torch.tensor([100.0, 1.0, 1.0, 1.0])
-    log_u = torch.log(torch.tensor([0.9, 0.3, 0.3, 0.3]))
+    log_u = torch.log(torch.tensor([0.1, 0.2, 0.4, 0.001], dtype=torch.float64))
     budget = 0.2 * float(costs.sum())
     q = weighted_kl_projection(log_u, costs, budget, 1e-3)
     assert abs(float((costs * q).sum()) - budget) < 1e-9
-    assert q[0] < 0.2 < q[1] == q[2] == q[3]
+    ratios = (q / log_u.exp())[:3]
+    torch.testing.assert_close(ratios, ratios[:1].expand(3), rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize(
