@@ -113,7 +113,9 @@ class LayerBandit(LayerSelection, Seeded):
             (default): the paper's count budget, ``sum(p) = s``. Given: a compute budget,
             ``sum(costs * p) = layer_ratio * sum(costs)``: the expected cost of a draw is
             ``layer_ratio`` of drawing everything, whichever layers the bandit favours
-            (:func:`~lightning_slsam.projection.weighted_kl_projection`).
+            (:func:`~lightning_slsam.projection.weighted_kl_projection`). The losses then
+            compare ``r / sqrt(cost)`` instead of ``r``: the distribution minimising the
+            variance ``sum(r**2 / p)`` under that budget is ``p ~ r / sqrt(cost)``.
 
     Attributes:
         num_samples: Masks returned by :meth:`sample`.
@@ -257,6 +259,10 @@ class LayerBandit(LayerSelection, Seeded):
         p = self._probs
         q = p if inclusion is None else self._inclusion(inclusion, active)
         r = torch.where(active, r, 0.0)
+        if self._costs is not None:
+            # Under a compute budget the variance sum(r**2 / p) is least at p ~ r / sqrt(cost),
+            # not p ~ r: the losses compare r / sqrt(cost), so a large layer must earn its price.
+            r = r / (self._costs / self._costs.mean()).sqrt()
         if self._loss == "rank":
             expo = self._alpha * _rank_loss(r / p, active) / q
         else:

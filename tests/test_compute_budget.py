@@ -207,3 +207,23 @@ def test_a_fit_under_the_compute_budget_and_a_resume_that_switches_budget(tmp_pa
     assert costs.tolist() == [float(n) for n in switched.partition.numel]
     share = float((costs * switched.probs).sum() / costs.sum())
     assert abs(share - 0.3) < 1e-9 and switched.engine.num_steps == 8
+
+
+def test_under_a_compute_budget_the_bandit_tracks_norm_over_root_cost():
+    # The variance sum(r**2 / p) under sum(c * p) = B is least at p ~ r / sqrt(c): with fixed
+    # norms the rank bandit settles near that (within the floor and its step noise).
+    costs = torch.tensor([400.0, 100.0, 25.0, 1.0, 1.0, 4.0], dtype=torch.float64)
+    norms = torch.tensor([8.0, 2.0, 2.0, 0.5, 0.25, 1.0], dtype=torch.float64)
+    bandit = LayerBandit(6, 0.3, 1e-3, alpha_p=0.05, loss="rank", costs=costs,
+                         generator=torch.Generator().manual_seed(0))  # fmt: skip
+    history = []
+    for step in range(3000):
+        bandit.update(bandit.sample(), norms)
+        if step >= 1000:
+            history.append(bandit.probs)
+    mean = torch.stack(history).mean(0)
+    target = norms / costs.sqrt()
+    target = target * (0.3 * float(costs.sum()) / float((costs * target).sum()))
+    assert bool(((mean - target).abs() / target < 0.35).all()), (mean, target)
+    # The count budget's fixed point, p ~ r, would put the costly first layer far higher.
+    assert mean[0] < 0.5 * float(norms[0] / norms.sum() * 6 * 0.3)
