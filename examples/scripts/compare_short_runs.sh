@@ -42,13 +42,14 @@ declare -A variant=(
   [random_head_scale]="random_slsam head_always_active=true scale_updates=true"
   # The robust remedies under a compute budget (the bandit budgets parameters, not layers).
   [slsam_robust_compute]="slsam bandit_loss=rank head_always_active=true scale_updates=true budget=compute"
+  [slsam_rank_head_compute]="slsam bandit_loss=rank head_always_active=true budget=compute"
 )
 # The baselines and the paper's SL-SAM; the combinations, each beside the same remedies
 # on uniform sampling (what the bandit adds); each remedy alone.
 core=adamw,sam,slsam,random_slsam
 combined=slsam_rank_warmup_head_scale,random_warmup_head_scale,slsam_rank_head_scale,random_head_scale
 alone=slsam_rank,slsam_warmup,slsam_head,slsam_scale
-compute=slsam_robust_compute
+compute=slsam_robust_compute,slsam_rank_head_compute
 
 # compare DIR METHODS ARGS...: one compare of METHODS (comma-separated) into DIR.
 compare() {
