@@ -149,7 +149,7 @@ class LayerBandit(LayerSelection, Seeded):
         cfg = _validated(num_layers, layer_ratio, p_min, alpha_p, loss)
         self._n, self._ratio, self._p_min, self._alpha, self._loss = cfg
         self._costs = _costs(costs, self._n)
-        self._budget = self._ratio * self._total()
+        self._budget = self._ratio * float(self._n if costs is None else self._costs.sum())
         if generator is not None and generator.device.type != "cpu":
             raise ValueError(f"generator must be a CPU torch.Generator, got {generator.device}.")
         self._gen = seeded_generator(generator)
@@ -182,9 +182,6 @@ class LayerBandit(LayerSelection, Seeded):
     def costs(self) -> torch.Tensor | None:
         """Each layer's cost under a compute budget (float64 ``[N]``), else ``None``."""
         return None if self._costs is None else self._costs.clone()
-
-    def _total(self) -> float:
-        return float(self._n if self._costs is None else self._costs.sum())
 
     def _project(self, log_u: torch.Tensor) -> torch.Tensor:
         if self._costs is None:
@@ -259,10 +256,7 @@ class LayerBandit(LayerSelection, Seeded):
         p = self._probs
         q = p if inclusion is None else self._inclusion(inclusion, active)
         r = torch.where(active, r, 0.0)
-        if self._costs is not None:
-            # Under a compute budget the variance sum(r**2 / p) is least at p ~ r / sqrt(cost),
-            # not p ~ r: the losses compare r / sqrt(cost), so a large layer must earn its price.
-            r = r / (self._costs / self._costs.mean()).sqrt()
+        r = _per_root_cost(r, self._costs)
         if self._loss == "rank":
             expo = self._alpha * _rank_loss(r / p, active) / q
         else:
@@ -353,6 +347,13 @@ def _costs(costs: Any, n: int) -> torch.Tensor | None:
     if c.numel() != n or not bool(((c > 0) & (c < math.inf)).all()):
         raise ValueError(f"costs must be {n} positive finite values (one per layer).")
     return c
+
+
+def _per_root_cost(r: torch.Tensor, costs: torch.Tensor | None) -> torch.Tensor:
+    """The norms the losses compare: ``r`` (count budget), or ``r / sqrt(cost)`` under a
+    compute budget, where the variance ``sum(r**2 / p)`` is least at ``p ~ r / sqrt(cost)``
+    rather than ``p ~ r``: a large layer must earn its price."""
+    return r if costs is None else r / (costs / costs.mean()).sqrt()
 
 
 def _rank_loss(z: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
