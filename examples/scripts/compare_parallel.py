@@ -31,7 +31,7 @@ import time
 
 
 def _jobs(line: str) -> list[tuple[int, str, list[str], str]]:
-    """The (seed index, name, command, log) of each (method, seed) of one ``compare`` argument line."""
+    """(seed index, name, command, log) of each (method, seed) of a ``compare`` argument line."""
     words = shlex.split(line)
     split = words.index("--") if "--" in words else len(words)
     own, extra = words[:split], words[split:]
