@@ -16,6 +16,9 @@ of their ``--methods``, then the next seed (list the longest runs first), so tha
 leaves whole seeds. At ``--deadline``
 seconds the jobs still running are stopped and listed; ``--resume`` later trains only them.
 Each job's output goes to ``OUT/logs/METHOD_seedSEED.log``.
+
+``--table DIR [DIR ...]`` tabulates the finished runs of each DIR (its ``runs/*/seed*/run.json``)
+with the number of seeds per row, also when some seeds are missing, into ``DIR/table.md``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import json
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -71,7 +75,40 @@ def _jobs(line: str) -> list[tuple[int, str, list[str], str]]:
     return jobs
 
 
+def table(folder: str) -> str:
+    """Markdown table of the finished runs in ``folder``: per method the seeds, the best
+    monitored value (mean, sample standard deviation, each seed's) and the active ratio."""
+    rows = [
+        "| method | seeds | best (mean ± sd) | each seed | active ratio |",
+        "|---|---:|---:|---|---:|",
+    ]
+    runs = os.path.join(folder, "runs")
+    for method in sorted(os.listdir(runs)):
+        records = {}
+        for seed in sorted(os.listdir(os.path.join(runs, method))):
+            path = os.path.join(runs, method, seed, "run.json")
+            if os.path.isfile(path):
+                with open(path) as handle:
+                    records[seed.removeprefix("seed")] = json.load(handle)
+        if not records:
+            continue
+        best = [r["best"] for r in records.values()]
+        spread = statistics.stdev(best) if len(best) > 1 else float("nan")
+        ratio = statistics.mean(r.get("active_ratio") or 1.0 for r in records.values())
+        each = ", ".join(f"{seed}: {r['best']:.3f}" for seed, r in records.items())
+        rows.append(f"| {method} | {len(best)} | {statistics.mean(best):.4f} ± {spread:.4f}"
+                    f" | {each} | {ratio:.3f} |")  # fmt: skip
+    return "\n".join(rows) + "\n"
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--table"]:
+        for folder in sys.argv[2:]:
+            text = table(folder)
+            with open(os.path.join(folder, "table.md"), "w") as handle:
+                handle.write(text)
+            print(f"{folder}:\n{text}")
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("plan", help="a file with one compare argument line per line")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)

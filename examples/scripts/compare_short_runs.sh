@@ -43,6 +43,12 @@ declare -A variant=(
   # The robust remedies under a compute budget (the bandit budgets parameters, not layers).
   [slsam_robust_compute]="slsam bandit_loss=rank head_always_active=true scale_updates=true budget=compute"
   [slsam_rank_head_compute]="slsam bandit_loss=rank head_always_active=true budget=compute"
+  # The update factor capped (max_update_scale; uncapped it is 1 / layer_ratio = 5), each
+  # beside its uniform twin (docs/results/gpu: the candidates for the default).
+  [slsam_compute_cap2]="slsam bandit_loss=rank head_always_active=true scale_updates=true budget=compute max_update_scale=2"
+  [slsam_compute_cap3]="slsam bandit_loss=rank head_always_active=true scale_updates=true budget=compute max_update_scale=3"
+  [random_head_cap2]="random_slsam head_always_active=true scale_updates=true max_update_scale=2"
+  [random_head_cap3]="random_slsam head_always_active=true scale_updates=true max_update_scale=3"
 )
 # The baselines and the paper's SL-SAM; the combinations, each beside the same remedies
 # on uniform sampling (what the bandit adds); each remedy alone.
