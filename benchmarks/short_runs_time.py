@@ -48,6 +48,7 @@ TASKS = {
     "vision92": ("examples/configs/tasks/efficientnet_digits.yaml", 4),
     "vision276": ("examples/configs/tasks/efficientnet_digits.yaml", 12),
     "text454": ("examples/configs/tasks/minilm_rotten_tomatoes.yaml", 2),
+    "lm454": ("examples/configs/tasks/glassllm_rotten_tomatoes.yaml", 2),
 }
 BASELINES = {"adamw": ("adamw", {}), "sam": ("sam", {}), "slsam": ("slsam", {}),
              "random_slsam": ("random_slsam", {})}  # fmt: skip
@@ -83,7 +84,17 @@ def load_task(config: str, epochs: int) -> tuple[torch.nn.Module, list, Callable
     module, data = _build(spec["model"]), _build(spec["data"])
     data.setup("fit")
     batches = [batch for _ in range(epochs) for batch in data.train_dataloader()]
-    if isinstance(batches[0], dict):  # the text task's tokenized batches
+    if isinstance(batches[0], dict) and "labels" in batches[0] and batches[0]["labels"].dim() == 2:
+        # the language-model task: each sequence's mean next-token loss
+
+        def loss(model, batch, index=None):
+            from lightning_slsam.tasks.causal_lm import token_losses
+
+            part = batch if index is None else {k: v[index] for k, v in batch.items()}
+            losses, counted = token_losses(model(part), part["labels"])
+            return losses.sum(1) / counted.sum(1).clamp(min=1)
+
+    elif isinstance(batches[0], dict):  # the text task's tokenized batches
 
         def loss(model, batch, index=None):
             part = batch if index is None else {k: v[index] for k, v in batch.items()}

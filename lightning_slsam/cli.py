@@ -124,6 +124,15 @@ class _ValidationStep(Callback):
             trainer.callback_metrics[VALIDATED_AT] = torch.tensor(float(trainer.global_step))
 
 
+#: What each SL-SAM preset is, for the run summary (the options: subset_specs.PRESETS).
+_PRESET_WORDS = {
+    "default": "parameter budget, rank bandit, head every step, updates scaled up to 3x;"
+    " preset='paper' is the paper's method",
+    "paper": "the SL-SAM paper's exact method",
+    "robust": "rank bandit, head every step, scaled updates, the paper's layer-count budget",
+}
+
+
 def run_summary(trainer: Any, log_dir: str | None) -> list[str]:
     """The lines printed after ``fit``: the method, each final validation metric with the
     step it was measured at, the active ratio, the tensors out of sampling, the chart and
@@ -145,6 +154,9 @@ def run_summary(trainer: Any, log_dir: str | None) -> list[str]:
         lines.append("  method: plain optimizer steps (no SAM callback in trainer.callbacks)")
     else:
         summary = sam.summary(trainer)
+        preset = getattr(sam, "preset", None)
+        if preset is not None:
+            lines.append(f"  {type(sam).__name__} preset: {preset!r} ({_PRESET_WORDS[preset]})")
         lines.append(
             f"  {type(sam).__name__} mean active ratio: {summary['mean_active_ratio']:.3f}x"
             " over the passes (SAM: 2.0x, AdamW: 1.0x)"

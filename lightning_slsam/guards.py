@@ -148,12 +148,25 @@ def check_engine(callback: Any, trainer: Any, pl_module: Any, engine: Any) -> No
         )
 
 
-def check_saved_layers(callback: Any, saved: Any, current: list[list[str]]) -> None:
-    """A checkpoint's layers (``saved``; ``None`` in old ones) match the model's."""
+def check_saved_layers(callback: Any, saved: Any, current: list[list[str]],
+                       saved_preset: str | None = None) -> None:  # fmt: skip
+    """A checkpoint's layers (``saved``; ``None`` in old ones) match the model's.
+
+    ``saved_preset``: the preset the checkpoint was trained with; when it differs from the
+    callback's (a checkpoint of the paper's configuration, the default before 0.2.0, say),
+    the message says how to resume it as it was."""
     if saved is not None and saved != current:
+        preset = getattr(callback, "preset", None)
+        hint = ""
+        if saved_preset is not None and preset is not None and saved_preset != preset:
+            hint = (
+                f" The checkpoint was trained with preset={saved_preset!r} and this callback"
+                f" has preset={preset!r}, whose head rule places other tensors out of"
+                f" sampling: resume with {type(callback).__name__}(preset={saved_preset!r})."
+            )
         raise MisconfigurationException(
             f"The checkpoint's {type(callback).__name__} state does not match this model's"
-            f" layers: {_describe_mismatch(saved, current)}. Resume with the same model"
+            f" layers: {_describe_mismatch(saved, current)}.{hint} Resume with the same model"
             " and `layers` / `always_active` / `always_frozen` options, or start the SAM"
             " state afresh by resuming without it."
         )

@@ -134,7 +134,7 @@ class SAMMixin:
         >>> trainer.global_step, sl_sam.layer_names
         (8, ['net.0.weight', 'net.0.bias', 'net.2.weight', 'net.2.bias'])
         >>> round(sl_sam.mean_active_ratio, 2)  # SAM: 2.0 (two passes on every layer)
-        1.03
+        0.97
     """
 
     _slsam_pass: int = 0

@@ -112,6 +112,7 @@ SPECS: dict[str, tuple[type[MethodSpec] | None, dict[str, Any]]] = {
     "slsam_looksam": (SLSAMSpec, {"preset": "paper", "schedule": "interval"}),
     "slsam_depth": (SLSAMSpec, {"preset": "paper", "backprop_depth": 0.5}),
     "slsam_robust": (SLSAMSpec, {"preset": "robust"}),
+    "slsam_default": (SLSAMSpec, {"preset": "default"}),
 }
 
 

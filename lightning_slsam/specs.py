@@ -251,7 +251,7 @@ class MethodSpec:
         extra: list[str] = []
         if self.head_always_active:
             head = find_new_head(module)
-            if not head:
+            if not head and "head_always_active" not in getattr(self, "_from_preset", ()):
                 warn(
                     f"{self.label}(head_always_active=True) found no freshly initialised head"
                     f" in {type(module).__name__}; every layer is sampled. Name the head with"

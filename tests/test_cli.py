@@ -188,6 +188,7 @@ def test_summary_says_when_each_metric_was_measured(tiny_config, capsys):
           "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1"])  # fmt: skip
     out = capsys.readouterr().out
     assert "Run summary (SparseLayerSAM, 8 steps)" in out
+    assert "SparseLayerSAM preset: 'default' (parameter budget" in out
     assert re.search(r"final val_acc: [01]\.\d{4} \(validated at step 6\)", out), out
     assert re.search(r"final val_loss: \d+\.\d{4} \(validated at step 6\)", out), out
     assert "after 8 steps" not in out

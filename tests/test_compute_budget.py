@@ -174,9 +174,10 @@ def test_bandit_state_round_trips_and_refuses_another_budget():
 def test_the_paper_preset_keeps_the_count_budget():
     from lightning_slsam import SparseLayerSAM, make_engine
 
-    assert SparseLayerSAM().budget == "count" and SparseLayerSAM(preset="robust").budget == "count"
+    assert SparseLayerSAM(preset="paper").budget == "count"
+    assert SparseLayerSAM(preset="robust").budget == "count"
     net = torch.nn.Sequential(torch.nn.Embedding(100, 8), torch.nn.Linear(8, 2))
-    assert make_engine("slsam", net, seed=0).selection.costs is None
+    assert make_engine("slsam", net, seed=0).selection.costs is None  # "slsam" is the paper's
     engine = make_engine("slsam", net, seed=0, budget="compute")
     assert engine.selection.costs.tolist() == [800.0, 16.0, 2.0]
     with pytest.raises(ValueError, match="`budget`"):

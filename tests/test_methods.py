@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -393,7 +394,7 @@ def test_depth_cut_freezes_everything_below_the_cut_and_shortens_backprop():
     from lightning_slsam.selection_wrappers import DepthCut
 
     net = nn.Sequential(*[nn.Linear(3, 3) for _ in range(20)])  # 40 tensors, input first
-    cb = SparseLayerSAM(layer_ratio=0.2, backprop_depth=0.5, seed=1)
+    cb = SparseLayerSAM(preset="paper", layer_ratio=0.2, backprop_depth=0.5, seed=1)
     engine = cb.build_engine(net)
     assert isinstance(engine.selection, DepthCut)
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
@@ -437,13 +438,13 @@ def test_dense_warmup_and_min_updates_follow_the_run_length():
     from lightning_slsam.selection_wrappers import DenseWarmup
 
     net = make_mlp()
-    cb = SparseLayerSAM(dense_warmup=0.25, seed=0)
+    cb = SparseLayerSAM(preset="paper", dense_warmup=0.25, seed=0)
     engine = cb.build_engine(net, total_steps=40)
     assert isinstance(engine.selection, DenseWarmup) and engine.selection.steps == 10
     assert engine.selection.inner.budget == pytest.approx(0.2 * 8)
     assert SparseLayerSAM(dense_warmup=7).build_engine(net).selection.steps == 7
     # A floor of 10 updates per layer over 20 steps needs half the layers each step.
-    cb = SparseLayerSAM(min_updates=10, seed=0)
+    cb = SparseLayerSAM(preset="paper", min_updates=10, seed=0)
     engine = cb.build_engine(net, total_steps=20)
     assert cb.effective_ratio == 0.5 and engine.selection.budget == pytest.approx(4.0)
     cb = SparseLayerSAM(min_updates=10, seed=0)
@@ -532,7 +533,7 @@ def test_head_always_active_uses_the_module_hook_and_warns_when_nothing_is_found
 def test_presets_set_the_remedies_and_explicit_options_win():
     from lightning_slsam import PRESETS
 
-    paper = SparseLayerSAM()
+    paper = SparseLayerSAM(preset="paper")
     assert paper.preset == "paper" and paper.bandit_loss == "shifted"
     assert (paper.dense_warmup, paper.min_updates, paper.alpha_p) == (0, 0, 1e-3)
     assert not paper.head_always_active and not paper.vectors_always_active
@@ -610,8 +611,8 @@ def _one_step(cb, seed=0, lr=0.1, steps_before=0):
 
 def test_scale_updates_multiplies_each_drawn_layers_update_by_one_over_q():
     kwargs = dict(rho=RHO, layer_ratio=0.3, seed=4)
-    plain, r0, _ = _one_step(SparseLayerSAM(**kwargs))
-    scaled, r1, _ = _one_step(SparseLayerSAM(scale_updates=True, **kwargs))
+    plain, r0, _ = _one_step(SparseLayerSAM(preset="paper", **kwargs))
+    scaled, r1, _ = _one_step(SparseLayerSAM(preset="paper", scale_updates=True, **kwargs))
     assert torch.equal(r0.active_mask, r1.active_mask) and 0 < int(r0.active_mask.sum()) < 20
     for layer, (a, b) in enumerate(zip(plain, scaled)):  # one layer per tensor
         if r0.active_mask[layer]:
@@ -721,8 +722,10 @@ def test_scale_updates_options_are_validated_and_in_the_presets():
 
     assert PRESETS["robust"]["scale_updates"] and not PRESETS["paper"]["scale_updates"]
     assert SparseLayerSAM(preset="robust").update_scale == pytest.approx(5.0)
-    assert SparseLayerSAM().update_scale is None
-    assert SparseLayerSAM(scale_updates=True, layer_ratio=0.5).update_scale == 2.0
+    assert SparseLayerSAM(preset="paper").update_scale is None
+    assert SparseLayerSAM().update_scale == 3.0  # the default preset's cap
+    assert SparseLayerSAM(preset="paper", scale_updates=True, layer_ratio=0.5).update_scale == 2.0
+    assert SparseLayerSAM(max_update_scale=5).update_scale == 5.0  # explicit wins
     assert RandomSLSAM(scale_updates=True, max_update_scale=3).update_scale == 3.0
     for bad in ({"scale_updates": "yes"}, {"max_update_scale": 0.5},
                 {"max_update_scale": float("inf")}):  # fmt: skip
@@ -733,3 +736,38 @@ def test_scale_updates_options_are_validated_and_in_the_presets():
     with pytest.raises(ValueError, match="update_scale"):
         SparseSAMEngine.__init__(object.__new__(SparseSAMEngine), None, None, None,
                                  update_scale=0.9)  # fmt: skip
+
+
+def test_the_default_is_pinned():
+    """``SparseLayerSAM()``'s configuration, chosen on docs/results/gpu (docs/results.md):
+    changing any of it must change this test, the docs and the changelog together."""
+    from lightning_slsam import PRESETS
+
+    default = SparseLayerSAM()
+    assert default.preset == "default" and PRESETS["default"] == {
+        "budget": "compute",
+        "bandit_loss": "rank",
+        "dense_warmup": 0,
+        "min_updates": 0,
+        "head_always_active": True,
+        "vectors_always_active": False,
+        "scale_updates": True,
+        "max_update_scale": 3.0,
+    }
+    assert (default.rho, default.layer_ratio, default.p_min, default.alpha_p) == (
+        0.01, 0.2, 1e-3, 0.03)  # fmt: skip
+    assert (default.budget, default.update_scale, default.backprop_depth) == ("compute", 3.0, 1.0)
+    # The paper's exact method stays one argument away, and the comparisons' "slsam" is it.
+    paper = SparseLayerSAM(preset="paper")
+    assert (paper.budget, paper.bandit_loss, paper.head_always_active, paper.update_scale) == (
+        "count", "shifted", False, None)  # fmt: skip
+    assert make_callback("slsam").preset == "paper"
+    assert make_callback("slsam_default").preset == "default"
+    assert SLS2SAM().preset == "paper"  # only SL-SAM's default moved
+    # A model with no fresh head: the default trains every layer by sampling, silently.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SparseLayerSAM(seed=0).build_engine(make_mlp())
+    from lightning_slsam.cli import _PRESET_WORDS
+
+    assert set(_PRESET_WORDS) == set(PRESETS)  # the run summary describes every preset

@@ -320,7 +320,9 @@ def test_injected_non_finite_steps_are_skipped_counted_logged_and_training_conti
     assert sam.engine.num_skipped == len(skips.skipped)
     assert float(t.callback_metrics["slsam/skipped_steps"]) == len(skips.skipped)
     assert _finite(_weights(model)) and _finite(t.optimizers[0].state_dict()["state"])
-    assert _finite(sam.probs) and abs(float(sam.probs.sum()) - 0.4 * len(sam.probs)) < 1e-9
+    costs = sam.bandit.costs  # the default's compute budget: 40% of the parameters
+    spent = float((costs * sam.probs).sum())
+    assert _finite(sam.probs) and abs(spent - 0.4 * float(costs.sum())) < 1e-6
     assert sum(not torch.equal(start[n], p) for n, p in _weights(model).items()) > 0
     with open(os.path.join(logger.log_dir, "metrics.csv")) as handle:
         assert "slsam/skipped_steps" in handle.readline()
@@ -483,3 +485,39 @@ def test_same_seed_same_result_for_every_method(method):
     if p1 is not None:
         assert torch.equal(p1, p2)
     assert any(not torch.equal(w1[n], w3[n]) for n in w1)
+
+
+class _WithHead(LitModel):
+    def sam_head_parameters(self):
+        return ["net.5.weight", "net.5.bias"]
+
+
+@pytest.mark.parametrize("model_class", [LitModel, _WithHead])
+def test_a_checkpoint_of_the_old_default_resumes_or_says_how(model_class, tmp_path):
+    """A checkpoint of the paper's configuration (the default before 0.2.0) under today's
+    default: without a fresh head the layers match, and it resumes with a warning and the
+    distribution projected onto the compute budget; with one, the head rule places the head
+    out of sampling, and the refusal names ``preset='paper'``, which resumes it as it was."""
+    L.seed_everything(0)
+    saver = ModelCheckpoint(dirpath=tmp_path, filename="paper", save_last=False)
+    t = trainer(callbacks=[SparseLayerSAM(preset="paper", layer_ratio=0.4), saver],
+                max_epochs=1, enable_checkpointing=True)  # fmt: skip
+    t.fit(model_class(make_mlp(seed=1)), loader(make_data(64), 16))
+    path, before = str(tmp_path / "paper.ckpt"), _sha(str(tmp_path / "paper.ckpt"))
+    data = loader(make_data(64), 16)
+    default = SparseLayerSAM(layer_ratio=0.4)
+    t = trainer(callbacks=[default], max_epochs=2)
+    if model_class is LitModel:
+        with pytest.warns(UserWarning, match=r"budget 'count' -> 'compute'"):
+            t.fit(model_class(make_mlp(seed=1)), data, ckpt_path=path)
+        assert t.global_step == 8 and default.bandit.costs is not None
+        costs, probs = default.bandit.costs, default.bandit.probs
+        assert float((costs * probs).sum()) == pytest.approx(0.4 * float(costs.sum()))
+    else:
+        with pytest.raises(Exception, match=r"resume with SparseLayerSAM\(preset='paper'\)"):
+            t.fit(model_class(make_mlp(seed=1)), data, ckpt_path=path)
+        paper = SparseLayerSAM(preset="paper", layer_ratio=0.4)
+        t = trainer(callbacks=[paper], max_epochs=2)
+        t.fit(model_class(make_mlp(seed=1)), data, ckpt_path=path)
+        assert t.global_step == 8
+    assert _sha(path) == before
