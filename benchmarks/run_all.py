@@ -35,7 +35,7 @@ import step_time  # noqa: E402
 
 METHODS = [
     "adamw", "sam_reference", "sam", "slsam", "random_slsam", "s2sam", "sl_s2sam", "rst",
-    "esam", "ssamf", "looksam", "slsam_depth",
+    "esam", "ssamf", "looksam", "slsam_depth", "slsam_default",
 ]  # fmt: skip
 CPU_MODELS = ["minilm", "vit", "llama"]
 GPU_MODELS = ["deit_small", "roberta_base"]
@@ -70,6 +70,8 @@ def targets(result: dict) -> list[dict]:
         t = {m: r["median_s"] for m, r in data["time"]["methods"].items()}
         mem = {m: r["training_mb"] for m, r in data["memory"].items()}
         add(f"{model}: SL-SAM time / SAM", t["slsam"] / t["sam"], TIME_TARGETS[model])
+        if "slsam_default" in t:  # SparseLayerSAM() since 0.2.0 (the row above: the paper's)
+            add(f"{model}: SparseLayerSAM() time / SAM", t["slsam_default"] / t["sam"], 0.70)
         add(f"{model}: SL-SAM peak memory / SAM", mem["slsam"] / mem["sam"], 0.85)
         add(f"{model}: SL-S2-SAM time / S2-SAM", t["sl_s2sam"] / t["s2sam"], 0.75)
         add(f"{model}: SAM time / hand-written SAM", t["sam"] / t["sam_reference"], 1.02)
