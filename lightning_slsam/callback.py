@@ -324,9 +324,8 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
 
     def _apply_state(self, state: dict[str, Any]) -> None:
         assert self.engine is not None and self.partition is not None
-        saved_preset = (state.get("config") or {}).get("preset")
         check_saved_layers(self, state.get("layer_tensors"), self.partition.signature(),
-                           saved_preset)  # fmt: skip
+                           (state.get("config") or {}).get("preset"))  # fmt: skip
         engine_state = dict(state["engine"])
         engine_state["selection"] = self.spec.adopt_selection_state(
             engine_state["selection"], self.selection.state_dict(), rank_zero_warn

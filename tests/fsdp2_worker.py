@@ -36,6 +36,8 @@ CASES = {
         "slsam",
         {"preset": "robust", "dense_warmup": 0.3, "layer_ratio": 0.5, "total_steps": 10},
     ),
+    # SparseLayerSAM()'s default: the compute budget's costs from the sharded parameters
+    "slsam_default": ("slsam_default", {"layer_ratio": 0.5}),
     "random_slsam": ("random_slsam", {"layer_ratio": 0.5}),
     "top_slsam": ("top_slsam", {"layer_ratio": 0.5}),
     "s2sam": ("s2sam", {}),

@@ -21,7 +21,8 @@ from lightning_slsam.sharding import local, shard_layout, sum_over_shards, top_c
 
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp2_worker.py")
 EXACT = [
-    "sam", "asam", "sam_layer_norm", "slsam", "slsam_robust", "random_slsam", "top_slsam",
+    "sam", "asam", "sam_layer_norm", "slsam", "slsam_robust", "slsam_default", "random_slsam",
+    "top_slsam",
     "s2sam", "sl_s2sam", "rst", "looksam", "slsam_looksam", "ssamf",
 ]  # fmt: skip
 

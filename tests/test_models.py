@@ -37,12 +37,16 @@ def test_exactly_the_active_tensors_change(name):
     cb = SparseLayerSAM(rho=0.05, layer_ratio=0.2, seed=0)
     trainer(callbacks=[cb, snaps], max_epochs=2).fit(model, DataLoader(data, batch_size=4))
 
-    names = cb.layer_names
-    assert names == [n for n, p in model.named_parameters() if p.requires_grad]
+    names, always = cb.layer_names, cb.partition.always_active_names
+    # The default trains a fresh head (timm's, Transformers') every step, samples the rest.
+    assert all("head" in n or "classifier" in n for n in always) and len(always) in (0, 2)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert sorted(names + always) == sorted(trainable)
     previous = snaps.before
     for after, mask in zip(snaps.after, snaps.masks):
         changed = [not torch.equal(after[n], previous[n]) for n in names]
         assert changed == mask.tolist()
+        assert all(not torch.equal(after[n], previous[n]) for n in always)
         previous = after
     frequencies = cb.engine.frequencies()
     assert 0.05 < float(frequencies.mean()) < 0.5
