@@ -46,6 +46,7 @@ from lightning_slsam.cli_errors import OneLineParser, debugging, fail
 from lightning_slsam.compat import add_cli_subcommand, spawns_processes
 from lightning_slsam.distributed import release_process_group
 from lightning_slsam.driver import find_sam_callback
+from lightning_slsam.subset_specs import PRESET_WORDS
 
 __all__ = ["SLSAMCLI", "demo_config_path", "main", "release_process_group"]
 
@@ -124,15 +125,6 @@ class _ValidationStep(Callback):
             trainer.callback_metrics[VALIDATED_AT] = torch.tensor(float(trainer.global_step))
 
 
-#: What each SL-SAM preset is, for the run summary (the options: subset_specs.PRESETS).
-_PRESET_WORDS = {
-    "default": "parameter budget, rank bandit, head every step, updates scaled up to 3x;"
-    " preset='paper' is the paper's method",
-    "paper": "the SL-SAM paper's exact method",
-    "robust": "rank bandit, head every step, scaled updates, the paper's layer-count budget",
-}
-
-
 def run_summary(trainer: Any, log_dir: str | None) -> list[str]:
     """The lines printed after ``fit``: the method, each final validation metric with the
     step it was measured at, the active ratio, the tensors out of sampling, the chart and
@@ -156,7 +148,7 @@ def run_summary(trainer: Any, log_dir: str | None) -> list[str]:
         summary = sam.summary(trainer)
         preset = getattr(sam, "preset", None)
         if preset is not None:
-            lines.append(f"  {type(sam).__name__} preset: {preset!r} ({_PRESET_WORDS[preset]})")
+            lines.append(f"  {type(sam).__name__} preset: {preset!r} ({PRESET_WORDS[preset]})")
         lines.append(
             f"  {type(sam).__name__} mean active ratio: {summary['mean_active_ratio']:.3f}x"
             " over the passes (SAM: 2.0x, AdamW: 1.0x)"

@@ -25,6 +25,7 @@ __all__ = [
     "BANDIT_LOSSES",
     "BUDGETS",
     "PRESETS",
+    "PRESET_WORDS",
     "LayerSubsetSpec",
     "RandomSLSAMSpec",
     "SLS2SAMSpec",
@@ -76,6 +77,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "scale_updates": True,
         "max_update_scale": None,
     },
+}
+
+#: Each preset in words, beside its options (the run summary prints it).
+PRESET_WORDS = {
+    "default": "parameter budget, rank bandit, head every step, updates scaled up to 3x;"
+    " preset='paper' is the paper's method",
+    "paper": "the SL-SAM paper's exact method",
+    "robust": "rank bandit, head every step, scaled updates, the paper's layer-count budget",
 }
 
 

@@ -768,6 +768,6 @@ def test_the_default_is_pinned():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         SparseLayerSAM(seed=0).build_engine(make_mlp())
-    from lightning_slsam.cli import _PRESET_WORDS
+    from lightning_slsam.subset_specs import PRESET_WORDS
 
-    assert set(_PRESET_WORDS) == set(PRESETS)  # the run summary describes every preset
+    assert set(PRESET_WORDS) == set(PRESETS)  # the run summary describes every preset
