@@ -31,8 +31,8 @@ import sys
 
 import torch
 
-from lightning_slsam.bandit import LayerBandit, kl_projection
-from lightning_slsam.metrics import normalized_entropy, rank_correlation
+from lightning_slsam.lightning.metrics import normalized_entropy, rank_correlation
+from lightning_slsam.selection.bandit import LayerBandit, kl_projection
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -62,7 +62,7 @@ def record(task: str, path: str) -> None:
     import yaml
 
     from lightning_slsam import SAM
-    from lightning_slsam.selection import AllLayers
+    from lightning_slsam.selection.rules import AllLayers
 
     config_path, epochs, _ = TASKS[task]
     with open(os.path.join(ROOT, config_path)) as handle:

@@ -111,8 +111,9 @@ def worker(strategy: str, method: str, steps: int, threads: int, batch: int, seq
     from transformers import LlamaForCausalLM  # noqa: F401  (its import is runtime, not training)
 
     from lightning_slsam import make_engine
-    from lightning_slsam.distributed import GradientAverager
-    from lightning_slsam.passes import PlainLoopPasses, StepContext
+    from lightning_slsam.core.contract import StepContext
+    from lightning_slsam.core.plain_loop import PlainLoopPasses
+    from lightning_slsam.parallel.ddp import GradientAverager
 
     torch.set_num_threads(threads)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

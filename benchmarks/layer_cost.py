@@ -32,7 +32,7 @@ from models import make_workload
 from step_time import interleaved, machine
 
 from lightning_slsam import make_engine
-from lightning_slsam.selection import LayerSelection
+from lightning_slsam.selection.rules import LayerSelection
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")

@@ -5,27 +5,30 @@ Add :class:`SAMMixin` to a LightningModule's bases and a method callback to the 
 (:class:`SAM`, :class:`RandomSLSAM`, :class:`TopSLSAM`, :class:`S2SAM`, :class:`SLS2SAM`,
 :class:`RST`, :class:`ESAM`, :class:`SSAMF`, :class:`LookSAM`; :func:`make_callback` by
 name). The pure-PyTorch parts (:class:`LayerBandit`, :class:`SparseSAMEngine`,
-:func:`build_partition`, the method specifications of :mod:`lightning_slsam.specs`) also
+:func:`build_partition`, the method specifications of :mod:`lightning_slsam.methods.spec`) also
 work in a plain training loop: ``import lightning_slsam`` loads only them (and torch);
 the Lightning layer loads when one of its names is first used.
 """
 
 from typing import TYPE_CHECKING, Any
 
-# The pure-PyTorch core, imported with the package (torch only).
-from lightning_slsam.bandit import LayerBandit, kl_projection
-from lightning_slsam.distributed import release_process_group
-from lightning_slsam.engine import PassOutput, SparseSAMEngine, StepResult
-from lightning_slsam.layers import LayerPartition, build_partition, find_new_head
-from lightning_slsam.perturbation import FisherMask, SAMPerturbation
-from lightning_slsam.registry import SPECS, make_engine, method_spec, register_method
-from lightning_slsam.schedules import (
+from lightning_slsam.core.engine import PassOutput, SparseSAMEngine, StepResult
+from lightning_slsam.core.partition import LayerPartition, build_partition, find_new_head
+from lightning_slsam.core.perturbation import FisherMask, SAMPerturbation
+from lightning_slsam.core.schedules import (
     EveryStep,
     IntervalSchedule,
     RandomSchedule,
     SingleStepSchedule,
 )
-from lightning_slsam.selection import (
+from lightning_slsam.methods.registry import SPECS, make_engine, method_spec, register_method
+from lightning_slsam.methods.spec import MethodSpec
+from lightning_slsam.methods.subset import PRESETS
+from lightning_slsam.parallel.ddp import release_process_group
+
+# The pure-PyTorch core, imported with the package (torch only).
+from lightning_slsam.selection.bandit import LayerBandit, kl_projection
+from lightning_slsam.selection.rules import (
     AllLayers,
     ExpandToAll,
     LayerSelection,
@@ -33,23 +36,21 @@ from lightning_slsam.selection import (
     UniformSelection,
     WrappedSelection,
 )
-from lightning_slsam.selection_wrappers import DenseWarmup, DepthCut
-from lightning_slsam.specs import MethodSpec
-from lightning_slsam.subset_specs import PRESETS
+from lightning_slsam.selection.wrappers import DenseWarmup, DepthCut
 
 # The Lightning layer, imported on first use: importing Lightning pulls in torchmetrics, and
 # with it transformers and matplotlib when they are installed. ``import lightning_slsam``
 # stays light for plain-PyTorch users; ``from lightning_slsam import SparseLayerSAM`` (or a
 # CLI class path) loads it.
 _LIGHTNING_MODULES = (
-    "lightning_slsam.methods",
-    "lightning_slsam.callback",
-    "lightning_slsam.mixin",
+    "lightning_slsam.lightning.callbacks",
+    "lightning_slsam.lightning.callback",
+    "lightning_slsam.lightning.mixin",
 )
 
 if TYPE_CHECKING:
-    from lightning_slsam.callback import SAMCallback, estimated_stepping_batches
-    from lightning_slsam.methods import (
+    from lightning_slsam.lightning.callback import SAMCallback, estimated_stepping_batches
+    from lightning_slsam.lightning.callbacks import (
         ESAM,
         METHODS,
         RST,
@@ -64,7 +65,7 @@ if TYPE_CHECKING:
         make_callback,
         make_callbacks,
     )
-    from lightning_slsam.mixin import SAMMixin
+    from lightning_slsam.lightning.mixin import SAMMixin
 
 
 def __getattr__(name: str) -> Any:

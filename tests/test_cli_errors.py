@@ -14,7 +14,7 @@ from helpers import make_data, make_mlp
 from torch.utils.data import DataLoader
 
 from lightning_slsam import METHODS, SAMMixin
-from lightning_slsam.cli import main
+from lightning_slsam.cli.command import main
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:lightning.pytorch.cli")
 

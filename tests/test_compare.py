@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from lightning_slsam.cli import main
+from lightning_slsam.cli.command import main
 
 TASK = os.path.join(
     os.path.dirname(__file__),
@@ -46,7 +46,7 @@ def test_compare_runs_every_method_and_seed_and_writes_the_table(tmp_path, capsy
     assert "comparison.md" in capsys.readouterr().out
     # --render re-tabulates the saved runs without training: the same table.
     (out / "comparison.md").unlink()
-    from lightning_slsam.compare import main as compare_main
+    from lightning_slsam.cli.compare import main as compare_main
 
     again = compare_main(["--render", str(out)])
     assert (out / "comparison.md").read_text() == table
@@ -54,7 +54,7 @@ def test_compare_runs_every_method_and_seed_and_writes_the_table(tmp_path, capsy
 
 
 def test_a_single_seed_shows_its_value_without_a_spread():
-    from lightning_slsam.compare_report import render, summarize
+    from lightning_slsam.cli.report import render, summarize
 
     def record(best):
         return {"best": best, "final": best, "epoch_times": [1.0], "active_ratio": 2.0,
@@ -73,7 +73,7 @@ def test_compare_rejects_unknown_methods(tmp_path):
 
 
 def test_compare_options_override_a_method_and_are_checked(tmp_path):
-    from lightning_slsam.compare import _method_config, _parse_options
+    from lightning_slsam.cli.compare import _method_config, _parse_options
 
     parser = __import__("argparse").ArgumentParser()
     options = _parse_options(parser, ["slsam.layer_ratio=0.25", "slsam.rho=0.05"], ["slsam"])

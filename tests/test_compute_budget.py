@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_slsam.projection import kl_projection, weighted_kl_projection
+from lightning_slsam.selection.projection import kl_projection, weighted_kl_projection
 
 
 def _bisect_weighted(log_u, costs, budget: float, lower: float, upper: float) -> np.ndarray:
@@ -111,7 +111,7 @@ def test_weighted_projection_degenerate_budgets():
 
 
 # -- the bandit under a compute budget -----------------------------------------------------
-from lightning_slsam.bandit import LayerBandit  # noqa: E402
+from lightning_slsam.selection.bandit import LayerBandit  # noqa: E402
 
 COSTS = torch.tensor([11_720_448.0, 384.0, 147_456.0, 384.0, 589_824.0, 2.0, 147_456.0, 384.0])
 

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from lightning_slsam import METHODS, SAMCallback
-from lightning_slsam.cli import SLSAMCLI, main
+from lightning_slsam.cli.command import SLSAMCLI, main
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, "examples")
 

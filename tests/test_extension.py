@@ -15,8 +15,8 @@ from helpers import LitModel, loader, make_data, make_mlp
 from torch.utils.data import DataLoader
 
 from lightning_slsam import LayerSelection, SAMCallback, make_callback, make_engine
-from lightning_slsam.registry import SPECS, register_method
-from lightning_slsam.subset_specs import LayerSubsetSpec
+from lightning_slsam.methods.registry import SPECS, register_method
+from lightning_slsam.methods.subset import LayerSubsetSpec
 
 
 # -- the user's method: train the even-numbered layers, then the odd ones, and so on --------
@@ -137,7 +137,7 @@ class TinyData(L.LightningDataModule):
 
 
 def test_a_user_method_trains_from_yaml(tmp_path):
-    from lightning_slsam.cli import main
+    from lightning_slsam.cli.command import main
 
     config = {
         "seed_everything": 0,

@@ -76,7 +76,7 @@ def test_demo_values_are_never_merged_into_a_users_run():
 
 # -- 3. compare honours the config's seed ---------------------------------------------------
 def test_compare_takes_the_first_seed_from_the_config(tmp_path, capsys):
-    from lightning_slsam.cli import main
+    from lightning_slsam.cli.command import main
 
     seeded = tmp_path / "seed.yaml"
     seeded.write_text("seed_everything: 0\n")
@@ -88,7 +88,7 @@ def test_compare_takes_the_first_seed_from_the_config(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"== seeds 0, 1 (seed_everything of {seeded})" in printed
     assert sorted(os.listdir(out / "configs")) == ["adamw_seed0.yaml", "adamw_seed1.yaml"]
-    from lightning_slsam.compare import _first_seed
+    from lightning_slsam.cli.compare import _first_seed
 
     assert _first_seed(5, [VISION, str(seeded)]) == (
         5,
@@ -159,7 +159,7 @@ def test_a_callbacks_repr_shows_the_options_given():
 
 def test_release_process_group_is_exported_where_users_look():
     import lightning_slsam
-    from lightning_slsam.cli import release_process_group
+    from lightning_slsam.cli.command import release_process_group
 
     assert lightning_slsam.release_process_group is release_process_group
     assert "release_process_group" in lightning_slsam.__all__

@@ -16,8 +16,8 @@ import pytest
 import torch
 from helpers import two_ranks
 
-from lightning_slsam.extras import _sample_sources
-from lightning_slsam.sharding import local, shard_layout, sum_over_shards, top_coordinates
+from lightning_slsam.methods.ssamf import _sample_sources
+from lightning_slsam.parallel.fsdp2 import local, shard_layout, sum_over_shards, top_coordinates
 
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp2_worker.py")
 EXACT = [

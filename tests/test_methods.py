@@ -339,7 +339,7 @@ def test_ssamf_perturbs_only_the_top_fisher_coordinates():
         assert all(float(o[~m].abs().sum()) == 0 for o, m in zip(offsets, mask))
         moved = sum(int((o[m] != 0).sum()) for o, m in zip(offsets, mask))
         assert moved > 0.9 * sum(int(m.sum()) for m in mask)
-        assert engine.fisher.kept_fraction() == pytest.approx(0.5, abs=1 / flat.numel())
+        assert engine.hooks[0].fisher.kept_fraction() == pytest.approx(0.5, abs=1 / flat.numel())
         assert result.active_ratio == 2.0
 
 
@@ -372,8 +372,8 @@ def test_sl_sam_with_looksam_interval_keeps_sparse_layers_and_the_interval():
     results = [engine.train_step(lambda: F.cross_entropy(net(x), y), opt) for _ in range(12)]
     assert [r.kind for r in results] == ["sam", "reuse", "reuse", "reuse"] * 3
     assert sum(bool(r.active_mask.all()) for r in results) < 4
-    assert engine.vertical  # the orthogonal components of the SAM steps were stored
-    assert set(engine.vertical) <= {id(p) for p in net.parameters()}
+    assert engine.kinds["reuse"].vertical  # the orthogonal components of the SAM steps were stored
+    assert set(engine.kinds["reuse"].vertical) <= {id(p) for p in net.parameters()}
 
 
 def test_asam_on_sl_sam_perturbs_only_active_tensors_as_the_reference():
@@ -391,7 +391,7 @@ def test_asam_on_sl_sam_perturbs_only_active_tensors_as_the_reference():
 
 
 def test_depth_cut_freezes_everything_below_the_cut_and_shortens_backprop():
-    from lightning_slsam.selection_wrappers import DepthCut
+    from lightning_slsam.selection.wrappers import DepthCut
 
     net = nn.Sequential(*[nn.Linear(3, 3) for _ in range(20)])  # 40 tensors, input first
     cb = SparseLayerSAM(preset="paper", layer_ratio=0.2, backprop_depth=0.5, seed=1)
@@ -435,7 +435,7 @@ def test_sl_s2_sam_first_step_is_dense_and_does_not_teach_the_bandit():
 
 
 def test_dense_warmup_and_min_updates_follow_the_run_length():
-    from lightning_slsam.selection_wrappers import DenseWarmup
+    from lightning_slsam.selection.wrappers import DenseWarmup
 
     net = make_mlp()
     cb = SparseLayerSAM(preset="paper", dense_warmup=0.25, seed=0)
@@ -490,7 +490,7 @@ def test_head_always_active_finds_a_fresh_timm_and_transformers_head():
         LlamaForCausalLM,
     )
 
-    from lightning_slsam.layers import find_new_head
+    from lightning_slsam.core.partition import find_new_head
 
     vit = timm.create_model(
         "vit_tiny_patch16_224", img_size=32, patch_size=8, depth=1, num_classes=7
@@ -731,7 +731,7 @@ def test_scale_updates_options_are_validated_and_in_the_presets():
                 {"max_update_scale": float("inf")}):  # fmt: skip
         with pytest.raises(ValueError, match=next(iter(bad))):
             SparseLayerSAM(**bad)
-    from lightning_slsam.engine import SparseSAMEngine
+    from lightning_slsam.core.engine import SparseSAMEngine
 
     with pytest.raises(ValueError, match="update_scale"):
         SparseSAMEngine.__init__(object.__new__(SparseSAMEngine), None, None, None,
@@ -768,6 +768,6 @@ def test_the_default_is_pinned():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         SparseLayerSAM(seed=0).build_engine(make_mlp())
-    from lightning_slsam.subset_specs import PRESET_WORDS
+    from lightning_slsam.methods.subset import PRESET_WORDS
 
     assert set(PRESET_WORDS) == set(PRESETS)  # the run summary describes every preset

@@ -13,7 +13,7 @@ from helpers import make_data, make_mlp
 from scipy.stats import spearmanr
 
 from lightning_slsam import SparseLayerSAM
-from lightning_slsam.metrics import (
+from lightning_slsam.lightning.metrics import (
     normalized_entropy,
     rank_correlation,
     write_layer_frequency_csv,

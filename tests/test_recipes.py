@@ -22,7 +22,7 @@ import torch
 import yaml
 
 from lightning_slsam import SLS2SAM, SparseLayerSAM
-from lightning_slsam.cli import SLSAMCLI
+from lightning_slsam.cli.command import SLSAMCLI
 from lightning_slsam.recipes import common, glue
 from lightning_slsam.recipes.cifar import CIFARDataModule, read_cifar
 from lightning_slsam.recipes.glue import GLUE_TASKS, GLUEClassifier, GLUEDataModule

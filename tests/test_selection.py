@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from lightning_slsam.bandit import LayerBandit
-from lightning_slsam.selection import LayerSelection, UniformSelection
-from lightning_slsam.selection_wrappers import DenseWarmup, DepthCut
+from lightning_slsam.selection.bandit import LayerBandit
+from lightning_slsam.selection.rules import LayerSelection, UniformSelection
+from lightning_slsam.selection.wrappers import DenseWarmup, DepthCut
 
 
 def _gen(seed: int) -> torch.Generator:

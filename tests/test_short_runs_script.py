@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from lightning_slsam import make_callback
-from lightning_slsam.methods import PRESETS
+from lightning_slsam.lightning.callbacks import PRESETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from helpers import make_data, make_mlp
 
 from lightning_slsam import METHODS, make_callback, make_engine
-from lightning_slsam.registry import SPECS, method_spec
+from lightning_slsam.methods.registry import SPECS, method_spec
 
 NAMES = sorted(name for name in METHODS if name != "adamw")
 

@@ -1,0 +1,261 @@
+"""The ``lightning-slsam`` command: LightningCLI plus the packaged demo and ``compare``.
+
+.. code-block:: bash
+
+    lightning-slsam fit --demo                         # the demo (configs/demo.yaml)
+    lightning-slsam fit --demo --trainer.max_steps=100 # the demo, shorter
+    lightning-slsam fit --config my_run.yaml           # your own run
+    lightning-slsam fit --demo --print_config          # show the demo's full configuration
+    lightning-slsam compare --config task.yaml --methods adamw,sam,slsam --seeds 3
+
+Model and datamodule are given by ``class_path`` (any ``LightningModule`` /
+``LightningDataModule``); SL-SAM is switched on by listing
+``lightning_slsam.SparseLayerSAM`` (or another method) in ``trainer.callbacks``, with a
+model that inherits :class:`~lightning_slsam.SAMMixin`. The demo's values are used only
+with ``--demo``: they are never merged into a run silently. A typo or an invalid value in
+a SAM callback's options ends the command with one line naming the option, the class and
+the fix. After ``fit`` a short summary is printed: the final validation metrics, the
+method's mean active ratio and per-layer chart, and the log folder.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+from collections.abc import Sequence
+from contextlib import redirect_stdout
+from importlib import resources
+from typing import Any
+
+import torch
+from jsonargparse import Namespace
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_slsam.cli.checks import (
+    SUBCOMMANDS,
+    annotate_print_config,
+    asks_help,
+    check_callback_options,
+    check_sam_trainer,
+    missing_run,
+)
+from lightning_slsam.cli.errors import OneLineParser, debugging, fail
+from lightning_slsam.lightning.compat import add_cli_subcommand, spawns_processes
+from lightning_slsam.lightning.driver import find_sam_callback
+from lightning_slsam.methods.subset import PRESET_WORDS
+from lightning_slsam.parallel.ddp import release_process_group
+
+__all__ = ["SLSAMCLI", "demo_config_path", "main", "release_process_group"]
+
+_DEMO_FLAG = "--demo"
+#: Where the step of the last validation loop is kept (in ``trainer.callback_metrics``,
+#: which ``ddp_spawn`` hands back to the launching process).
+VALIDATED_AT = "slsam/validated_at_step"
+_COMPARE_HELP = (
+    "train several methods over several seeds and write the comparison table and plots"
+    " (lightning-slsam compare --help)"
+)
+
+
+class SLSAMCLI(LightningCLI):
+    """``LightningCLI`` with ``--demo``, the ``compare`` subcommand in its help, short
+    errors for SAM callback options, and a summary after ``fit``.
+
+    Command-line style arguments (``args=None`` reads ``sys.argv[1:]``) may name
+    ``--demo`` to run on the packaged ``configs/demo.yaml``; the summary is printed on
+    global rank zero only (under ``ddp_spawn``, by the launching process).
+    """
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        # Lists `compare` (handled by main() before this parser runs) beside Lightning's
+        # subcommands, so that --help and the missing-subcommand error show it; each
+        # subcommand's --help ends with the SAM methods and how to see one's options.
+        for subcommand in SUBCOMMANDS:
+            kwargs[subcommand] = {"epilog": methods_epilog(), **kwargs.get(subcommand, {})}
+        compare = LightningArgumentParser(description=_COMPARE_HELP)
+        add_cli_subcommand(
+            lambda: super(SLSAMCLI, self)._add_subcommands(parser, **kwargs),
+            parser, "compare", compare, _COMPARE_HELP,
+        )  # fmt: skip
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        if isinstance(args, (dict, Namespace)):
+            super().parse_arguments(parser, args)
+            return
+        # Parsed here rather than by the parent, which warns when `args` and sys.argv are
+        # both set: with the demo config added, `args` is always set.
+        argv = _with_demo_config(list(sys.argv[1:] if args is None else args))
+        problem = None if asks_help(argv) else missing_run(argv) or check_callback_options(argv)
+        if problem:
+            fail(problem)
+        self.config = _parse(parser, argv)
+        subcommand = self.config.get("subcommand")
+        trainer = self.config.get(f"{subcommand}.trainer") if subcommand else None
+        problem = check_sam_trainer(trainer) if trainer is not None else None
+        if problem:
+            fail(problem)
+
+    def before_fit(self) -> None:
+        # Under ddp_spawn the training runs in child processes: fixing the log folder's
+        # version here makes the children write where this process will look afterwards.
+        if spawns_processes(self.trainer.strategy):
+            _ = self.trainer.log_dir
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        trainer = super().instantiate_trainer(**kwargs)
+        trainer.callbacks.append(_ValidationStep())
+        return trainer
+
+    def after_fit(self) -> None:
+        trainer = self.trainer
+        log_dir = trainer.log_dir  # a broadcast under multi-process strategies: every rank
+        if trainer.is_global_zero:
+            print("\n".join(run_summary(trainer, log_dir)), flush=True)
+
+
+class _ValidationStep(Callback):
+    """Keeps the step of the last validation loop (the sanity check excluded), so that the
+    summary says when the final validation metrics were measured."""
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if not trainer.sanity_checking:
+            trainer.callback_metrics[VALIDATED_AT] = torch.tensor(float(trainer.global_step))
+
+
+def run_summary(trainer: Any, log_dir: str | None) -> list[str]:
+    """The lines printed after ``fit``: the method, each final validation metric with the
+    step it was measured at, the active ratio, the tensors out of sampling, the chart and
+    the log folder."""
+    sam = find_sam_callback(trainer)
+    method = type(sam).__name__ if sam is not None else "no SAM method"
+    lines = ["", f"Run summary ({method}, {trainer.global_step} steps)"]
+    metrics = _validation_metrics(trainer)
+    measured = trainer.callback_metrics.get(VALIDATED_AT)
+    if not metrics:
+        lines.append("  final validation metrics: n/a (no validation ran)")
+    for name, value in metrics.items():
+        if name.startswith("val") and measured is not None:
+            when = f"validated at step {int(measured)}"
+        else:
+            when = "last logged value"
+        lines.append(f"  final {name}: {value:.4f} ({when})")
+    if sam is None:
+        lines.append("  method: plain optimizer steps (no SAM callback in trainer.callbacks)")
+    else:
+        summary = sam.summary(trainer)
+        preset = getattr(sam, "preset", None)
+        if preset is not None:
+            lines.append(f"  {type(sam).__name__} preset: {preset!r} ({PRESET_WORDS[preset]})")
+        lines.append(
+            f"  {type(sam).__name__} mean active ratio: {summary['mean_active_ratio']:.3f}x"
+            " over the passes (SAM: 2.0x, AdamW: 1.0x)"
+        )
+        if summary["out_of_sampling"]:
+            lines.append(f"  {summary['out_of_sampling']}")
+        lines.append(f"  per-layer chart: {summary['layer_frequency_png'] or 'not written'}")
+    lines.append(f"  log dir: {log_dir or trainer.default_root_dir}")
+    return lines
+
+
+def _validation_metrics(trainer: Any) -> dict[str, float]:
+    """The run's final validation metrics: the checkpoint's monitor first, then every
+    ``val*`` metric."""
+    found = trainer.callback_metrics
+    names = [
+        cb.monitor
+        for cb in trainer.callbacks
+        if isinstance(getattr(cb, "monitor", None), str) and cb.monitor in found
+    ]
+    names += sorted(k for k in found if k.startswith("val") and k not in names)
+    return {name: float(found[name]) for name in names if found[name].numel() == 1}
+
+
+def _parse(parser: LightningArgumentParser, argv: list[str]) -> Namespace:
+    """``parser.parse_args(argv)``; for ``--print_config``, the printed YAML says which value
+    each SAM callback option left ``null`` takes."""
+    if "--print_config" not in {a.split("=")[0] for a in argv}:
+        return parser.parse_args(argv)
+    printed = io.StringIO()
+    try:
+        with redirect_stdout(printed):
+            return parser.parse_args(argv)
+    finally:
+        sys.stdout.write(annotate_print_config(printed.getvalue()))
+        sys.stdout.flush()
+
+
+def demo_config_path() -> str:
+    """Path of the packaged demo configuration, ``lightning_slsam/configs/demo.yaml``."""
+    return str(resources.files("lightning_slsam") / "configs" / "demo.yaml")
+
+
+def _with_demo_config(args: list[str]) -> list[str]:
+    """``args`` with ``--demo`` replaced by ``--config <demo.yaml>`` right after the
+    subcommand.
+
+    Placed first, the demo's values are the base that every other flag (and any further
+    ``--config``) overrides. Without ``--demo`` nothing is added.
+    """
+    if _DEMO_FLAG not in args:
+        return args
+    args = [a for a in args if a != _DEMO_FLAG]
+    for i, arg in enumerate(args):
+        if arg in SUBCOMMANDS:
+            return [*args[: i + 1], "--config", demo_config_path(), *args[i + 1 :]]
+    return args
+
+
+def methods_epilog() -> str:
+    """The end of ``fit --help``: the SAM method classes and how to see one's options."""
+    from lightning_slsam.lightning.callbacks import METHODS
+
+    classes = dict.fromkeys(
+        f"lightning_slsam.{cls.__name__}" for cls, _ in METHODS.values() if cls is not None
+    )
+    return (
+        "SAM methods are callbacks: add one with --trainer.callbacks+=CLASS (or in the YAML"
+        " config's trainer.callbacks), the model inheriting lightning_slsam.SAMMixin."
+        f" Classes: {', '.join(classes)}. To list one method's options with their defaults"
+        " and meaning, add --trainer.callbacks.help CLASS to this command, for example"
+        " --trainer.callbacks.help lightning_slsam.SparseLayerSAM."
+    )
+
+
+def main(args: Sequence[str] | None = None) -> None:
+    """Entry point of ``lightning-slsam``: runs :class:`SLSAMCLI` on ``args`` (default
+    ``sys.argv[1:]``).
+
+    Returns ``None`` so that the console script's ``sys.exit(main())`` exits with 0.
+    """
+    # The demo tokenises before DataLoader workers may fork; the tokenizers library would
+    # otherwise warn (and disable its threads) at the first fork.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv[:1] == ["compare"]:
+        from lightning_slsam.cli.compare import main as compare
+
+        compare(argv[1:])
+        return
+    try:
+        SLSAMCLI(
+            model_class=None,
+            datamodule_class=None,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_kwargs={"overwrite": True},
+            parser_class=OneLineParser,
+            args=None if args is None else list(args),
+        )
+    except MisconfigurationException as err:
+        # A setup check's refusal (raised before any weight changes): one line, exit 2.
+        if debugging():
+            raise
+        fail(" ".join(str(err).split()))
+    release_process_group()
+
+
+if __name__ == "__main__":
+    main()

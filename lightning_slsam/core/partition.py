@@ -1,0 +1,322 @@
+"""Layer partition: which parameter tensors form each sampled "layer".
+
+SL-SAM samples *layers*, and what a layer is matters: the paper and its reference
+implementation treat every parameter tensor as its own layer (every weight, bias,
+LayerNorm tensor, embedding and head: DeiT-Small has 200). That is the default here.
+Coarser groupings shorten the bandit and make the active set follow the network's
+structure; they are opt-in:
+
+* ``"tensor"`` -- one parameter tensor per layer (default, paper);
+* ``"module"`` -- all parameters directly owned by one module (``fc.weight`` and
+  ``fc.bias`` form layer ``fc``);
+* a sequence of regular expressions -- a parameter whose name matches a pattern
+  (``re.search``) joins the group named by the matched text (or by the first capture
+  group when the pattern has one), so ``r"encoder\\.layer\\.\\d+"`` groups each
+  transformer block; parameters matching no pattern stay one layer per tensor;
+* a callable ``(name, parameter) -> key | None`` -- parameters with equal keys form a
+  layer, ``None`` keeps the tensor on its own.
+
+Parameters can also be taken out of sampling: ``always_active`` ones are trained (and
+perturbed) every step, ``always_frozen`` ones never are. Only parameters that require
+grad when the partition is built take part at all; the user's own frozen parameters
+stay frozen. Tied parameters are counted once (``named_parameters`` de-duplicates).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from lightning_slsam.parallel.fsdp2 import fsdp_modules, reshard
+
+GroupingFn = Callable[[str, nn.Parameter], Hashable | None]
+LayerSpec = str | Sequence[str] | GroupingFn
+
+__all__ = ["LayerPartition", "build_partition", "find_new_head"]
+
+
+@dataclass
+class LayerPartition:
+    """The result of partitioning a model's trainable parameters.
+
+    Attributes:
+        names: one name per sampled layer (bandit arm), in model order.
+        params: for each sampled layer, its parameter tensors.
+        param_names: for each sampled layer, the names of its tensors.
+        always_active: tensors trained every step (not sampled).
+        always_active_names: their names.
+        always_frozen: tensors never trained while the partition is in use.
+        always_frozen_names: their names.
+        numel: parameter count of each sampled layer.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> partition = build_partition(net, layers="module")
+        >>> partition.names, partition.numel, partition.num_layers
+        (['0', '1'], [40, 18], 2)
+        >>> partition.trainable_numel
+        58
+    """
+
+    names: list[str]
+    params: list[list[nn.Parameter]]
+    param_names: list[list[str]]
+    always_active: list[nn.Parameter] = field(default_factory=list)
+    always_active_names: list[str] = field(default_factory=list)
+    always_frozen: list[nn.Parameter] = field(default_factory=list)
+    always_frozen_names: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.numel = [sum(p.numel() for p in group) for group in self.params]
+        # A flat view lets the hot path work on one list of tensors.
+        self.flat_params: list[nn.Parameter] = [p for group in self.params for p in group]
+
+    @property
+    def num_layers(self) -> int:
+        """Number of sampled layers (bandit arms)."""
+        return len(self.names)
+
+    @property
+    def trainable_numel(self) -> int:
+        """Parameters that take part in training: sampled plus always-active ones."""
+        return sum(self.numel) + sum(p.numel() for p in self.always_active)
+
+    def signature(self) -> list[list[str]]:
+        """Names of every layer's tensors: compared on resume to detect a changed model."""
+        return [list(group) for group in self.param_names]
+
+
+def _group_key(
+    name: str, param: nn.Parameter, layers: LayerSpec, patterns: list[re.Pattern[str]]
+) -> Hashable:
+    if isinstance(layers, str):
+        if layers == "tensor":
+            return name
+        # "module": the owning module's qualified name; top-level parameters stand alone.
+        return name.rsplit(".", 1)[0] if "." in name else name
+    if patterns:
+        for pattern in patterns:
+            match = pattern.search(name)
+            if match is not None:
+                return match.group(1) if pattern.groups else match.group(0)
+        return name
+    key = layers(name, param)  # type: ignore[operator]
+    return name if key is None else key
+
+
+def _compile(patterns: Sequence[str], parameter: str) -> list[re.Pattern[str]]:
+    if isinstance(patterns, str):
+        raise ValueError(
+            f"`{parameter}` must be a list of regular expressions, got the string {patterns!r}."
+            f" Wrap it in a list: {parameter}=[{patterns!r}]."
+        )
+    compiled = []
+    for pattern in patterns:
+        try:
+            compiled.append(re.compile(pattern))
+        except re.error as err:
+            raise ValueError(
+                f"`{parameter}` has an invalid regular expression {pattern!r}: {err}."
+            ) from err
+    return compiled
+
+
+def validate_layer_spec(layers: LayerSpec) -> None:
+    """Check a ``layers`` option without a model (so bad input fails at construction)."""
+    if isinstance(layers, str):
+        if layers not in ("tensor", "module"):
+            raise ValueError(
+                f"`layers` must be 'tensor', 'module', a list of regular expressions or a"
+                f" callable (name, parameter) -> key; got {layers!r}."
+            )
+    elif callable(layers):
+        return
+    elif isinstance(layers, Sequence):
+        _compile(layers, "layers")
+    else:
+        raise ValueError(
+            f"`layers` must be 'tensor', 'module', a list of regular expressions or a callable;"
+            f" got {type(layers).__name__}."
+        )
+
+
+def build_partition(
+    model: nn.Module,
+    layers: LayerSpec = "tensor",
+    always_active: Sequence[str] = (),
+    always_frozen: Sequence[str] = (),
+) -> LayerPartition:
+    """Partition ``model``'s trainable parameters into sampled layers.
+
+    Args:
+        model: the module whose parameters are partitioned. Only parameters with
+            ``requires_grad=True`` now take part.
+        layers: how tensors group into layers: ``"tensor"`` (default), ``"module"``,
+            a list of regular expressions, or a callable ``(name, param) -> key | None``.
+        always_active: regular expressions (``re.search`` on the parameter name) of
+            tensors trained every step instead of being sampled.
+        always_frozen: regular expressions of tensors never trained while SL-SAM runs.
+
+    Returns:
+        The :class:`LayerPartition`, layers in the order their first tensor appears in
+        ``model.named_parameters()``.
+
+    Raises:
+        ValueError: for an invalid option, a pattern that matches no trainable tensor,
+            a tensor matched by both ``always_active`` and ``always_frozen``, or a
+            model with no trainable parameter left to sample.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Sequential(
+        ...     torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> build_partition(net).names  # one layer per tensor (the paper's setting)
+        ['0.weight', '0.bias', '2.weight', '2.bias']
+        >>> part = build_partition(net, layers="module", always_active=[r"^2\\."])
+        >>> part.names, part.always_active_names
+        (['0'], ['2.weight', '2.bias'])
+        >>> build_partition(net, always_frozen=["head"])
+        Traceback (most recent call last):
+        ...
+        ValueError: `always_frozen` pattern(s) ['head'] match no trainable parameter. ...
+    """
+    validate_layer_spec(layers)
+    active_patterns = _compile(always_active, "always_active")
+    frozen_patterns = _compile(always_frozen, "always_frozen")
+    group_patterns = (
+        _compile(layers, "layers") if not isinstance(layers, str) and not callable(layers) else []
+    )
+
+    reshard(fsdp_modules(model))  # FSDP2: the sharded parameters, even after an evaluation
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError(
+            "The model has no trainable parameters (every parameter has requires_grad=False)."
+            " SL-SAM trains a subset of the trainable parameters: unfreeze at least one."
+        )
+
+    used_active = [False] * len(active_patterns)
+    used_frozen = [False] * len(frozen_patterns)
+    groups: dict[Hashable, tuple[list[str], list[nn.Parameter]]] = {}
+    partition_active: tuple[list[nn.Parameter], list[str]] = ([], [])
+    partition_frozen: tuple[list[nn.Parameter], list[str]] = ([], [])
+    for name, param in trainable:
+        hit_active = [i for i, pat in enumerate(active_patterns) if pat.search(name)]
+        hit_frozen = [i for i, pat in enumerate(frozen_patterns) if pat.search(name)]
+        for i in hit_active:
+            used_active[i] = True
+        for i in hit_frozen:
+            used_frozen[i] = True
+        if hit_active and hit_frozen:
+            raise ValueError(
+                f"Parameter {name!r} matches both `always_active`"
+                f" ({always_active[hit_active[0]]!r}) and `always_frozen`"
+                f" ({always_frozen[hit_frozen[0]]!r}); make the patterns disjoint."
+            )
+        if hit_active:
+            partition_active[0].append(param)
+            partition_active[1].append(name)
+            continue
+        if hit_frozen:
+            partition_frozen[0].append(param)
+            partition_frozen[1].append(name)
+            continue
+        key = _group_key(name, param, layers, group_patterns)
+        names, params = groups.setdefault(key, ([], []))
+        names.append(name)
+        params.append(param)
+
+    for option, patterns, used in (
+        ("always_active", always_active, used_active),
+        ("always_frozen", always_frozen, used_frozen),
+    ):
+        unused = [p for p, u in zip(patterns, used) if not u]
+        if unused:
+            raise ValueError(
+                f"`{option}` pattern(s) {unused} match no trainable parameter. Parameter names"
+                f" look like {[n for n, _ in trainable[:3]]}; check the spelling."
+            )
+    if not groups:
+        raise ValueError(
+            "Every trainable parameter is excluded by `always_active` / `always_frozen`:"
+            " no layer is left to sample. Narrow those patterns."
+        )
+
+    return LayerPartition(
+        names=[str(key) for key in groups],
+        params=[params for _, params in groups.values()],
+        param_names=[names for names, _ in groups.values()],
+        always_active=partition_active[0],
+        always_active_names=partition_active[1],
+        always_frozen=partition_frozen[0],
+        always_frozen_names=partition_frozen[1],
+    )
+
+
+def find_new_head(model: nn.Module) -> list[str]:
+    """Names of the parameters of ``model``'s freshly initialised task head.
+
+    A fine-tune usually starts from a pretrained backbone with a new classification head,
+    which a sparse method would otherwise train in only a fraction of the steps. Found, in
+    this order:
+
+    * the module's own ``sam_head_parameters()`` method, if it has one, returning
+      parameter names (relative to ``model``);
+    * timm models (a submodule with ``get_classifier()`` and ``pretrained_cfg``) whose
+      ``num_classes`` differs from their pretrained configuration's: the classifier;
+    * Transformers models (a submodule with ``base_model`` and ``config``): every parameter
+      outside the base model, except the output embeddings (a language model's pretrained
+      ``lm_head``).
+
+    Returns the names in ``model.named_parameters()`` order (trainable ones only); empty
+    when no head is found.
+
+    Example:
+        >>> import timm, torch
+        >>> find_new_head(timm.create_model("resnet18", pretrained=False, num_classes=10))
+        ['fc.weight', 'fc.bias']
+        >>> class Net(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.body, self.head = torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)
+        ...     def sam_head_parameters(self):
+        ...         return ["head.weight", "head.bias"]
+        >>> find_new_head(Net()), find_new_head(torch.nn.Linear(4, 2))
+        (['head.weight', 'head.bias'], [])
+    """
+    names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    hook = getattr(model, "sam_head_parameters", None)
+    if callable(hook):
+        wanted = set(hook())
+        unknown = sorted(wanted - set(names.values()))
+        if unknown:
+            raise ValueError(
+                f"sam_head_parameters() returned names that are not trainable parameters of"
+                f" {type(model).__name__}: {unknown[:5]}."
+            )
+        return [n for n in names.values() if n in wanted]
+    found: set[int] = set()
+    for module in model.modules():
+        if callable(getattr(module, "get_classifier", None)) and hasattr(module, "pretrained_cfg"):
+            pretrained = (getattr(module, "pretrained_cfg", None) or {}).get("num_classes")
+            current = getattr(module, "num_classes", None)
+            if pretrained is not None and current is not None and pretrained != current:
+                found.update(id(p) for p in module.get_classifier().parameters())
+        elif hasattr(module, "config") and isinstance(
+            getattr(module, "base_model", None), nn.Module
+        ):
+            base = module.base_model
+            if base is module:
+                continue
+            skip = {id(p) for p in base.parameters()}
+            output = (
+                module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+            )
+            if isinstance(output, nn.Module):
+                skip.update(id(p) for p in output.parameters())
+            found.update(id(p) for p in module.parameters() if id(p) not in skip)
+    return [n for i, n in names.items() if i in found]

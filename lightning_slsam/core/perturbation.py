@@ -1,0 +1,317 @@
+"""SAM's ascent step and its exact undo, on the active tensors only.
+
+The ascent is ``e = rho * g / ||g||`` (Foret et al., 2021). By default ``||g||`` is
+one norm over every perturbed tensor together, as SAM and the SL-SAM reference code
+compute it; ``norm="layer"`` normalises each layer separately, as Algorithm 1 of the
+SL-SAM paper is written (then the total perturbation has norm ``rho * sqrt(#layers)``).
+``adaptive=True`` is ASAM (Kwon et al., 2021), as its reference implementation computes
+it: weight tensors are scaled by ``T_w = |w| + eta``, every other tensor (biases) by 1,
+and ``e = rho * T_w^2 g / ||T_w g||`` with one norm over all of them. ``eta`` (default
+0.01) keeps zero-valued weights perturbable. The radius is relative to the weights: ASAM
+is run with ``rho`` around ten times SAM's (0.5 in its reference, where SAM uses 0.05).
+A coordinate mask (SSAM-F) zeroes the ascent outside the mask after normalisation, as the
+SSAM reference does.
+
+Restoring uses a copy of the perturbed tensors taken before the ascent: subtracting ``e``
+again is not exact in floating point, and the base optimizer must step from exactly
+the weights it would have seen without SAM. Only perturbed tensors are copied, into a
+reused pool (:class:`BackupPool`).
+
+Everything stays on the tensors' device (``torch._foreach_*`` kernels, no ``.item()``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_slsam.parallel.fsdp2 import (
+    ShardLayout,
+    local,
+    shard_layout,
+    sum_over_shards,
+    top_coordinates,
+)
+
+__all__ = [
+    "PERTURBATION_NORMS",
+    "FisherMask",
+    "SAMPerturbation",
+    "group_norms",
+    "is_weight_name",
+    "tensor_norms",
+]
+
+PERTURBATION_NORMS = ("global", "layer")
+
+
+def is_weight_name(name: str) -> bool:
+    """Whether ASAM scales the parameter called ``name``: its attribute name (after the last
+    dot) contains ``weight``, as in ASAM's reference (``"weight" in name``), which leaves
+    biases and other tensors unscaled."""
+    return "weight" in name.rsplit(".", 1)[-1]
+
+
+def tensor_norms(grads: list[Tensor], device: torch.device | None = None) -> Tensor:
+    """L2 norm of each tensor in ``grads`` as one float32 vector (on ``device`` if given).
+
+    Float32 whatever the gradients' dtype: the norms feed the bandit and the perturbation
+    scale, and low-precision or float64 models must not change their bookkeeping dtype.
+    A sharded tensor's norm (FSDP2) is over all its shards, the same on every process.
+    """
+    return local_norms(local(grads), shard_layout(grads), device)
+
+
+def local_norms(
+    tensors: list[Tensor], layout: ShardLayout | None, device: torch.device | None = None
+) -> Tensor:
+    """:func:`tensor_norms` of local shards whose sharding ``layout`` is known."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float32, device=device)
+    norms = torch.stack(torch._foreach_norm(tensors)).float()
+    if layout is not None:
+        norms = sum_over_shards(norms.square(), layout).sqrt()
+    return norms if device is None else norms.to(device)
+
+
+def group_norms(norms: Tensor, slots: Tensor, num_groups: int) -> Tensor:
+    """L2 norm of each group from per-tensor norms (``slots[i]`` is tensor i's group)."""
+    squares = torch.zeros(num_groups, device=norms.device, dtype=torch.float32)
+    if norms.numel():
+        squares.index_add_(0, slots.to(norms.device, non_blocking=True), norms.square())
+    return squares.sqrt()
+
+
+class BackupPool:
+    """Flat buffers that hold the pre-ascent copies of the perturbed tensors.
+
+    A fresh copy per step would allocate (and, on a CPU, fault in) an active-sized block
+    every step. One buffer per dtype and device, grown to the largest active set seen and
+    reused, costs the same peak memory (the backup exists during every step anyway) and
+    no per-step allocation.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+    def copy(self, tensors: list[Tensor]) -> list[Tensor]:
+        """Views of the pool holding copies of ``tensors``."""
+        need: dict[tuple[torch.dtype, torch.device], int] = {}
+        for t in tensors:
+            key = (t.dtype, t.device)
+            need[key] = need.get(key, 0) + t.numel()
+        for key, numel in need.items():
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.numel() < numel:
+                self._buffers[key] = torch.empty(numel, dtype=key[0], device=key[1])
+        offsets = dict.fromkeys(need, 0)
+        views = []
+        for t in tensors:
+            key = (t.dtype, t.device)
+            start = offsets[key]
+            views.append(self._buffers[key][start : start + t.numel()].view_as(t))
+            offsets[key] = start + t.numel()
+        _copy(views, [t.detach() for t in tensors])
+        return views
+
+
+def _copy(dst: list[Tensor], src: list[Tensor]) -> None:
+    """``dst[i].copy_(src[i])``: one foreach kernel on accelerators, a plain loop on the
+    CPU (where the foreach path is a slower loop of its own)."""
+    if not dst:
+        return
+    if dst[0].device.type == "cpu":
+        for d, s in zip(dst, src):
+            d.copy_(s)
+    else:
+        torch._foreach_copy_(dst, src)
+
+
+class SAMPerturbation:
+    """SAM's ascent ``w <- w + e`` with an exact restore.
+
+    Args:
+        rho: perturbation radius (> 0). The SL-SAM paper uses 0.01 for every SAM method.
+        norm: ``"global"`` (default; one norm over all perturbed tensors, as SAM) or
+            ``"layer"`` (one norm per layer, as Algorithm 1 of the SL-SAM paper reads).
+        adaptive: ASAM's weight-scaled perturbation (default ``False``); which tensors
+            are weights is given to :meth:`perturb_` (``scaled``).
+        eta: ASAM's offset in ``T_w = |w| + eta`` (>= 0; default 0.01, ASAM's reference).
+        eps: added to the norm so a zero gradient gives a zero perturbation.
+
+    Example:
+        >>> import torch
+        >>> w = [torch.zeros(3), torch.ones(2)]
+        >>> g = [torch.tensor([3.0, 0.0, 4.0]), torch.zeros(2)]
+        >>> ascent = SAMPerturbation(rho=0.5)
+        >>> backup = ascent.perturb_(w, g, tensor_norms(g))  # w += rho * g / ||g||
+        >>> w[0], w[1]
+        (tensor([0.3000, 0.0000, 0.4000]), tensor([1., 1.]))
+        >>> ascent.restore_(w, backup)  # bit for bit
+        >>> w[0], w[1]
+        (tensor([0., 0., 0.]), tensor([1., 1.]))
+        >>> SAMPerturbation(rho=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: `rho` must be a finite number > 0 (the SAM perturbation radius), got 0. ...
+    """
+
+    def __init__(
+        self,
+        rho: float,
+        norm: str = "global",
+        adaptive: bool = False,
+        eps: float = 1e-12,
+        eta: float = 0.01,
+    ) -> None:
+        if not (isinstance(rho, (int, float)) and rho > 0 and rho == rho and rho != float("inf")):
+            raise ValueError(
+                f"`rho` must be a finite number > 0 (the SAM perturbation radius), got {rho!r}."
+                " The SL-SAM paper uses rho=0.01 for fine-tuning."
+            )
+        if norm not in PERTURBATION_NORMS:
+            raise ValueError(
+                f"`perturbation_norm` must be one of {PERTURBATION_NORMS}, got {norm!r}."
+            )
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"`adaptive` must be True or False, got {adaptive!r}.")
+        if not (isinstance(eta, (int, float)) and 0 <= eta < float("inf")):
+            raise ValueError(
+                f"`adaptive_eta` must be a finite number >= 0 (ASAM's eta), got {eta!r}."
+            )
+        self.rho = float(rho)
+        self.norm = norm
+        self.adaptive = adaptive
+        self.eta = float(eta)
+        self.eps = float(eps)
+        self.pool = BackupPool()
+
+    @torch.no_grad()
+    def perturb_(
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        norms: Tensor,
+        slots: Tensor | None = None,
+        num_groups: int | None = None,
+        inplace: bool = True,
+        masks: list[Tensor] | None = None,
+        scaled: list[bool] | None = None,
+    ) -> list[Tensor]:
+        """Move ``params`` along ``grads`` in place; return the backup for :meth:`restore_`.
+
+        Args:
+            params: the tensors to perturb.
+            grads: their ascent directions (same order).
+            norms: per-tensor norms of ``grads``, as from :func:`tensor_norms`.
+            slots: each tensor's layer (group) index, for ``norm="layer"`` (default: every
+                tensor its own group).
+            num_groups: number of groups ``slots`` indexes into.
+            inplace: scale ``grads`` into the ascent step (they are discarded by the
+                caller); ``False`` leaves them intact.
+            masks: per-tensor coordinate masks (SSAM-F), applied after normalisation.
+            scaled: with ``adaptive``, which tensors are weights scaled by ``|w| + eta``
+                (default: all); the others (biases) are not scaled.
+        """
+        if not params:
+            return []
+        layout = shard_layout(params)  # FSDP2: each process moves its own shards
+        params, grads = local(params), local(grads)
+        backup = self.pool.copy(params)
+        step = grads if inplace else torch._foreach_mul(grads, 1.0)
+        weighted: list[Tensor] = []
+        if self.adaptive:
+            chosen = (
+                range(len(params)) if scaled is None else [i for i, f in enumerate(scaled) if f]
+            )
+            weighted = [step[i] for i in chosen]  # the same tensors: scaled in place below
+            if weighted:
+                weights = torch._foreach_abs([params[i] for i in chosen])
+                torch._foreach_add_(weights, self.eta)
+                torch._foreach_mul_(weighted, weights)  # T_w g
+            norms = local_norms(step, layout, norms.device)
+        dtype = step[0].dtype
+        if self.norm == "global":
+            scale = self.rho / (torch.linalg.vector_norm(norms) + self.eps)
+            torch._foreach_mul_(step, scale.to(dtype))
+        else:
+            if slots is None:
+                slots, num_groups = torch.arange(len(params)), len(params)
+            per_tensor = group_norms(norms, slots, num_groups or len(params))[
+                slots.to(norms.device)
+            ]
+            torch._foreach_mul_(step, list((self.rho / (per_tensor + self.eps)).to(dtype).unbind()))
+        if weighted:
+            torch._foreach_mul_(weighted, weights)  # rho * T_w^2 g / ||T_w g||
+        if masks is not None:
+            torch._foreach_mul_(step, masks)
+        torch._foreach_add_(params, step)
+        return backup
+
+    @staticmethod
+    @torch.no_grad()
+    def restore_(params: list[Tensor], backup: list[Tensor]) -> None:
+        """Copy the pre-ascent values back, bit for bit."""
+        _copy(local(params), backup)
+
+
+class FisherMask:
+    """SSAM-F's sparse perturbation mask (Mi et al., 2022, "Make Sharpness-Aware
+    Minimization Stronger: A Sparsified Perturbation Approach").
+
+    The mask keeps the ``1 - sparsity`` fraction of all coordinates with the largest
+    empirical Fisher information, the sum of squared per-sample gradients over
+    ``fisher_samples`` training samples; it is recomputed every ``mask_interval``
+    optimizer steps (the first step included).
+
+    Args:
+        sparsity: fraction of coordinates NOT perturbed, in [0, 1) (paper: 0.5).
+        fisher_samples: per-sample gradients used for the Fisher estimate, >= 1. They are
+            taken from the current training batch (at most its size).
+        mask_interval: optimizer steps between mask refreshes, >= 1.
+
+    Example:
+        >>> import torch
+        >>> w = [torch.zeros(4)]
+        >>> mask = FisherMask(sparsity=0.5, mask_interval=10)
+        >>> mask.due(0), mask.due(3)  # refreshed at the first step, then every 10
+        (True, True)
+        >>> mask.set_fisher(w, [torch.tensor([0.1, 0.9, 0.5, 0.0])])
+        >>> mask.masks_for(w), mask.due(3), mask.due(10)
+        ([tensor([0., 1., 1., 0.])], False, True)
+    """
+
+    def __init__(self, sparsity: float = 0.5, fisher_samples: int = 16, mask_interval: int = 100):
+        if not (isinstance(sparsity, (int, float)) and 0 <= sparsity < 1):
+            raise ValueError(f"`sparsity` must be in [0, 1), got {sparsity!r}.")
+        if not (isinstance(fisher_samples, int) and fisher_samples >= 1):
+            raise ValueError(f"`fisher_samples` must be an integer >= 1, got {fisher_samples!r}.")
+        if not (isinstance(mask_interval, int) and mask_interval >= 1):
+            raise ValueError(f"`mask_interval` must be an integer >= 1, got {mask_interval!r}.")
+        self.sparsity = float(sparsity)
+        self.fisher_samples = fisher_samples
+        self.mask_interval = mask_interval
+        self.masks: dict[int, Tensor] = {}
+
+    def due(self, step: int) -> bool:
+        """Whether the mask must be recomputed before optimizer step ``step``."""
+        return not self.masks or step % self.mask_interval == 0
+
+    @torch.no_grad()
+    def set_fisher(self, params: list[Tensor], fisher: list[Tensor]) -> None:
+        """Keep the top ``1 - sparsity`` coordinates of ``fisher`` over all ``params``
+        (ties by position). Under FSDP2 ``fisher`` holds each process's local shards and
+        the top coordinates are those of the whole tensors (:func:`top_coordinates`)."""
+        keep = round(sum(p.numel() for p in params) * (1.0 - self.sparsity))
+        chosen = top_coordinates(fisher, keep, shard_layout(params))
+        self.masks = {id(p): c.to(p.dtype) for p, c in zip(params, chosen)}
+
+    def masks_for(self, params: list[Tensor]) -> list[Tensor]:
+        """The masks of ``params`` (all ones for a tensor the Fisher pass did not see)."""
+        return [self.masks.get(id(p), torch.ones_like(s)) for p, s in zip(params, local(params))]
+
+    def kept_fraction(self) -> float:
+        """Fraction of coordinates the current mask perturbs."""
+        total = sum(m.numel() for m in self.masks.values())
+        kept = sum(float(m.sum()) for m in self.masks.values())
+        return kept / total if total else 1.0

@@ -1,0 +1,363 @@
+"""``SAMCallback``: what every SAM method of the plugin shares on the Lightning side.
+
+Each method (:mod:`lightning_slsam.lightning.callbacks`: SL-SAM, SAM, RST, ESAM, ...) is a
+thin shell over its pure-PyTorch specification (:mod:`lightning_slsam.methods.spec`). This
+base class owns what is Lightning's: the setup checks, building the engine at fit start
+(seeded the same on every process), the per-step logging and end-of-fit record
+(:mod:`~lightning_slsam.lightning.step_logging`) and the checkpointed state. The training
+step itself is run by the module's :class:`~lightning_slsam.lightning.driver.StepDriver`
+(created by :class:`~lightning_slsam.SAMMixin`), which reads this callback's public
+options.
+
+Example:
+
+>>> from lightning_slsam import SparseLayerSAM
+>>> callback = SparseLayerSAM(layer_ratio=0.3, gradient_clip_val=1.0)
+>>> callback.spec.layer_ratio, callback.layer_ratio, callback.gradient_clip_val
+(0.3, 0.3, 1.0)
+>>> callback  # the options that differ from the defaults
+SparseLayerSAM(layer_ratio=0.3, gradient_clip_val=1.0)
+>>> SparseLayerSAM(accumulate_grad_batches=0)
+Traceback (most recent call last):
+...
+ValueError: `accumulate_grad_batches` must be an integer >= 1, got 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor
+
+from lightning_slsam.core.engine import SparseSAMEngine, StepResult
+from lightning_slsam.core.partition import LayerPartition
+from lightning_slsam.core.perturbation import BackupPool
+from lightning_slsam.lightning.compat import (
+    attached_trainer,
+)
+from lightning_slsam.lightning.driver import SAMController, driver_of, find_sam_callback
+from lightning_slsam.lightning.setup_checks import (
+    LIGHTNING_OPTIONS,
+    FitWarnings,
+    check_engine,
+    check_fit_setup,
+    check_lightning_options,
+    check_one_optimizer,
+    check_saved_layers,
+)
+from lightning_slsam.lightning.signatures import (
+    ChecksOptions,
+    shell_init,
+    with_options_doc,
+)
+from lightning_slsam.lightning.step_logging import (
+    PROGRESS_BAR,
+    RATIO_METRIC,
+    fit_message,
+    fit_summary,
+    fresh_stem,
+    out_of_sampling,
+    record_dir,
+    step_metrics,
+    write_record,
+)
+from lightning_slsam.methods.dense import SAMSpec
+from lightning_slsam.methods.spec import SCHEDULES, MethodSpec, default_seed
+from lightning_slsam.selection.rules import LayerSelection
+
+__all__ = ["SCHEDULES", "SAMCallback", "callback_for", "estimated_stepping_batches"]
+
+
+def _quiet(message: str) -> None:
+    """A ``warn`` that drops the message (a partition rebuilt only to name its tensors)."""
+
+
+#: Specification class -> the callback class of that method (the first one declared).
+_CALLBACKS: dict[type[MethodSpec], type[SAMCallback]] = {}
+
+
+class SAMCallback(Callback, ChecksOptions, SAMController):
+    """Base of the plugin's SAM methods; use a method class such as ``SparseLayerSAM``.
+
+    A thin Lightning shell over the method's specification (:attr:`spec_class`, pure
+    PyTorch): the method's options are the spec's fields -- the options every method takes
+    are :class:`~lightning_slsam.methods.spec.MethodSpec`'s -- and the callback reads them from
+    it (``callback.rho``, ``callback.layer_ratio``, ...). Its own options, for the Lightning
+    training step:
+
+    Args:
+        gradient_clip_val: clip the update gradient at this value after unscaling;
+            ``None`` or 0 disables. Use this instead of the Trainer flag.
+        gradient_clip_algorithm: ``"norm"`` (default) or ``"value"``.
+        accumulate_grad_batches: micro-batches per optimizer step (>= 1). Use this
+            instead of the Trainer flag: every pass runs over all micro-batches.
+        plot: write the per-layer activation chart (PNG) at the end of fit.
+
+    Attributes:
+        layer_names: names of the layers, in model order (after setup).
+        probs: the selection's current probabilities (float64).
+        active_mask: bool mask of the layers updated in the last step.
+        mean_active_ratio: mean over steps of the parameter fraction with a gradient,
+            summed over the passes (the paper's "Active Ratio": AdamW 1.0, SAM 2.0).
+        frequency_csv_path, frequency_plot_path: where the end-of-fit record went.
+    """
+
+    #: Short name of the method (registry key, logs).
+    method: ClassVar[str] = "sam"
+    #: The method's own schedule, used when ``schedule`` is ``None``.
+    default_schedule: ClassVar[str] = "every_step"
+    #: Whether another ``schedule`` may be chosen (RST, LookSAM and S2 methods fix theirs).
+    schedule_fixed: ClassVar[bool] = False
+
+    _options_root: ClassVar[bool] = True  # where accepted_options stops looking
+    #: The method's specification class (its options and how it builds its engine).
+    spec_class: ClassVar[type[MethodSpec]] = SAMSpec
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # The spec's class-level facts, readable on the callback class too.
+        cls.method = cls.spec_class.name
+        cls.default_schedule = cls.spec_class.default_schedule
+        cls.schedule_fixed = cls.spec_class.schedule_fixed
+        _CALLBACKS.setdefault(cls.spec_class, cls)
+        if "__init__" not in cls.__dict__:
+            cls.__init__ = shell_init(cls, SAMCallback.__init__, LIGHTNING_OPTIONS)  # type: ignore[method-assign]
+            cls.__doc__ = with_options_doc(cls, SAMCallback.__doc__)
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__()
+        lightning = {k: options.pop(k, default) for k, (_, default) in LIGHTNING_OPTIONS.items()}
+        #: The method's validated options (:class:`~lightning_slsam.methods.spec.MethodSpec`).
+        self.spec = self.spec_class(**options)
+        for name, value in check_lightning_options(**lightning).items():
+            setattr(self, name, value)
+        self.partition: LayerPartition | None = None
+        self.engine: SparseSAMEngine | None = None
+        self.frequency_csv_path: str | None = None
+        self.frequency_plot_path: str | None = None
+        self._pending_state: dict[str, Any] | None = None
+        self._logged: StepResult | None = None
+        self._warnings = FitWarnings()
+
+    def __getattr__(self, name: str) -> Any:
+        # The method's options and derived values (``rho``, ``layer_ratio``,
+        # ``effective_ratio``, ...) are read from its spec.
+        spec = self.__dict__.get("spec") if not name.startswith("__") else None
+        if spec is not None and name != "spec":
+            try:
+                return getattr(spec, name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def selection_metrics(self) -> dict[str, float]:
+        """Extra per-step metrics of the method's selection (the bandit's floor counts)."""
+        return {}
+
+    # -- public views -------------------------------------------------------------------
+    @property
+    def layer_names(self) -> list[str]:
+        """Names of the layers (empty before setup)."""
+        return list(self.partition.names) if self.partition is not None else []
+
+    @property
+    def selection(self) -> LayerSelection:
+        """The layer-selection rule (available after setup)."""
+        if self.engine is None:
+            raise RuntimeError(f"{type(self).__name__} is not set up yet: call trainer.fit first.")
+        return self.engine.selection
+
+    @property
+    def probs(self) -> Tensor:
+        """Current selection probabilities (float64, one per layer)."""
+        return self.selection.probs
+
+    @property
+    def active_mask(self) -> Tensor | None:
+        """Bool mask of the layers updated in the last training step."""
+        result = self.engine.last_result if self.engine is not None else None
+        return result.active_mask if result is not None else None
+
+    @property
+    def mean_active_ratio(self) -> float:
+        """The run's mean "Active Ratio" (parameter fraction, summed over the passes)."""
+        return self.engine.mean_active_ratio if self.engine is not None else math.nan
+
+    # -- setup --------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_fit_setup(self, trainer, pl_module)
+        self._warnings.add()  # for this fit only: removed at teardown
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._warnings.remove()
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        check_one_optimizer(self, trainer)
+        if self.spec.needs_total_steps():
+            total = estimated_stepping_batches(trainer)
+            self.spec.total_steps = int(total) if math.isfinite(total) else None
+        partition = self.spec.partition(pl_module, warn=rank_zero_warn)
+        old = self.partition
+        if self.engine is not None and old is not None and old.signature() == partition.signature():
+            self.engine.partition = partition  # a second fit() continues the same state
+        else:
+            self.engine = self._build_engine(partition, pl_module, self.spec.total_steps)
+        self.partition = partition
+        check_engine(self, trainer, pl_module, self.engine)
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self._apply_state(state)
+        self._logged = self.engine.last_result  # a second fit() logs its own steps only
+
+    def build_engine(
+        self, module: torch.nn.Module, total_steps: int | None = None
+    ) -> SparseSAMEngine:
+        """This method's engine for ``module`` (what ``fit`` builds at its start).
+
+        For plain PyTorch loops and benchmarks, ``make_engine(name, module,
+        ...)`` builds the same without Lightning. ``total_steps``: the run's optimizer steps,
+        needed by options given as a fraction of the run (``dense_warmup``).
+        """
+        if total_steps is not None and not (isinstance(total_steps, int) and total_steps >= 1):
+            raise ValueError(f"`total_steps` must be None or an integer >= 1, got {total_steps!r}.")
+        return self._build_engine(
+            self.spec.partition(module, warn=rank_zero_warn), module, total_steps
+        )
+
+    def _build_engine(
+        self, partition: LayerPartition, module: torch.nn.Module, total_steps: int | None
+    ) -> SparseSAMEngine:
+        seed = self.spec.seed if self.spec.seed is not None else default_seed()
+        trainer = attached_trainer(module)
+        if trainer is not None and trainer.world_size > 1:
+            # Every process must draw the same layers and coins: rank 0's seed for all.
+            seed = trainer.strategy.broadcast(seed)
+        try:
+            return self.spec.build_engine(
+                module, total_steps=total_steps, seed=seed, partition=partition,
+                warn=rank_zero_warn,
+            )  # fmt: skip
+        except ValueError as err:  # options that do not fit this model or run
+            raise MisconfigurationException(str(err)) from None
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        # Runs inside the wrapped optimizer.step(), after mixed precision has unscaled: the
+        # driver clips there, before the callbacks listed after this one see the gradients.
+        driver = driver_of(pl_module)
+        if driver is not None:
+            driver.clip_gradients(optimizer)
+
+    # -- logging ------------------------------------------------------------------------
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        result = self.engine.last_result if self.engine is not None else None
+        if result is None or result is self._logged:
+            return  # no step yet, or a micro-batch buffered for accumulation
+        self._logged = result
+        metrics = step_metrics(result, self.engine, distributed=trainer.world_size > 1)
+        metrics.update(self.selection_metrics())
+        for name, value in metrics.items():
+            pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
+        # Short names for the progress bar only (loggers get the namespaced ones above).
+        for name, key in PROGRESS_BAR.items():
+            pl_module.log(name, metrics[key], prog_bar=True, logger=False, batch_size=1)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.perturbation.pool = BackupPool()  # the weight backups are not needed after fit
+        if self.engine is None or self.partition is None:
+            return
+        # trainer.log_dir is a collective under DDP: every rank asks, rank 0 writes.
+        directory = record_dir(trainer)
+        if trainer.is_global_zero:
+            self.frequency_csv_path, self.frequency_plot_path = write_record(
+                fresh_stem(directory, versioned=not trainer.loggers),
+                self.engine,
+                self.partition,
+                plot=self.plot,
+                title=f"{type(self).__name__}: how often each layer was trained",
+            )
+        # The summary also goes to callback_metrics: under ddp_spawn they are what the
+        # launching process gets back (see summary()).
+        trainer.callback_metrics[RATIO_METRIC] = torch.tensor(self.mean_active_ratio)
+        rank_zero_info(fit_message(type(self).__name__, self.engine, self.frequency_plot_path))
+
+    def summary(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """After ``fit``: the run's mean active ratio, per-layer chart and the tensors out of
+        sampling (``out_of_sampling``), in the process that called ``fit`` under ``ddp_spawn``
+        too (the ratio from ``trainer.callback_metrics``, the newest chart of the run)."""
+        partition = self.partition or self.spec.partition(trainer.lightning_module, warn=_quiet)
+        summary = fit_summary(trainer, self.mean_active_ratio, self.frequency_plot_path)
+        return {**summary, "out_of_sampling": out_of_sampling(partition)}
+
+    # -- checkpoint state ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        if self.engine is None or self.partition is None:
+            return dict(self._pending_state or {})
+        return {
+            "method": self.method,
+            "engine": self.engine.state_dict(),
+            "layer_names": self.partition.names,
+            "layer_tensors": self.partition.signature(),
+            "config": self.spec.hyperparameters(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        if self.engine is None:
+            self._pending_state = state_dict  # applied once the partition exists
+        else:
+            self._apply_state(state_dict)
+
+    def _apply_state(self, state: dict[str, Any]) -> None:
+        assert self.engine is not None and self.partition is not None
+        check_saved_layers(self, state.get("layer_tensors"), self.partition.signature(),
+                           (state.get("config") or {}).get("preset"))  # fmt: skip
+        engine_state = dict(state["engine"])
+        engine_state["selection"] = self.spec.adopt_selection_state(
+            engine_state["selection"], self.selection.state_dict(), rank_zero_warn
+        )
+        self.engine.load_state_dict(engine_state)
+
+
+def estimated_stepping_batches(trainer: pl.Trainer) -> float:
+    """``trainer.estimated_stepping_batches``, counting the SAM callback's accumulation.
+
+    Lightning's estimate divides by ``Trainer(accumulate_grad_batches)``, which must stay 1
+    with a SAM callback; the callback's ``accumulate_grad_batches`` also merges micro-batches
+    into one optimizer step. Use this to size step-based LR schedules
+    (``math.inf`` when the run has no finite length).
+    """
+    total = trainer.estimated_stepping_batches  # also sets up the train dataloader
+    sam = find_sam_callback(trainer)
+    k = sam.accumulate_grad_batches if sam is not None else 1
+    if k == 1 or not math.isfinite(total):
+        return total
+    batches = trainer.num_training_batches
+    if not math.isfinite(batches):
+        return total if trainer.max_steps != -1 else math.inf
+    per_epoch = math.ceil(batches / k)  # the epoch's last batch closes a partial group
+    steps = per_epoch * max(trainer.max_epochs or 1, 1)
+    return min(steps, trainer.max_steps) if trainer.max_steps != -1 else steps
+
+
+def callback_for(spec_class: type[MethodSpec]) -> type[SAMCallback]:
+    """The callback class of a method's specification: the first ``SAMCallback`` subclass
+    declared with that ``spec_class``, or a new one named after the spec's ``label``."""
+    if spec_class not in _CALLBACKS:
+        type(spec_class.label, (SAMCallback,), {"spec_class": spec_class})
+    return _CALLBACKS[spec_class]

@@ -1,0 +1,323 @@
+"""Every method of the SL-SAM paper's comparison, as a Lightning callback.
+
+Each class is a configuration of the same parts -- a layer selection, a perturbation and
+a schedule -- run by the same engine and the same :class:`~lightning_slsam.SAMMixin`
+training step, so their metrics are directly comparable. Options common to all (``rho``,
+``adaptive``, ``perturbation_norm``, ``layers``, clipping, accumulation, ...) are those of
+:class:`~lightning_slsam.lightning.callback.SAMCallback`. Plain AdamW is the mixin without any
+callback.
+
+========================  ==========================  ====================================
+name (``make_callback``)  class                       paper defaults
+========================  ==========================  ====================================
+``adamw``                 (no callback)               --
+``sam`` / ``adasam``      :class:`SAM`                rho 0.01
+``slsam``                 :class:`SparseLayerSAM`     layer_ratio 0.2, p_min = alpha_p = 1e-3
+``random_slsam``          :class:`RandomSLSAM`        layer_ratio 0.2
+``top_slsam``             :class:`TopSLSAM`           layer_ratio 0.2
+``s2sam``                 :class:`S2SAM`              --
+``sl_s2sam``              :class:`SLS2SAM`            layer_ratio 0.2 (0.3 DeiT, 0.5 Llama)
+``rst``                   :class:`RST`                probability 0.5
+``esam``                  :class:`ESAM`               weight_ratio 0.5, data_ratio 0.5
+``ssamf``                 :class:`SSAMF`              sparsity 0.5
+``looksam``               :class:`LookSAM`            interval 5, alpha 0.7
+``slsam_rst``             SL-SAM + RST's coin         both axes of sparsity
+``slsam_looksam``         SL-SAM + LookSAM interval   both axes of sparsity
+``slsam_depth``           cost-aware SL-SAM           backprop_depth 0.5 (opt-in)
+``slsam_robust``          SL-SAM, robust preset       short-fine-tune remedies (opt-in)
+``slsam_default``         SL-SAM, default preset      ``SparseLayerSAM()``: compute budget
+========================  ==========================  ====================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from lightning_slsam.lightning.callback import SAMCallback, callback_for
+from lightning_slsam.methods import dense, subset
+from lightning_slsam.methods.registry import SPECS, lookup
+from lightning_slsam.methods.subset import BANDIT_LOSSES, PRESETS
+from lightning_slsam.selection.wrappers import DenseWarmup, DepthCut
+
+
+class SAM(SAMCallback):
+    """Vanilla SAM on every layer (Foret et al., 2021, "Sharpness-Aware Minimization for
+    Efficiently Improving Generalization"); with AdamW as the module's optimizer this is
+    the SL-SAM paper's "AdaSAM" baseline. Two passes on every layer: Active Ratio 2.0x.
+
+    Example:
+        >>> SAM().rho, SAM(adaptive=True).rho  # the paper's radius; ASAM's reference one
+        (0.01, 0.5)
+        >>> SAM(rho=-1)
+        Traceback (most recent call last):
+        ...
+        ValueError: `rho` must be a finite number > 0 (the SAM perturbation radius), got -1. ...
+    """
+
+    spec_class = dense.SAMSpec
+
+
+class SparseLayerSAM(SAMCallback):
+    """Sparse Layer SAM (SL-SAM): SAM on a bandit-sampled subset of layers each step.
+
+    Each step samples the active layers (independent Bernoulli draws with the bandit's
+    probabilities), freezes the rest, runs SAM's two passes on the active layers only,
+    steps the optimizer on the second-pass gradients and feeds the first-pass per-layer
+    gradient norms back to the EXP3 bandit (the SL-SAM paper's Algorithms 1 and 2).
+
+    The default (``preset="default"``) goes beyond the paper, chosen on the multi-seed
+    comparisons of ``docs/results.md``: the bandit's budget counts parameters rather than
+    layers (``budget="compute"``: a vocabulary embedding costs its size, a LayerNorm bias
+    almost nothing), with a scale-free bandit loss (``bandit_loss="rank"``), the fresh task
+    head trained every step (``head_always_active``) and each drawn layer's update scaled
+    by ``1 / q`` up to 3 (``scale_updates``, ``max_update_scale``). ``preset="paper"`` is the
+    paper's exact method; ``preset="robust"`` the remedies under the paper's count budget.
+    Also available: a dense warm-up (``dense_warmup``), the 1-D tensors trained every step
+    (``vectors_always_active``) and a floor on each layer's updates (``min_updates``)
+    (:data:`PRESETS`).
+
+    Example:
+        ``trainer = L.Trainer(callbacks=[SparseLayerSAM(rho=0.01, layer_ratio=0.2)])``
+        (a whole run: :mod:`lightning_slsam.lightning.mixin`).
+
+        >>> default = SparseLayerSAM()
+        >>> default.preset, default.budget, default.bandit_loss, default.max_update_scale
+        ('default', 'compute', 'rank', 3.0)
+        >>> paper = SparseLayerSAM(preset="paper")  # the paper's exact method
+        >>> paper.budget, paper.bandit_loss, paper.head_always_active, paper.scale_updates
+        ('count', 'shifted', False, False)
+        >>> SparseLayerSAM(layer_ratio=1.5)
+        Traceback (most recent call last):
+        ...
+        ValueError: layer_ratio=1.5 is invalid: use a value in (0, 1].
+    """
+
+    spec_class = subset.SLSAMSpec
+
+    @property
+    def bandit(self) -> Any:
+        """The layer-selection bandit (available after setup)."""
+        selection = self.selection
+        while isinstance(selection, (DepthCut, DenseWarmup)):
+            selection = selection.inner
+        return selection
+
+    def selection_metrics(self) -> dict[str, float]:
+        probs = self.bandit.probs
+        return {
+            "slsam/floor_layers": float((probs <= self.p_min * (1 + 1e-9)).sum()),
+            "slsam/full_layers": float((probs >= 1 - 1e-9).sum()),
+        }
+
+
+class RandomSLSAM(SAMCallback):
+    """Random-SL-SAM, the SL-SAM paper's ablation: layers sampled uniformly, each with
+    probability ``layer_ratio`` every step, no bandit (then SAM on them, as SL-SAM).
+
+    Example:
+        >>> RandomSLSAM().layer_ratio, RandomSLSAM().method
+        (0.2, 'random_slsam')
+    """
+
+    spec_class = subset.RandomSLSAMSpec
+
+
+class TopSLSAM(SAMCallback):
+    """Top-SL-SAM, the SL-SAM paper's greedy ablation: the first pass computes every
+    layer's gradient, then SAM's ascent and second pass run on the ``k`` layers with the
+    largest gradient norms (``k = round(layer_ratio * N)``, at least 1), which alone are
+    updated. No exploration: the paper reports it stalls with most layers never selected;
+    ``slsam/never_selected`` logs that count.
+
+    Example:
+        >>> TopSLSAM(layer_ratio=0.3).layer_ratio
+        0.3
+    """
+
+    spec_class = subset.TopSLSAMSpec
+
+
+class S2SAM(SAM):
+    """S2-SAM (Ji et al., 2024, "Single-step SAM"; Algorithm 3 of the SL-SAM paper): each
+    step perturbs every layer along the gradient of the previous step and runs one
+    forward/backward there; that gradient updates the weights and is kept for the next
+    step. One pass per step (Active Ratio 1.0x); the first step is a plain step.
+
+    Example:
+        >>> S2SAM().schedule
+        'single'
+        >>> S2SAM(schedule="random")
+        Traceback (most recent call last):
+        ...
+        ValueError: S2SAM fixes schedule='single'; use SAM or SparseLayerSAM with ...
+    """
+
+    spec_class = dense.S2SAMSpec
+
+
+class SLS2SAM(SparseLayerSAM):
+    """SL-S2-SAM (Algorithm 4 of the SL-SAM paper): single-step SAM on bandit-sampled
+    layers. Each active layer perturbs along its own last computed gradient; the bandit
+    learns from the norms of the step's (perturbed) gradients. The first step is a plain
+    step on every layer, which records every layer's first gradient.
+
+    Example:
+        >>> SLS2SAM(layer_ratio=0.3).schedule, SLS2SAM(layer_ratio=0.3).layer_ratio
+        ('single', 0.3)
+    """
+
+    spec_class = subset.SLS2SAMSpec
+
+
+class RST(SAM):
+    """RST (Zhao et al., 2022, "Randomized Sharpness-Aware Training"): each step is a SAM
+    step with probability ``probability``, otherwise a plain step, drawn from a seeded
+    generator (Active Ratio ``1 + probability``: 1.5x at the paper's 0.5).
+
+    Example:
+        >>> RST().probability, RST().schedule
+        (0.5, 'random')
+    """
+
+    spec_class = dense.RSTSpec
+
+
+class LookSAM(SAM):
+    """LookSAM (Liu et al., 2022, "Towards Efficient and Scalable Sharpness-Aware
+    Minimization"): a full SAM step every ``interval`` steps, which stores ``g_v``, the
+    part of the SAM gradient orthogonal to the plain gradient; the steps in between run
+    one pass and add ``alpha * ||g|| / ||g_v|| * g_v`` to their gradient (Active Ratio
+    ``1 + 1/interval``: 1.2x at 5).
+
+    Example:
+        >>> LookSAM().interval, LookSAM().alpha  # LookSAM's own values
+        (5, 0.7)
+    """
+
+    spec_class = dense.LookSAMSpec
+
+
+class ESAM(SAMCallback):
+    """ESAM (Du et al., 2022, "Efficient Sharpness-aware Minimization for Improved
+    Training of Neural Networks").
+
+    * Stochastic weight perturbation: the first pass computes the gradient of a random
+      ``weight_ratio`` of the layers (each independently), and only they are perturbed.
+    * Sharpness-sensitive data selection: a forward pass at the perturbed point (no
+      gradient) measures each sample's loss increase; the second pass runs on the
+      ``data_ratio`` fraction of the batch whose loss rose most. It updates every layer.
+
+    Active Ratio ``weight_ratio + 1`` (1.5x at the paper's 0.5). The data selection needs
+    per-sample losses: ``training_step`` returns a 1-D tensor of them (the mixin averages
+    it for the update), or ``{"loss": ..., "per_sample_loss": ...}``; the batch is cut to
+    the selected samples by ``SAMMixin.sam_subset_batch`` (override it for custom batch
+    types). ``data_ratio=1.0`` turns the selection off.
+
+    Example:
+        >>> ESAM().weight_ratio, ESAM().data_ratio  # the paper's values
+        (0.5, 0.5)
+    """
+
+    spec_class = dense.ESAMSpec
+
+
+class SSAMF(SAMCallback):
+    """SSAM-F (Mi et al., 2022, "Make Sharpness-Aware Minimization Stronger: A Sparsified
+    Perturbation Approach"): SAM whose ascent is zeroed outside a mask of the coordinates
+    with the largest empirical Fisher information (squared per-sample gradients), keeping
+    ``1 - sparsity`` of all coordinates. The mask is recomputed every ``mask_interval``
+    steps from ``fisher_samples`` samples of the current batch (one backward each,
+    counted in ``slsam/backward_passes``). Both passes are dense: Active Ratio 2.0x.
+
+    The reference implementation estimates the Fisher from 1024 samples every 5 epochs of
+    training from scratch; for fine-tuning runs of a few epochs the defaults refresh more
+    often from fewer samples.
+
+    Example:
+        >>> SSAMF().sparsity, SSAMF().mask_interval
+        (0.5, 100)
+        >>> SSAMF(sparsity=1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: `sparsity` must be in [0, 1), got 1.0.
+    """
+
+    spec_class = dense.SSAMFSpec
+
+
+class _Methods(Mapping):
+    """Method name -> (callback class or ``None`` for plain AdamW, the options the name
+    implies): a live view of :data:`~lightning_slsam.methods.registry.SPECS`, so methods added with
+    :func:`~lightning_slsam.methods.registry.register_method` appear too."""
+
+    def __getitem__(self, name: str) -> tuple[type[SAMCallback] | None, dict[str, Any]]:
+        spec, implied = SPECS[name]
+        return (callback_for(spec) if spec is not None else None), implied
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(SPECS)
+
+    def __len__(self) -> int:
+        return len(SPECS)
+
+    def __repr__(self) -> str:
+        return f"METHODS({sorted(SPECS)})"
+
+
+#: Method name -> (callback class or ``None`` for plain AdamW, the options the name
+#: implies). The SL-SAM methods name ``preset="paper"``: comparisons and the paper's recipes
+#: run the paper's SL-SAM whatever the class's default.
+METHODS: Mapping[str, tuple[type[SAMCallback] | None, dict[str, Any]]] = _Methods()
+
+
+def make_callback(name: str, **kwargs: Any) -> SAMCallback:
+    """The callback of method ``name`` (see :data:`METHODS`).
+
+    ``kwargs`` override the method's defaults, e.g. ``make_callback("slsam", layer_ratio=0.3)``.
+    Plain AdamW has no callback: ``make_callback("adamw")`` raises, and
+    :func:`make_callbacks` gives a list that is empty for it.
+
+    Example:
+        >>> callback = make_callback("slsam", layer_ratio=0.3)
+        >>> type(callback).__name__, callback.layer_ratio, callback.preset
+        ('SparseLayerSAM', 0.3, 'paper')
+        >>> make_callback("adamw")
+        Traceback (most recent call last):
+        ...
+        ValueError: Method 'adamw' is plain AdamW, which needs no callback: ...
+    """
+    spec, implied = lookup(name)
+    if spec is None:
+        raise ValueError(
+            f"Method {name!r} is plain AdamW, which needs no callback: leave it out of"
+            f" Trainer(callbacks=...), or use make_callbacks({name!r}), which returns []."
+        )
+    return callback_for(spec)(**{**implied, **kwargs})
+
+
+def make_callbacks(name: str, **kwargs: Any) -> list[SAMCallback]:
+    """``[make_callback(name, **kwargs)]``, or ``[]`` for plain AdamW: ready for
+    ``Trainer(callbacks=...)`` whatever the method.
+
+    Example:
+        >>> make_callbacks("adamw"), [type(c).__name__ for c in make_callbacks("rst")]
+        ([], ['RST'])
+    """
+    spec, _ = lookup(name)
+    if spec is None:
+        if kwargs:
+            raise ValueError(f"Method {name!r} (plain AdamW) takes no options, got {kwargs}.")
+        return []
+    return [make_callback(name, **kwargs)]
+
+
+__all__ = [  # the method classes: the ones registered above
+    "BANDIT_LOSSES",
+    "METHODS",
+    "PRESETS",
+    "make_callback",
+    "make_callbacks",
+    *(cls.__name__ for cls in (SAM, SparseLayerSAM, RandomSLSAM, TopSLSAM, S2SAM, SLS2SAM)),
+    *(cls.__name__ for cls in (RST, LookSAM, ESAM, SSAMF)),
+]

@@ -1,0 +1,252 @@
+"""``SAMMixin``: the one change a LightningModule needs for SL-SAM.
+
+A whole run is :class:`SAMMixin`'s example.
+
+Without a SAM callback on the Trainer the module is an ordinary LightningModule with
+automatic optimization: every Trainer feature works as usual. With one, the module
+switches to manual optimization and the mixin runs the training step: it calls the
+user's ``training_step`` once per gradient pass (``self.sam_pass`` is 1 or 2 while it
+runs; ``self.log`` calls from the second pass, made at perturbed weights, are dropped),
+steps the optimizer exactly once per training step through Lightning's wrapped
+``optimizer.step()`` (so ``global_step``, checkpointing and loggers behave as under
+automatic optimization), and steps LR schedulers honouring ``interval`` and
+``frequency`` at the same points Lightning would.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor
+
+from lightning_slsam.lightning.compat import attached_trainer, carry_step_progress
+from lightning_slsam.lightning.driver import SAMController, StepDriver, driver_of, find_sam_callback
+
+__all__ = ["SAMMixin"]
+
+
+def _sam_controller(module: Any) -> SAMController | None:
+    """The SAM callback attached to ``module``'s Trainer, if any."""
+    trainer = attached_trainer(module)
+    return find_sam_callback(trainer) if trainer is not None else None
+
+
+def _wrap_training_step(user_step: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(user_step)
+    def training_step(self: SAMMixin, *args: Any, **kwargs: Any) -> Any:
+        # Nested calls (super().training_step, or our own passes) run the user's code.
+        if self._slsam_pass or attached_trainer(self) is None:
+            return user_step(self, *args, **kwargs)
+        controller = _sam_controller(self)
+        if controller is None:
+            output = user_step(self, *args, **kwargs)
+            # Per-sample losses (returned for ESAM) are averaged for automatic optimization.
+            if isinstance(output, Tensor) and output.dim() == 1:
+                return output.mean()
+            return output
+        return self._slsam_training_step(controller, user_step, args, kwargs)
+
+    training_step._slsam_wrapped = True  # type: ignore[attr-defined]
+    return training_step
+
+
+def _wrap_configure_optimizers(user_configure: Callable[..., Any]) -> Callable[..., Any]:
+    # Under manual optimization Lightning drops `monitor` / `strict` from scheduler
+    # configs; keeping the raw output lets the mixin step plateau schedulers itself.
+    @functools.wraps(user_configure)
+    def configure_optimizers(self: SAMMixin, *args: Any, **kwargs: Any) -> Any:
+        output = user_configure(self, *args, **kwargs)
+        self._slsam_optim_conf = output
+        return output
+
+    configure_optimizers._slsam_wrapped = True  # type: ignore[attr-defined]
+    return configure_optimizers
+
+
+def _first_tensor(batch: Any) -> Tensor | None:
+    if isinstance(batch, Tensor):
+        return batch
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    if isinstance(values, (list, tuple)) or isinstance(batch, Mapping):
+        for value in values:
+            found = _first_tensor(value)
+            if found is not None:
+                return found
+    return None
+
+
+def _subset(batch: Any, index: Tensor, size: int) -> Any:
+    if isinstance(batch, Tensor):
+        return batch[index.to(batch.device)] if batch.dim() and batch.shape[0] == size else batch
+    if isinstance(batch, Mapping):
+        items = {k: _subset(v, index, size) for k, v in batch.items()}
+        try:
+            return type(batch)(items)
+        except TypeError:
+            return items
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(_subset(v, index, size) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_subset(v, index, size) for v in batch)
+    return batch
+
+
+class SAMMixin:
+    """Mixin for a ``LightningModule`` whose ``training_step`` returns the loss.
+
+    Put it first in the bases: ``class Model(SAMMixin, L.LightningModule)``. The module
+    keeps its ``training_step`` (returning a scalar loss or a dict with ``"loss"``) and
+    its ``configure_optimizers`` (one optimizer, any ``torch.optim`` optimizer, with or
+    without LR schedulers). Add :class:`~lightning_slsam.SparseLayerSAM` to the Trainer
+    to train with SL-SAM; without it the module trains exactly as a plain module.
+
+    While a SAM step runs, :attr:`sam_pass` tells ``training_step`` which gradient pass
+    it is in (1: at the current weights, 2: at the perturbed weights), so code with side
+    effects (e.g. updating a training metric) can act on pass 1 only.
+
+    Example:
+        >>> import tempfile
+        >>> import lightning as L, torch
+        >>> import torch.nn.functional as F
+        >>> from lightning_slsam import SAMMixin, SparseLayerSAM
+        >>> class LitClassifier(SAMMixin, L.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.net = torch.nn.Sequential(
+        ...             torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        ...     def training_step(self, batch, batch_idx):
+        ...         x, y = batch
+        ...         return F.cross_entropy(self.net(x), y)
+        ...     def configure_optimizers(self):
+        ...         return torch.optim.AdamW(self.parameters(), lr=1e-2)
+        >>> _ = torch.manual_seed(0)
+        >>> x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+        >>> data = torch.utils.data.TensorDataset(x, y)
+        >>> sl_sam = SparseLayerSAM(layer_ratio=0.5, seed=0)
+        >>> trainer = L.Trainer(
+        ...     max_steps=8, callbacks=[sl_sam], default_root_dir=tempfile.mkdtemp(),
+        ...     logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        ...     enable_model_summary=False)
+        >>> trainer.fit(LitClassifier(), torch.utils.data.DataLoader(data, batch_size=8))
+        >>> trainer.global_step, sl_sam.layer_names
+        (8, ['net.0.weight', 'net.0.bias', 'net.2.weight', 'net.2.bias'])
+        >>> round(sl_sam.mean_active_ratio, 2)  # SAM: 2.0 (two passes on every layer)
+        0.97
+    """
+
+    _slsam_pass: int = 0
+    _slsam_pending_plateau: list[tuple[str, int]] | None = None
+    _slsam_optim_conf: Any = None
+    _slsam_driver: StepDriver | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        step = cls.__dict__.get("training_step")
+        if step is not None and not getattr(step, "_slsam_wrapped", False):
+            cls.training_step = _wrap_training_step(step)  # type: ignore[attr-defined]
+        configure = cls.__dict__.get("configure_optimizers")
+        if configure is not None and not getattr(configure, "_slsam_wrapped", False):
+            cls.configure_optimizers = _wrap_configure_optimizers(configure)  # type: ignore[attr-defined]
+
+    # -- optimization mode ---------------------------------------------------------
+    @property
+    def automatic_optimization(self) -> bool:
+        """``False`` while a SAM callback is attached (the mixin steps), else ``True``."""
+        return _sam_controller(self) is None
+
+    @automatic_optimization.setter
+    def automatic_optimization(self, value: bool) -> None:
+        # LightningModule.__init__ stores its default through the attribute, not this setter.
+        raise AttributeError(
+            "SAMMixin chooses the optimization mode itself: automatic without a SAM callback,"
+            " manual with one. Remove the `self.automatic_optimization = ...` assignment."
+        )
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Carries the optimizer-step count across optimization modes when resuming.
+
+        Lightning counts ``global_step`` separately for automatic and manual optimization, so
+        a plain-AdamW checkpoint resumed with a SAM callback (or the other way round) would
+        restart at step 0 (or at its own older count): schedulers and step checkpoints would
+        repeat. The count of the mode that ran last is copied into the mode that resumes.
+        A subclass that overrides this hook should call
+        ``super().on_load_checkpoint(checkpoint)``.
+        """
+        super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
+        carry_step_progress(checkpoint, automatic=self.automatic_optimization)
+
+    @property
+    def sam_pass(self) -> int:
+        """Gradient pass of the running SAM step: 1 or 2, and 0 outside a SAM step."""
+        return self._slsam_pass
+
+    def sam_batch_size(self, batch: Any) -> int:
+        """Samples in ``batch``: the first dimension of its first tensor.
+
+        Used by methods that address single samples (ESAM's data selection, SSAM-F's
+        Fisher). Override it for a batch whose first tensor is not batch-major.
+        """
+        tensor = _first_tensor(batch)
+        if tensor is None or tensor.dim() == 0:
+            raise MisconfigurationException(
+                f"Cannot tell the batch size of a {type(batch).__name__} batch: override"
+                " `sam_batch_size(batch)` (and `sam_subset_batch`) on the module."
+            )
+        return int(tensor.shape[0])
+
+    def sam_subset_batch(self, batch: Any, index: Tensor, batch_size: int) -> Any:
+        """``batch`` restricted to the samples ``index`` (a 1-D index tensor).
+
+        Every tensor whose first dimension is ``batch_size`` is indexed along it, inside
+        dicts (Hugging Face batches included), lists, tuples and namedtuples; everything
+        else is kept as is. Override it for other batch types.
+        """
+        return _subset(batch, index, batch_size)
+
+    def log(self, *args: Any, **kwargs: Any) -> None:
+        """``LightningModule.log``, except that calls from SAM's second pass are dropped."""
+        if self._slsam_pass >= 2:
+            return
+        super().log(*args, **kwargs)  # type: ignore[misc]
+
+    def configure_callbacks(self) -> Any:
+        """Refuse Trainer options that cannot work under manual optimization.
+
+        Runs before Lightning's own check, so the error can point to the plugin's options.
+        """
+        controller = _sam_controller(self)
+        trainer = attached_trainer(self)
+        if controller is not None and trainer is not None:
+            name = type(controller).__name__
+            if trainer.gradient_clip_val:
+                raise MisconfigurationException(
+                    f"`Trainer(gradient_clip_val={trainer.gradient_clip_val})` cannot be used with"
+                    " a SAM callback (Lightning refuses it under manual optimization). Set"
+                    f" `{name}(gradient_clip_val={trainer.gradient_clip_val},"
+                    f" gradient_clip_algorithm={trainer.gradient_clip_algorithm or 'norm'!r})`"
+                    " instead: it clips the update gradient after unscaling."
+                )
+            if trainer.accumulate_grad_batches != 1:
+                raise MisconfigurationException(
+                    f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})` cannot"
+                    " be used with a SAM callback (Lightning refuses it under manual"
+                    f" optimization). Set `{name}(accumulate_grad_batches="
+                    f"{trainer.accumulate_grad_batches})` instead."
+                )
+        return super().configure_callbacks()  # type: ignore[misc]
+
+    # -- the SAM training step -------------------------------------------------------
+    def _slsam_training_step(
+        self,
+        controller: SAMController,
+        user_step: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        driver = driver_of(self)
+        if driver is None or not driver.serves(controller):
+            driver = self._slsam_driver = StepDriver(self, controller)
+        return driver.training_step(user_step, args, kwargs)

@@ -1,0 +1,207 @@
+"""The checks a SAM callback makes when a fit is set up and resumed: each failure is a
+``MisconfigurationException`` naming the problem and the fix, raised before any training
+step (nothing is changed yet), and the Lightning warnings that do not apply to its fit."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_slsam.core.validation import check_choice, check_flag, check_int
+from lightning_slsam.lightning.compat import is_compiled
+from lightning_slsam.lightning.driver import SAMController
+from lightning_slsam.lightning.mixin import SAMMixin
+
+__all__ = [
+    "LIGHTNING_OPTIONS",
+    "FitWarnings",
+    "check_engine",
+    "check_fit_setup",
+    "check_lightning_options",
+    "check_one_optimizer",
+    "check_saved_layers",
+]
+
+#: The options of the Lightning layer alone (a method's own are its spec's fields):
+#: name -> (annotation, default).
+LIGHTNING_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "gradient_clip_val": (float | None, None),
+    "gradient_clip_algorithm": (str, "norm"),
+    "accumulate_grad_batches": (int, 1),
+    "plot": (bool, True),
+}
+
+#: Strategies that shard or wrap parameters, refused at setup on any number of devices.
+_SHARDED_STRATEGIES = {"DeepSpeedStrategy", "XLAStrategy", "FSDPStrategy"}
+#: Strategies whose sharding (FSDP2's fully_shard, applied in configure_model) the engine
+#: supports.
+_FSDP2_STRATEGIES = {"ModelParallelStrategy"}
+
+#: Lightning warnings that do not apply under a SAM callback, silenced during its fit only.
+#: ModelCheckpoint warns that step checkpoints under manual optimization hold the post-step
+#: weights: that is what automatic optimization saves too, and the mixin restores the
+#: unperturbed weights before stepping. Lightning also warns that scheduler `monitor` and
+#: `strict` keys are ignored; the mixin honours them.
+_FIT_WARNINGS = (
+    ("Using ModelCheckpoint with manual optimization", UserWarning),
+    ("The lr scheduler dict contains the key", RuntimeWarning),
+)
+
+
+def check_lightning_options(
+    gradient_clip_val: Any, gradient_clip_algorithm: Any, accumulate_grad_batches: Any, plot: Any
+) -> dict[str, Any]:
+    """The Lightning options, validated (a ``ValueError`` naming the option otherwise)."""
+    clip = gradient_clip_val
+    if clip is not None and not (isinstance(clip, (int, float)) and clip >= 0):
+        raise ValueError(f"`gradient_clip_val` must be None or a number >= 0, got {clip!r}.")
+    return {
+        "gradient_clip_val": clip,
+        "gradient_clip_algorithm": check_choice(
+            "gradient_clip_algorithm", gradient_clip_algorithm, ("norm", "value")
+        ),
+        "accumulate_grad_batches": check_int("accumulate_grad_batches", accumulate_grad_batches, 1),
+        "plot": check_flag("plot", plot),
+    }
+
+
+def _strategy_names(strategy: Any) -> set[str]:
+    """The class names of ``strategy`` and its bases (a subclass counts as its base)."""
+    return {cls.__name__ for cls in type(strategy).__mro__}
+
+
+def check_fit_setup(callback: Any, trainer: Any, pl_module: Any) -> None:
+    """The module has the mixin, the strategy is one device or DDP, one SAM callback."""
+    name = type(callback).__name__
+    if not isinstance(pl_module, SAMMixin):
+        raise MisconfigurationException(
+            f"{name} needs the LightningModule to inherit SAMMixin, but"
+            f" {type(pl_module).__name__} does not. Declare it as"
+            f" `class {type(pl_module).__name__}(SAMMixin, L.LightningModule)`"
+            " (`from lightning_slsam import SAMMixin`)."
+        )
+    strategy = trainer.strategy
+    bases = _strategy_names(strategy)
+    sharded = bases & _SHARDED_STRATEGIES
+    # A sharded strategy is refused on one device too: its wrapping (flat parameters,
+    # DTensors, ZeRO partitions) is there whatever the world size.
+    fsdp2 = bool(bases & _FSDP2_STRATEGIES)
+    if "DeepSpeedStrategy" in bases:
+        config = getattr(strategy, "config", None) or {}
+        stage = (config.get("zero_optimization") or {}).get("stage", "?")
+        raise MisconfigurationException(
+            f"{name} does not support DeepSpeedStrategy (ZeRO stage {stage}): DeepSpeed fixes"
+            " which parameters train when it initialises and reduces the gradients of all"
+            " of them itself (stages 1 and 2 partition optimizer state and gradients, stage"
+            " 3 also the parameters), so layers cannot be frozen per step, and its engine"
+            " does the optimizer step SAM must control. Use FSDP2 (ModelParallelStrategy"
+            " with fully_shard in configure_model) to shard, or strategy='ddp'."
+        )
+    if sharded or (trainer.world_size > 1 and not isinstance(strategy, DDPStrategy) and not fsdp2):
+        raise MisconfigurationException(
+            f"{name} does not support {type(strategy).__name__}: SAM methods perturb,"
+            " back up and restore whole parameter tensors between two passes and sync"
+            " the active layers' gradients themselves, which sharded strategies (FSDP,"
+            " DeepSpeed ZeRO, XLA) do not allow. Use strategy='ddp' or 'ddp_spawn' (any"
+            " precision, gradient accumulation and clipping work there), FSDP2 through"
+            " ModelParallelStrategy (fully_shard in configure_model), or a single device."
+        )
+    others = [cb for cb in trainer.callbacks if isinstance(cb, SAMController)]
+    if len(others) > 1:
+        raise MisconfigurationException(
+            f"{len(others)} SAM callbacks are attached to the Trainer"
+            f" ({', '.join(type(cb).__name__ for cb in others)}); keep exactly one."
+        )
+
+
+def check_one_optimizer(callback: Any, trainer: Any) -> None:
+    if len(trainer.optimizers) != 1:
+        raise MisconfigurationException(
+            f"{type(callback).__name__} steps one optimizer, but configure_optimizers returned"
+            f" {len(trainer.optimizers)}. Put all parameters in one optimizer (use"
+            " parameter groups for different learning rates)."
+        )
+
+
+def check_engine(callback: Any, trainer: Any, pl_module: Any, engine: Any) -> None:
+    """At fit start, with the engine built: a method whose set of trainable layers varies
+    refuses a compiled module; ModelParallelStrategy needs the parameters sharded."""
+    fsdp2 = _strategy_names(trainer.strategy) & _FSDP2_STRATEGIES
+    if fsdp2 and trainer.world_size > 1 and not engine.freezer.sharded:
+        raise MisconfigurationException(
+            f"{type(callback).__name__} under ModelParallelStrategy needs the model sharded"
+            " with FSDP2, but no parameter is a sharded DTensor: apply fully_shard in"
+            " configure_model (over the data-parallel mesh, tensor_parallel_size=1), or use"
+            " strategy='ddp'. Unsharded, every process would train on its own data alone."
+        )
+    varies = not engine.selection.always_all
+    if varies and is_compiled(pl_module):
+        raise MisconfigurationException(
+            f"{type(callback).__name__} freezes a different set of layers every step, and"
+            " torch.compile guards on requires_grad: the compiled model would be"
+            " recompiled for each new set until torch._dynamo's recompile limit, then"
+            " run uncompiled. Train this method without torch.compile; the dense methods"
+            " (SAM, S2SAM, RST, LookSAM, SSAMF) compile once and work with it."
+        )
+
+
+def check_saved_layers(callback: Any, saved: Any, current: list[list[str]],
+                       saved_preset: str | None = None) -> None:  # fmt: skip
+    """A checkpoint's layers (``saved``; ``None`` in old ones) match the model's.
+
+    ``saved_preset``: the preset the checkpoint was trained with; when it differs from the
+    callback's (a checkpoint of the paper's configuration, the default before 0.2.0, say),
+    the message says how to resume it as it was."""
+    if saved is not None and saved != current:
+        preset = getattr(callback, "preset", None)
+        hint = ""
+        if saved_preset is not None and preset is not None and saved_preset != preset:
+            hint = (
+                f" The checkpoint was trained with preset={saved_preset!r} and this callback"
+                f" has preset={preset!r}, whose head rule places other tensors out of"
+                f" sampling: resume with {type(callback).__name__}(preset={saved_preset!r})."
+            )
+        raise MisconfigurationException(
+            f"The checkpoint's {type(callback).__name__} state does not match this model's"
+            f" layers: {_describe_mismatch(saved, current)}.{hint} Resume with the same model"
+            " and `layers` / `always_active` / `always_frozen` options, or start the SAM"
+            " state afresh by resuming without it."
+        )
+
+
+class FitWarnings:
+    """Silences :data:`_FIT_WARNINGS` between :meth:`add` and :meth:`remove` only, so other
+    Trainers in the process still see them."""
+
+    def __init__(self) -> None:
+        self._filters: list[Any] = []
+
+    def add(self) -> None:
+        self.remove()
+        for message, category in _FIT_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
+            self._filters.append(warnings.filters[0])
+
+    def remove(self) -> None:
+        for entry in self._filters:
+            if entry in warnings.filters:
+                warnings.filters.remove(entry)
+        self._filters = []
+
+
+def _describe_mismatch(saved: list[list[str]], current: list[list[str]]) -> str:
+    saved_set = {name for group in saved for name in group}
+    current_set = {name for group in current for name in group}
+    missing = sorted(saved_set - current_set)
+    added = sorted(current_set - saved_set)
+    parts = [f"checkpoint has {len(saved)} layers, model has {len(current)}"]
+    if missing:
+        parts.append(f"missing from the model: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if added:
+        parts.append(f"new in the model: {added[:5]}{' ...' if len(added) > 5 else ''}")
+    if not missing and not added:
+        parts.append("the same tensors are grouped into layers differently")
+    return "; ".join(parts)

@@ -1,0 +1,209 @@
+"""Every method by name: its specification class and the options the name implies.
+
+>>> spec = method_spec("slsam", layer_ratio=0.3)
+>>> type(spec).__name__, spec.layer_ratio, spec.bandit_loss
+('SLSAMSpec', 0.3, 'shifted')
+
+Each method's specification builds an engine that runs in a plain loop (what the Lightning
+callbacks run too). ``steps`` below trains a two-layer net for a few steps and lists each
+step's kind, the layers the optimizer updated, and the parameters each backward pass
+computed (58 is all of them):
+
+>>> import warnings, torch
+>>> from lightning_slsam import make_engine
+>>> def steps(name, n=4, **options):
+...     torch.manual_seed(0)
+...     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+...     x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+...     opt = torch.optim.SGD(net.parameters(), lr=0.1)
+...     engine = make_engine(name, net, seed=0, **options)
+...     def loss(index=slice(None)):  # per-sample losses: ESAM and SSAM-F pick samples
+...         return torch.nn.functional.cross_entropy(net(x[index]), y[index], reduction="none")
+...     for _ in range(n):
+...         r = engine.train_step(loss, opt, batch_size=16)
+...         print(r.kind, r.active_mask.int().tolist(), r.pass_numel)
+
+The methods that train every layer (:mod:`lightning_slsam.methods.dense`):
+
+>>> steps("sam", 2)  # two passes on every layer
+sam [1, 1, 1, 1] [58, 58]
+sam [1, 1, 1, 1] [58, 58]
+>>> steps("s2sam", 3)  # one pass, perturbed along the last step's gradient
+plain [1, 1, 1, 1] [58]
+single [1, 1, 1, 1] [58]
+single [1, 1, 1, 1] [58]
+>>> steps("looksam", 3, interval=2)  # SAM every 2 steps, reuse in between
+sam [1, 1, 1, 1] [58, 58]
+reuse [1, 1, 1, 1] [58]
+sam [1, 1, 1, 1] [58, 58]
+>>> steps("esam", 2)  # the first pass on a random half of the layers
+sam [1, 1, 1, 1] [16, 58]
+sam [1, 1, 1, 1] [18, 58]
+>>> steps("rst", 5)  # RST's coin: SAM with probability 0.5, else a plain step
+sam [1, 1, 1, 1] [58, 58]
+sam [1, 1, 1, 1] [58, 58]
+sam [1, 1, 1, 1] [58, 58]
+sam [1, 1, 1, 1] [58, 58]
+plain [1, 1, 1, 1] [58]
+
+The methods that train a subset of layers (:mod:`lightning_slsam.methods.subset`):
+
+>>> steps("slsam", 3, layer_ratio=0.5)  # both passes on the sampled layers only
+sam [0, 0, 1, 0] [16, 16]
+sam [0, 0, 1, 1] [18, 18]
+sam [0, 1, 1, 1] [26, 26]
+>>> steps("top_slsam", 2, layer_ratio=0.5)  # first pass dense, then the 2 largest norms
+sam [0, 0, 1, 1] [58, 18]
+sam [0, 0, 1, 1] [58, 18]
+>>> steps("sl_s2sam", 3, layer_ratio=0.5)  # a dense first step, then one sparse pass
+plain [1, 1, 1, 1] [58]
+single [0, 0, 1, 0] [16]
+single [0, 0, 1, 1] [18]
+>>> with warnings.catch_warnings():  # (a Sequential has no fresh head: it warns so)
+...     warnings.simplefilter("ignore")  # the robust preset with a warm-up: dense first
+...     steps("slsam", 5, preset="robust", dense_warmup=0.3, layer_ratio=0.5, total_steps=10)
+sam [1, 1, 1, 1] [58, 58]
+sam [0, 1, 1, 1] [26, 26]
+sam [0, 1, 1, 1] [26, 26]
+sam [1, 0, 1, 1] [50, 50]
+sam [1, 1, 0, 0] [40, 40]
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import TYPE_CHECKING, Any
+
+from lightning_slsam.methods.dense import (
+    ESAMSpec,
+    LookSAMSpec,
+    RSTSpec,
+    S2SAMSpec,
+    SAMSpec,
+    SSAMFSpec,
+)
+from lightning_slsam.methods.spec import MethodSpec
+from lightning_slsam.methods.subset import RandomSLSAMSpec, SLS2SAMSpec, SLSAMSpec, TopSLSAMSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from lightning_slsam.core.engine import SparseSAMEngine
+
+__all__ = ["SPECS", "make_engine", "method_spec", "register_method"]
+
+#: Method name -> (specification class or ``None`` for plain AdamW, the options the name
+#: implies). The SL-SAM methods name ``preset="paper"``: comparisons and the paper's
+#: recipes run the paper's SL-SAM whatever the class's default.
+SPECS: dict[str, tuple[type[MethodSpec] | None, dict[str, Any]]] = {
+    "adamw": (None, {}),
+    "sam": (SAMSpec, {}),
+    "adasam": (SAMSpec, {}),
+    "slsam": (SLSAMSpec, {"preset": "paper"}),
+    "random_slsam": (RandomSLSAMSpec, {}),
+    "top_slsam": (TopSLSAMSpec, {}),
+    "s2sam": (S2SAMSpec, {}),
+    "sl_s2sam": (SLS2SAMSpec, {"preset": "paper"}),
+    "rst": (RSTSpec, {}),
+    "esam": (ESAMSpec, {}),
+    "ssamf": (SSAMFSpec, {}),
+    "looksam": (LookSAMSpec, {}),
+    "slsam_rst": (SLSAMSpec, {"preset": "paper", "schedule": "random"}),
+    "slsam_looksam": (SLSAMSpec, {"preset": "paper", "schedule": "interval"}),
+    "slsam_depth": (SLSAMSpec, {"preset": "paper", "backprop_depth": 0.5}),
+    "slsam_robust": (SLSAMSpec, {"preset": "robust"}),
+    "slsam_default": (SLSAMSpec, {"preset": "default"}),
+}
+
+
+def lookup(name: str) -> tuple[type[MethodSpec] | None, dict[str, Any]]:
+    """The entry of method ``name`` (case and ``-``/``_`` insensitive), or a ValueError
+    with the closest name."""
+    key = name.lower().replace("-", "_")
+    if key not in SPECS:
+        close = difflib.get_close_matches(key, SPECS, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"Unknown method {name!r}.{hint} Choose one of {sorted(SPECS)}.")
+    return SPECS[key]
+
+
+def method_spec(name: str, **options: Any) -> MethodSpec:
+    """The validated specification of method ``name``; ``options`` override its defaults.
+
+    Example:
+        >>> spec = method_spec("rst", probability=0.25)
+        >>> type(spec).__name__, spec.schedule, spec.probability
+        ('RSTSpec', 'random', 0.25)
+        >>> method_spec("rst", probability=2)
+        Traceback (most recent call last):
+        ...
+        ValueError: ...probability...
+    """
+    cls, implied = lookup(name)
+    if cls is None:
+        raise ValueError(
+            f"Method {name!r} is plain AdamW: there is no SAM method to build; step the"
+            " optimizer as usual."
+        )
+    return cls(**{**implied, **options})
+
+
+def make_engine(
+    name: str, module: torch.nn.Module, total_steps: int | None = None, **options: Any
+) -> SparseSAMEngine:
+    """The engine of method ``name`` (``"slsam"``, ``"sam"``, ...; see :data:`SPECS`) for
+    ``module``, with ``options`` overriding the method's defaults: what the method's
+    callback builds at fit start, for a plain PyTorch loop. ``total_steps``: the run's
+    optimizer steps, needed by options given as a fraction of the run.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> engine = make_engine("slsam", net, layer_ratio=0.5, seed=0)
+        >>> opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        >>> x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+        >>> loss = lambda: torch.nn.functional.cross_entropy(net(x), y)
+        >>> engine.train_step(loss, opt).kind
+        'sam'
+    """
+    return method_spec(name, **options).build_engine(module, total_steps=total_steps)
+
+
+def register_method(spec_class: type[MethodSpec], **implied: Any) -> type[MethodSpec]:
+    """Add a method of your own under ``spec_class.name``: :func:`make_engine`,
+    :func:`~lightning_slsam.make_callback` and :data:`~lightning_slsam.METHODS` then know it.
+    ``implied``: options the name sets. Returns ``spec_class`` (usable as a decorator).
+
+    The spec is a :class:`~lightning_slsam.methods.spec.MethodSpec` subclass that overrides what
+    differs, e.g. :meth:`~lightning_slsam.methods.spec.MethodSpec.selection`; see the "Write your
+    own method" page of the docs.
+
+    Example:
+        SAM on a uniformly drawn half of the layers, by name:
+
+        >>> import torch
+        >>> from typing import ClassVar
+        >>> from lightning_slsam.selection.rules import UniformSelection
+        >>> @register_method
+        ... class HalfSAMSpec(MethodSpec):
+        ...     name: ClassVar[str] = "half_sam"
+        ...     label: ClassVar[str] = "HalfSAM"
+        ...     def selection(self, num_layers, generator):
+        ...         return UniformSelection(num_layers, 0.5, generator)
+        >>> engine = make_engine("half_sam", torch.nn.Linear(4, 2), seed=0)
+        >>> type(engine.selection).__name__, engine.selection.ratio
+        ('UniformSelection', 0.5)
+        >>> del SPECS["half_sam"]  # (this example leaves the registry as it found it)
+    """
+    if not (isinstance(spec_class, type) and issubclass(spec_class, MethodSpec)):
+        raise TypeError(f"register_method takes a MethodSpec subclass, got {spec_class!r}.")
+    name = spec_class.name
+    known = SPECS.get(name)
+    if known is not None and known[0] is not spec_class:
+        raise ValueError(
+            f"A method named {name!r} exists already ({known[0]}): give {spec_class.__name__}"
+            " its own `name` (a ClassVar)."
+        )
+    spec_class(**implied)  # the implied options must be valid
+    SPECS[name] = (spec_class, dict(implied))
+    return spec_class

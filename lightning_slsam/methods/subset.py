@@ -1,0 +1,352 @@
+"""Specifications of the methods that train a subset of layers each step: SL-SAM, its
+ablations (Random-SL-SAM, Top-SL-SAM) and SL-S2-SAM, with the short-run remedies
+(dense warm-up, a floor on each layer's updates, update scaling, the scale-free bandit).
+
+Each specification builds an engine for a plain loop; the examples of
+:mod:`lightning_slsam.methods.registry` run every method.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from lightning_slsam.core.validation import (
+    check_choice,
+    check_flag,
+    check_int,
+    check_ratio,
+    is_ratio,
+)
+from lightning_slsam.methods.presets import BANDIT_LOSSES, BUDGETS, PRESET_WORDS, PRESETS
+from lightning_slsam.methods.spec import MethodSpec, Warn
+from lightning_slsam.selection.bandit import LayerBandit, kl_projection
+from lightning_slsam.selection.projection import weighted_kl_projection
+from lightning_slsam.selection.rules import LayerSelection, TopKSelection, UniformSelection
+from lightning_slsam.selection.wrappers import DenseWarmup, DepthCut
+
+__all__ = [
+    "BANDIT_LOSSES",
+    "BUDGETS",
+    "PRESETS",
+    "PRESET_WORDS",
+    "LayerSubsetSpec",
+    "RandomSLSAMSpec",
+    "SLS2SAMSpec",
+    "SLSAMSpec",
+    "TopSLSAMSpec",
+]
+
+
+def _warmup(value: Any) -> int | float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"`dense_warmup` must be a number, got {value!r}.")
+    if (isinstance(value, int) and value >= 0) or (isinstance(value, float) and 0 <= value < 1):
+        return value
+    raise ValueError(
+        f"`dense_warmup` must be an integer number of steps >= 0 or a fraction of the run in"
+        f" [0, 1), got {value!r}."
+    )
+
+
+@dataclass(kw_only=True, eq=False)
+class LayerSubsetSpec(MethodSpec):
+    """What the methods that sample a subset of layers share.
+
+    Args:
+        layer_ratio: expected fraction of layers active per step, in (0, 1]. Paper: 0.2.
+        dense_warmup: anneal the layer ratio linearly from 1 (every layer) to
+            ``layer_ratio`` over this many steps (an int), or this fraction of the run (a
+            float in [0, 1)). 0 disables it.
+        min_updates: raise the layer ratio, for this run, to ``min_updates / total_steps``
+            when that is larger (0 disables it).
+        scale_updates: multiply each drawn layer's update by ``1 / q``, ``q`` its
+            probability of being drawn that step, capped at ``max_update_scale``.
+        max_update_scale: the cap on that factor (>= 1); ``None``: ``1 / layer_ratio``.
+    """
+
+    layer_ratio: float = 0.2
+    dense_warmup: int | float = 0
+    min_updates: int = 0
+    scale_updates: bool = False
+    max_update_scale: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.layer_ratio = check_ratio("layer_ratio", self.layer_ratio)
+        self.dense_warmup = _warmup(self.dense_warmup)
+        check_int("min_updates", self.min_updates, 0)
+        check_flag("scale_updates", self.scale_updates)
+        cap = self.max_update_scale
+        if cap is not None and (
+            isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 1 <= cap < math.inf
+        ):
+            raise ValueError(
+                f"`max_update_scale` must be None (1 / layer_ratio) or a finite number >= 1,"
+                f" got {cap!r}."
+            )
+        self.max_update_scale = None if cap is None else float(cap)
+
+    @property
+    def update_scale(self) -> float | None:
+        """The cap on the update factor ``1 / q`` in use (``None``: no scaling)."""
+        if not self.scale_updates:
+            return None
+        if self.max_update_scale is not None:
+            return self.max_update_scale
+        return 1.0 / self.effective_ratio
+
+    def engine_options(self) -> dict[str, Any]:
+        return {**super().engine_options(), "update_scale": self.update_scale}
+
+    def needs_total_steps(self) -> bool:
+        return (
+            isinstance(self.dense_warmup, float) and self.dense_warmup > 0
+        ) or self.min_updates > 0
+
+    def _run_length(self, option: str) -> int:
+        if self.total_steps is None:
+            raise ValueError(
+                f"{self.label}({option}) depends on the run's length, which is"
+                " unknown here (no max_steps, or an unsized train dataloader with no"
+                " max_steps). Set trainer.max_steps, or give dense_warmup as a number of steps"
+                " and min_updates=0."
+            )
+        return self.total_steps
+
+    @property
+    def effective_ratio(self) -> float:
+        """The layer ratio in use: ``layer_ratio``, raised to ``min_updates / total_steps``
+        (at most 1) when ``min_updates`` is set."""
+        if not self.min_updates:
+            return self.layer_ratio
+        steps = self._run_length(f"min_updates={self.min_updates}")
+        return max(self.layer_ratio, min(1.0, self.min_updates / steps))
+
+    @property
+    def warmup_steps(self) -> int:
+        """Length of the dense warm-up in steps."""
+        if isinstance(self.dense_warmup, float):
+            if self.dense_warmup == 0:
+                return 0
+            steps = self._run_length(f"dense_warmup={self.dense_warmup}")
+            return round(self.dense_warmup * steps)
+        return self.dense_warmup
+
+    def _with_warmup(self, rule: LayerSelection, generator: torch.Generator) -> LayerSelection:
+        steps = self.warmup_steps
+        if steps == 0 or rule.always_all:
+            return rule
+        coins = torch.Generator().manual_seed(int(generator.initial_seed()) + 3)
+        return DenseWarmup(rule, steps, coins)
+
+
+@dataclass(kw_only=True, eq=False)
+class SLSAMSpec(LayerSubsetSpec):
+    """SL-SAM: SAM on a bandit-sampled subset of layers each step.
+
+    Args:
+        p_min: lower bound of every layer's probability, in (0, 1), at most
+            ``layer_ratio``. Paper: 1e-3.
+        alpha_p: bandit step size (>= 0). ``None``: the loss's own (1e-3 for ``"shifted"``
+            and ``"paper"``, 0.03 for ``"rank"``).
+        bandit_loss: ``"shifted"`` (released code), ``"paper"`` (Algorithm 2 literally) or
+            ``"rank"`` (scale-free). ``None``: the preset's.
+        budget: what the bandit's budget counts (beyond the paper). ``"count"``: the
+            paper's ``sum(p) = layer_ratio * N``, an expected number of drawn layers, whatever
+            their size. ``"compute"``: ``sum(numel * p) = layer_ratio * sum(numel)``, an
+            expected fraction of the parameters, which bounds the weight-gradient,
+            perturbation and update work per step whichever layers the bandit favours (a
+            vocabulary embedding costs its size, a LayerNorm bias almost nothing).
+            ``None``: the preset's.
+        backprop_depth: cost-aware SL-SAM: freeze every layer below a random cut so
+            back-propagation reaches a ``backprop_depth`` fraction of the layers on average.
+            1.0 (default) disables it.
+        preset: ``"default"`` (beyond the paper: the compute budget, the rank loss, the
+            head trained every step, update scaling capped at 3), ``"paper"`` (the paper's
+            exact method) or ``"robust"``; the options left at ``None`` take its values
+            (:data:`PRESETS`).
+
+    ``dense_warmup``, ``min_updates``, ``head_always_active``, ``vectors_always_active``,
+    ``scale_updates`` and ``max_update_scale`` default to ``None``: the preset's value (a
+    ``max_update_scale`` the preset leaves at ``None`` means ``1 / layer_ratio``).
+    """
+
+    name: ClassVar[str] = "slsam"
+    label: ClassVar[str] = "SparseLayerSAM"
+
+    p_min: float = 1e-3
+    alpha_p: float | None = None
+    bandit_loss: str | None = None
+    budget: str | None = None
+    backprop_depth: float = 1.0
+    dense_warmup: int | float | None = None  # type: ignore[assignment]
+    min_updates: int | None = None  # type: ignore[assignment]
+    head_always_active: bool | None = None  # type: ignore[assignment]
+    vectors_always_active: bool | None = None  # type: ignore[assignment]
+    scale_updates: bool | None = None  # type: ignore[assignment]
+    preset: str = "default"
+
+    def __post_init__(self) -> None:
+        check_choice(
+            "preset", self.preset, tuple(PRESETS),
+            ": 'default' budgets parameters with the short-fine-tune remedies, 'paper' is"
+            " the SL-SAM paper's method, 'robust' the remedies under the paper's budget",
+        )  # fmt: skip
+        #: The options the preset decided (left at None); warnings about an option the
+        #: user did not set stay quiet (a model with no fresh head under the default, say).
+        self._from_preset = tuple(n for n in PRESETS[self.preset] if getattr(self, n) is None)
+        for name in self._from_preset:
+            setattr(self, name, PRESETS[self.preset][name])
+        check_ratio("backprop_depth", self.backprop_depth)
+        check_choice(
+            "budget", self.budget, BUDGETS,
+            ": 'count' is the paper's (expected drawn layers), 'compute' counts their parameters",
+        )  # fmt: skip
+        check_choice(
+            "bandit_loss", self.bandit_loss, BANDIT_LOSSES,
+            ": 'shifted' is the released code's loss (default), 'paper' Algorithm 2"
+            " literally, 'rank' the scale-free loss",
+        )  # fmt: skip
+        # A throw-away bandit validates the bandit options now rather than at setup
+        # (p_min * N <= s reduces to p_min <= layer_ratio for every N).
+        ratio = self.layer_ratio
+        probe = max(1, math.ceil(1.0 / ratio)) if is_ratio(ratio) else 1
+        probe_bandit = LayerBandit(probe, ratio, self.p_min, self.alpha_p, self.bandit_loss)
+        super().__post_init__()
+        self.p_min = float(self.p_min)
+        self.alpha_p = probe_bandit.alpha_p
+        self.backprop_depth = float(self.backprop_depth)
+
+    def layer_costs(self, num_layers: int) -> torch.Tensor | None:
+        """The bandit's per-layer costs: ``None`` under the count budget, else each layer's
+        parameter count (known once :meth:`build_engine` has partitioned the model)."""
+        if self.budget == "count":
+            return None
+        numel = getattr(self, "layer_numel", None)
+        if numel is None or len(numel) != num_layers:
+            raise ValueError(
+                f"{self.label}(budget='compute') needs each layer's parameter count: build the"
+                " engine with build_engine (or make_engine), which partitions the model."
+            )
+        return torch.tensor(numel, dtype=torch.float64)
+
+    def selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
+        bandit = LayerBandit(
+            num_layers, self.effective_ratio, self.p_min, self.alpha_p, self.bandit_loss,
+            generator, costs=self.layer_costs(num_layers),
+        )  # fmt: skip
+        rule: LayerSelection = bandit
+        if self.backprop_depth < 1.0:
+            cut = torch.Generator().manual_seed(int(generator.initial_seed()) + 2)
+            rule = DepthCut(bandit, self.backprop_depth, cut)
+        return self._with_warmup(rule, generator)
+
+    def adopt_selection_state(self, saved: dict[str, Any], current: dict[str, Any],
+                              warn: Warn) -> dict[str, Any]:  # fmt: skip
+        """The current bandit options win over the checkpoint's.
+
+        The learned distribution carries over; when ``layer_ratio`` or ``p_min`` changed it
+        is KL-projected onto the new constraint set, exactly as an update would be. Wrappers
+        added or removed since the checkpoint (a depth cut, a dense warm-up) start afresh.
+        """
+        bandit = _innermost(saved)
+        costs = self.layer_costs(bandit["probs"].numel())
+        wanted = {
+            "layer_ratio": self.effective_ratio,
+            "p_min": self.p_min,
+            "alpha_p": self.alpha_p,
+            "loss": self.bandit_loss,
+        }
+        changed = {k: (bandit[k], v) for k, v in wanted.items() if bandit.get(k) != v}
+        saved_costs = bandit.get("costs")
+        if (saved_costs is None) != (costs is None) or (
+            costs is not None and not torch.equal(torch.as_tensor(saved_costs).double(), costs)
+        ):
+            changed["budget"] = ("count" if saved_costs is None else "compute", self.budget)
+        if changed:
+            warn(
+                "Resuming SL-SAM with options that differ from the checkpoint's: "
+                + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+                + ". The new options apply from now on; the learned layer distribution is kept"
+                " (projected onto the new budget where needed)."
+            )
+            probs = bandit["probs"].double()
+            ratio, log_p = wanted["layer_ratio"], probs.log()
+            if costs is None:
+                probs = kl_projection(log_p, ratio * probs.numel(), self.p_min)
+            else:
+                probs = weighted_kl_projection(log_p, costs, ratio * float(costs.sum()), self.p_min)
+            bandit = {**bandit, **wanted, "costs": costs, "probs": probs}
+        if _depth(current) == _depth(saved):
+            return _replace_innermost(saved, bandit)
+        return _replace_innermost(current, bandit)
+
+
+def _innermost(state: dict[str, Any]) -> dict[str, Any]:
+    """The bandit's state inside wrapper states (``{"inner": ...}``)."""
+    while "probs" not in state and "inner" in state:
+        state = state["inner"]
+    return state
+
+
+def _depth(state: dict[str, Any]) -> int:
+    return 0 if "probs" in state or "inner" not in state else 1 + _depth(state["inner"])
+
+
+def _replace_innermost(state: dict[str, Any], bandit: dict[str, Any]) -> dict[str, Any]:
+    if "probs" in state or "inner" not in state:
+        return bandit
+    return {**state, "inner": _replace_innermost(state["inner"], bandit)}
+
+
+@dataclass(kw_only=True, eq=False)
+class RandomSLSAMSpec(LayerSubsetSpec):
+    """Random-SL-SAM, the paper's ablation: layers drawn uniformly with probability
+    ``layer_ratio`` each, no bandit."""
+
+    name: ClassVar[str] = "random_slsam"
+    label: ClassVar[str] = "RandomSLSAM"
+
+    def selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
+        return self._with_warmup(
+            UniformSelection(num_layers, self.effective_ratio, generator), generator
+        )
+
+
+@dataclass(kw_only=True, eq=False)
+class TopSLSAMSpec(MethodSpec):
+    """Top-SL-SAM, the paper's greedy ablation: SAM on the ``round(layer_ratio * N)``
+    layers with the largest first-pass gradient norms.
+
+    Args:
+        layer_ratio: fraction of layers kept, in (0, 1]. Paper: 0.2.
+    """
+
+    name: ClassVar[str] = "top_slsam"
+    label: ClassVar[str] = "TopSLSAM"
+
+    layer_ratio: float = 0.2
+
+    def __post_init__(self) -> None:
+        self.layer_ratio = check_ratio("layer_ratio", self.layer_ratio)
+        super().__post_init__()
+
+    def selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
+        return TopKSelection(num_layers, max(1, round(self.layer_ratio * num_layers)))
+
+
+@dataclass(kw_only=True, eq=False)
+class SLS2SAMSpec(SLSAMSpec):
+    """SL-S2-SAM (Algorithm 4): single-step SAM on bandit-sampled layers."""
+
+    name: ClassVar[str] = "sl_s2sam"
+    label: ClassVar[str] = "SLS2SAM"
+    default_schedule: ClassVar[str] = "single"
+    schedule_fixed: ClassVar[bool] = True
+
+    #: SL-S2-SAM keeps the paper's method by default (only SL-SAM's default moved).
+    preset: str = "paper"
