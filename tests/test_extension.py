@@ -12,9 +12,14 @@ import pytest
 import torch
 import yaml
 from helpers import LitModel, loader, make_data, make_mlp
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_slsam import LayerSelection, SAMCallback, make_callback, make_engine
+from lightning_slsam.core.contract import StepCall
+from lightning_slsam.core.step_kinds import PlainStep, SAMStep, StepKind
+from lightning_slsam.core.step_parts import StepHook, StepParts
+from lightning_slsam.methods.dense import SAMSpec
 from lightning_slsam.methods.registry import SPECS, register_method
 from lightning_slsam.methods.subset import LayerSubsetSpec
 
@@ -162,3 +167,106 @@ def test_a_user_method_trains_from_yaml(tmp_path):
     assert sam.rho == 0.05
     assert sam.engine.num_steps == 4
     assert sam.engine.counts.tolist() == [2, 2]  # weight and bias, alternating
+
+
+# -- a step kind of one's own: SAM on every other step, a plain step in between ------------
+# --8<-- [start:step-kind]
+class EveryOtherSAM(StepKind):
+    """SAM's two passes on every other step, one plain pass in between. The count of steps
+    run is the kind's own state, saved and restored with the engine's."""
+
+    def __init__(self) -> None:
+        self.sam, self.plain = SAMStep(), PlainStep()
+        self.steps_run = 0
+
+    def run(self, parts: StepParts, call: StepCall) -> None:
+        if self.steps_run % 2 == 0:
+            self.sam.run(parts, call)
+        else:
+            call.result.kind = "plain"  # how the counters and the logs name this step
+            self.plain.run(parts, call)
+        self.steps_run += 1
+
+    def state_dict(self, index: dict[int, int]) -> dict[str, Any]:
+        return {"every_other_steps_run": self.steps_run}
+
+    def load_state_dict(self, state: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+        self.steps_run = state["every_other_steps_run"]
+
+
+class EveryOtherSpec(SAMSpec):
+    name: ClassVar[str] = "every_other_sam"
+    label: ClassVar[str] = "EveryOtherSAM"
+
+    def engine_steps(self) -> tuple[dict[str, StepKind], list[StepHook]]:
+        return {"sam": EveryOtherSAM()}, []  # the schedule's "sam" steps run this kind
+
+
+class EveryOtherSAMCallback(SAMCallback):
+    spec_class = EveryOtherSpec
+
+
+# --8<-- [end:step-kind]
+
+
+class Kinds(L.Callback):
+    def __init__(self) -> None:
+        self.kinds: list[str] = []
+        self.passes: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        sam = next(cb for cb in trainer.callbacks if isinstance(cb, SAMCallback))
+        self.kinds.append(sam.engine.last_result.kind)
+        self.passes.append(sam.engine.last_result.num_backward)
+
+
+def _fit_every_other(epochs: int, tmp_path, ckpt_path=None, seed: int = 0):
+    L.seed_everything(seed)
+    kinds = Kinds()
+    callback = EveryOtherSAMCallback(rho=0.05, seed=0)
+    saver = ModelCheckpoint(dirpath=tmp_path, filename="every_other-{epoch}", save_top_k=-1)
+    model = LitModel(make_mlp(seed=1))
+    fit = L.Trainer(
+        max_epochs=epochs, callbacks=[callback, kinds, saver], logger=False,
+        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+    )  # fmt: skip
+    # 48 samples in batches of 16: 3 steps an epoch, so an epoch ends between a SAM step
+    # and a plain one on one epoch and the other way round on the next.
+    fit.fit(model, loader(make_data(48), 16), ckpt_path=ckpt_path)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return weights, callback, kinds, fit
+
+
+def test_a_user_step_kind_trains_and_resumes_bit_for_bit(tmp_path):
+    full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
+    full, full_cb, full_kinds, _ = _fit_every_other(2, full_dir)
+    # The kind alternated: SAM (2 backward passes), plain (1), SAM, ...
+    assert full_kinds.kinds == ["sam", "plain", "sam", "plain", "sam", "plain"]
+    assert full_kinds.passes == [2, 1, 2, 1, 2, 1]
+    assert full_cb.engine.kind_counts == {"sam": 3, "plain": 3}
+    # Its own state went into the checkpoint with the engine's ...
+    saved = torch.load(full_dir / "every_other-epoch=0.ckpt", weights_only=False)
+    state = next(v for k, v in saved["callbacks"].items() if k.startswith("EveryOtherSAM"))
+    assert _find(state, "every_other_steps_run") == 3
+    # ... and a run stopped after 3 steps (SAM, plain, SAM) resumes with a plain step, to
+    # the uninterrupted run's weights, bit for bit.
+    _fit_every_other(1, cut_dir)
+    resumed, cb, kinds, _ = _fit_every_other(
+        2, cut_dir, ckpt_path=str(cut_dir / "every_other-epoch=0.ckpt")
+    )
+    assert kinds.kinds == ["plain", "sam", "plain"]
+    assert cb.engine.kinds["sam"].steps_run == 6
+    for name, value in full.items():
+        assert torch.equal(resumed[name], value), name
+
+
+def _find(state: Any, key: str) -> Any:
+    """``key``'s value anywhere in a nested checkpoint state."""
+    if isinstance(state, dict):
+        if key in state:
+            return state[key]
+        for value in state.values():
+            found = _find(value, key)
+            if found is not None:
+                return found
+    return None
