@@ -19,7 +19,9 @@ from helpers import two_ranks
 from lightning_slsam.methods.ssamf import _sample_sources
 from lightning_slsam.parallel.fsdp2 import local, shard_layout, sum_over_shards, top_coordinates
 
-WORKER = os.path.join(os.path.dirname(__file__), "fsdp2_worker.py")
+#: The workers stay in tests/ (run by path), one folder above this file.
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(TESTS, "fsdp2_worker.py")
 EXACT = [
     "sam", "asam", "sam_layer_norm", "slsam", "slsam_robust", "slsam_default", "random_slsam",
     "top_slsam",
@@ -119,7 +121,7 @@ def test_ssamf_under_fsdp2_needs_a_loss_scale_argument():
 
 # -- through Lightning: ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
 # fully_shard in configure_model ------------------------------------------------------------
-LIGHTNING_WORKER = os.path.join(os.path.dirname(__file__), "fsdp2_lightning_worker.py")
+LIGHTNING_WORKER = os.path.join(TESTS, "fsdp2_lightning_worker.py")
 LIGHTNING_METHODS = [
     "sam", "slsam", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "looksam",
     "slsam_rst", "slsam_looksam", "slsam_robust", "esam", "ssamf",
@@ -357,7 +359,7 @@ def test_esam_under_fsdp2_equals_esam_under_ddp(tmp_path):
     # ESAM ranks each process's own samples: the run to equal is DDP's on the same data
     # (both workers: the same model, seeds, 16-sample global batches split the same way).
     ddp = subprocess.run(
-        [sys.executable, os.path.join(os.path.dirname(__file__), "ddp_worker.py"),
+        [sys.executable, os.path.join(TESTS, "ddp_worker.py"),
          "--methods", "esam", "--devices", "2", "--strategy", "ddp_fork",
          "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600,

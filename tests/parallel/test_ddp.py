@@ -17,7 +17,9 @@ import torch
 from helpers import two_ranks
 from plain_ddp_worker import CASES as PLAIN_CASES
 
-WORKER = os.path.join(os.path.dirname(__file__), "ddp_worker.py")
+#: The workers stay in tests/ (run by path), one folder above this file.
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(TESTS, "ddp_worker.py")
 METHODS = [
     "sam", "slsam", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
     "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_robust",
@@ -206,7 +208,7 @@ def test_two_nodes_under_torchrun_match_one_process(runs, tmp_path):
 
 
 # --- a plain PyTorch loop under DDP: engine.train_step(..., ddp=model) ---------------------
-PLAIN_WORKER = os.path.join(os.path.dirname(__file__), "plain_ddp_worker.py")
+PLAIN_WORKER = os.path.join(TESTS, "plain_ddp_worker.py")
 # Every method but ESAM (which ranks each process's own samples) and the local first pass.
 PLAIN_EXACT = [c for c in PLAIN_CASES if c not in ("esam", "local_first_pass")]
 
