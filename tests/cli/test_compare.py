@@ -12,6 +12,7 @@ from lightning_slsam.cli.command import main
 TASK = os.path.join(
     os.path.dirname(__file__),
     os.pardir,
+    os.pardir,
     "examples",
     "configs",
     "tasks",
