@@ -11,7 +11,7 @@ import pytest
 from lightning_slsam import make_callback
 from lightning_slsam.lightning.callbacks import PRESETS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import short_runs_time  # noqa: E402
 
