@@ -181,6 +181,8 @@ class StepDriver:
         )
         self._buffer: list[Call] = []
         self._clip_now = False
+        #: Plateau schedulers due after the last batch, stepped at the next training step.
+        self._pending_plateau: list[tuple[str, int]] = []
 
     def serves(self, controller: SAMController) -> bool:
         """Whether this driver belongs to the module's current fit with ``controller``."""
@@ -259,19 +261,18 @@ class StepDriver:
         """Step the non-plateau schedulers due after batch ``batch_idx``, and queue the
         plateau ones: they read validation metrics, which Lightning logs after this batch,
         so they are stepped at the start of the next training step, with the same index."""
-        trainer, module = self.trainer, self.module
+        trainer = self.trainer
         last_batch = epoch_ends_with_this_batch(trainer)
         self._update_schedulers("step", batch_idx + 1, plateau=False)
         if last_batch:
             self._update_schedulers("epoch", trainer.current_epoch + 1, plateau=False)
-        module._slsam_pending_plateau = [("step", batch_idx + 1)]
+        self._pending_plateau = [("step", batch_idx + 1)]
         if last_batch:
-            module._slsam_pending_plateau.append(("epoch", trainer.current_epoch + 1))
+            self._pending_plateau.append(("epoch", trainer.current_epoch + 1))
 
     def step_pending_plateau_schedulers(self) -> None:
-        module = self.module
-        pending, module._slsam_pending_plateau = module._slsam_pending_plateau, None
-        for interval, index in pending or ():
+        pending, self._pending_plateau = self._pending_plateau, []
+        for interval, index in pending:
             self._update_schedulers(interval, index, plateau=True)
 
     def _update_schedulers(self, interval: str, index: int, plateau: bool) -> None:

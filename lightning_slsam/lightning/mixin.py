@@ -138,7 +138,6 @@ class SAMMixin:
     """
 
     _slsam_pass: int = 0
-    _slsam_pending_plateau: list[tuple[str, int]] | None = None
     _slsam_optim_conf: Any = None
     _slsam_driver: StepDriver | None = None
 
