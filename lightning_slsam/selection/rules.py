@@ -260,7 +260,7 @@ class TopKSelection(LayerSelection):
 
 class ExpandToAll(WrappedSelection):
     """First pass on ``first``'s sample, then every layer (ESAM's SWP with a dense update).
-    ``first`` does not learn.
+    ``first`` (the wrapped rule, ``inner``) does not learn.
 
     Example:
         >>> import torch
@@ -273,10 +273,6 @@ class ExpandToAll(WrappedSelection):
 
     def __init__(self, first: LayerSelection) -> None:
         super().__init__(first)
-
-    @property
-    def first(self) -> LayerSelection:
-        return self.inner
 
     def sample(self) -> Tensor:
         return self.inner.sample()
