@@ -22,6 +22,7 @@ __all__ = [
     "StepCall",
     "StepContext",
     "StepResult",
+    "split_per_sample",
 ]
 
 
@@ -34,6 +35,23 @@ PER_SAMPLE_NEEDED = (
     " F.cross_entropy(logits, y, reduction='none') (it is averaged for the update), or as"
     " {'loss': ..., 'per_sample_loss': ...}; or set data_ratio=1.0 to turn the selection off."
 )
+
+
+def split_per_sample(loss: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The one rule for a loss tensor, in every loop: a 1-D tensor holds per-sample losses,
+    whose mean is the loss of the update; any other tensor is the loss itself.
+
+    Returns the loss and the detached per-sample losses (``None`` when not given).
+
+    >>> import torch
+    >>> split_per_sample(torch.tensor([1.0, 3.0]))
+    (tensor(2.), tensor([1., 3.]))
+    >>> split_per_sample(torch.tensor(2.0))
+    (tensor(2.), None)
+    """
+    if loss.dim() == 1:
+        return loss.mean(), loss.detach()
+    return loss, None
 
 
 @dataclass

@@ -14,6 +14,7 @@ from lightning_slsam.core.contract import (
     PassOutput,
     StepContext,
     StepResult,
+    split_per_sample,
 )
 from lightning_slsam.parallel.ddp import GradientAverager, ddp_averager
 
@@ -46,10 +47,9 @@ class PlainLoopPasses:
             return PassOutput(torch.zeros(()), [None])
         with torch.set_grad_enabled(backward and torch.is_grad_enabled()):
             loss = self.compute_loss() if index is None else self.compute_loss(index)
-        per_sample = loss.detach() if loss.dim() == 1 else None
+        loss, per_sample = split_per_sample(loss)
         if per_sample is None and self.needs_per_sample:
             raise ValueError(PER_SAMPLE_NEEDED)
-        loss = loss.mean() if loss.dim() == 1 else loss
         if backward and loss.requires_grad:  # False when no active layer reaches it
             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
         return PassOutput(loss.detach(), [per_sample])

@@ -27,7 +27,12 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
-from lightning_slsam.core.contract import PER_SAMPLE_NEEDED, PassOutput, StepContext
+from lightning_slsam.core.contract import (
+    PER_SAMPLE_NEEDED,
+    PassOutput,
+    StepContext,
+    split_per_sample,
+)
 from lightning_slsam.lightning.compat import (
     attached_trainer,
     automatic_scheduler_configs,
@@ -75,13 +80,14 @@ def driver_of(module: Any) -> StepDriver | None:
 def loss_of(output: Any) -> tuple[Tensor, Tensor | None]:
     """The scalar loss of a ``training_step`` output and its per-sample losses, if given.
 
-    A 1-D tensor is a vector of per-sample losses (averaged for the update); a dict may
-    carry ``"per_sample_loss"`` next to ``"loss"``.
+    A 1-D tensor is a vector of per-sample losses (averaged for the update:
+    :func:`~lightning_slsam.core.contract.split_per_sample`); a dict may carry
+    ``"per_sample_loss"`` next to ``"loss"``.
     """
     per_sample = output.get("per_sample_loss") if isinstance(output, Mapping) else None
     loss = output.get("loss") if isinstance(output, Mapping) else output
-    if isinstance(loss, Tensor) and loss.dim() == 1 and per_sample is None:
-        per_sample, loss = loss, loss.mean()
+    if isinstance(loss, Tensor) and per_sample is None:
+        loss, per_sample = split_per_sample(loss)
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         raise MisconfigurationException(
             "With a SAM callback, `training_step` must return the loss: a scalar tensor, a"

@@ -22,6 +22,7 @@ from typing import Any
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
+from lightning_slsam.core.contract import split_per_sample
 from lightning_slsam.lightning.compat import attached_trainer, carry_step_progress
 from lightning_slsam.lightning.driver import SAMController, StepDriver, driver_of, find_sam_callback
 
@@ -44,9 +45,7 @@ def _wrap_training_step(user_step: Callable[..., Any]) -> Callable[..., Any]:
         if controller is None:
             output = user_step(self, *args, **kwargs)
             # Per-sample losses (returned for ESAM) are averaged for automatic optimization.
-            if isinstance(output, Tensor) and output.dim() == 1:
-                return output.mean()
-            return output
+            return split_per_sample(output)[0] if isinstance(output, Tensor) else output
         return self._slsam_training_step(controller, user_step, args, kwargs)
 
     training_step._slsam_wrapped = True  # type: ignore[attr-defined]
