@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
+import re
+
 import lightning as L
 import pytest
 import torch
@@ -9,7 +12,7 @@ import torch.nn.functional as F
 from helpers import LitModel, loader, make_data, make_mlp, trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_slsam import SparseLayerSAM
+from lightning_slsam import METHODS, RST, SparseLayerSAM
 
 
 @pytest.mark.parametrize(
@@ -23,7 +26,7 @@ from lightning_slsam import SparseLayerSAM
         ({"p_min": 0.0}, "p_min"),
         ({"p_min": 1.0}, "p_min"),
         # p_min * N > s = layer_ratio * N for every N: refused before any model is seen.
-        ({"p_min": 0.5, "layer_ratio": 0.2}, "p_min=0.5 is too large"),
+        ({"p_min": 0.5, "layer_ratio": 0.2}, r"`p_min` must be at most layer_ratio=0.2"),
         ({"alpha_p": -1.0}, "alpha_p"),
         ({"bandit_loss": "kl"}, "bandit_loss"),
         ({"perturbation_norm": "tensor"}, "perturbation_norm"),
@@ -37,6 +40,49 @@ from lightning_slsam import SparseLayerSAM
 def test_constructor_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SparseLayerSAM(**kwargs)
+
+
+#: Every method class (those METHODS names).
+ALL_METHODS = sorted(
+    {cls for cls, _ in METHODS.values() if cls is not None}, key=lambda cls: cls.__name__
+)
+#: ``Class: `option` must be <what is allowed>, got <value>.`` (optionally ``: <hint>``).
+BAD_VALUE = r"^{cls}: `{option}` must be [^`]+, got {value}(: .+)?\.$"
+#: ``Class has no option 'option'; <its name here, where it belongs, or the valid names>``.
+UNKNOWN = r"^{cls} has no option '{option}'; .+[.?]$"
+
+
+@pytest.mark.parametrize("cls", ALL_METHODS, ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("layer_ratio", 1.5), ("rho", -1), ("accumulate_grad_batches", 0), ("layer_ration", 0.2)],
+)
+def test_every_method_words_a_bad_option_the_same_way(cls, option, value):
+    # One format for every method and option, from the callback and from the spec alike:
+    # the class the user wrote, the option, the value and what is allowed.
+    name = cls.__name__
+    takes = option in inspect.signature(cls).parameters
+    error, pattern = (ValueError, BAD_VALUE) if takes else (TypeError, UNKNOWN)
+    expected = pattern.format(cls=name, option=option, value=re.escape(repr(value)))
+    with pytest.raises(error) as raised:
+        cls(**{option: value})
+    assert re.match(expected, str(raised.value)), str(raised.value)
+    if option in cls.spec_class.option_names() or not takes:
+        with pytest.raises(error) as raised:
+            cls.spec_class(**{option: value})  # the spec's message is the callback's
+        assert re.match(expected, str(raised.value)), str(raised.value)
+
+
+def test_a_subclass_is_named_in_its_messages():
+    class MyRST(RST):
+        pass
+
+    with pytest.raises(ValueError, match=r"^MyRST: `probability` must be in \[0, 1\], got 2\.$"):
+        MyRST(probability=2)
+    with pytest.raises(ValueError, match=r"^MyRST: `plot` must be True or False, got 1\.$"):
+        MyRST(plot=1)
+    with pytest.raises(TypeError, match=r"^MyRST has no option 'probabilty'; did you mean"):
+        MyRST(probabilty=0.2)
 
 
 def _fit_fails(model, cb, match, **trainer_kwargs):

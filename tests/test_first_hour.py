@@ -103,8 +103,7 @@ def test_compare_takes_the_first_seed_from_the_config(tmp_path, capsys):
     [
         ("{layer_ration: 0.2}", "SparseLayerSAM has no option 'layer_ration'; did you mean"
          " 'layer_ratio'?"),
-        ("{layer_ratio: 1.5}", "SparseLayerSAM: layer_ratio=1.5 is invalid: use a value in"
-         " (0, 1]."),
+        ("{layer_ratio: 1.5}", "SparseLayerSAM: `layer_ratio` must be in (0, 1], got 1.5."),
     ],
 )  # fmt: skip
 def test_a_bad_callback_option_in_yaml_is_one_line(tmp_path, init_args, message):

@@ -49,7 +49,7 @@ def test_the_spec_builds_the_engine_the_callback_builds(name):
     options = {"seed": 3, "dense_warmup": 2} if name == "slsam_robust" else {"seed": 3}
     torch.manual_seed(0)
     a = _PerSample()
-    via_callback = make_callback(name, **options).build_engine(a, total_steps=6)
+    via_callback = make_callback(name, **options).spec.build_engine(a, total_steps=6)
     torch.manual_seed(0)
     b = _PerSample()
     via_spec = make_engine(name, b, total_steps=6, **options)
@@ -65,11 +65,13 @@ def test_every_method_name_has_a_spec():
 
 
 def test_spec_options_are_checked_where_built():
-    with pytest.raises(ValueError, match=r"`layer_ratio` must be in \(0, 1\], got 1.5"):
+    with pytest.raises(
+        ValueError, match=r"^RandomSLSAM: `layer_ratio` must be in \(0, 1\], got 1.5\.$"
+    ):
         method_spec("random_slsam", layer_ratio=1.5)
-    with pytest.raises(ValueError, match="LookSAM fixes schedule='interval'"):
+    with pytest.raises(TypeError, match=r"^LookSAM has no option 'schedule'; LookSAM runs its"):
         method_spec("looksam", schedule="random")
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"^LookSAM has no option 'sam_interval'; did you mean"):
         method_spec("looksam", sam_interval=2)  # LookSAM's option is `interval`
     assert method_spec("looksam", interval=2).sam_interval == 2
     assert method_spec("rst", probability=0.25).sam_probability == 0.25
@@ -88,3 +90,67 @@ def test_a_method_that_renames_a_common_option_names_its_own():
     with pytest.raises(TypeError, match=r"^RST has no option 'sam_probability'; did you mean"):
         RST(sam_probability=0.2)
     assert (LookSAM(interval=2).sam_interval, RST(probability=0.25).sam_probability) == (2, 0.25)
+
+
+#: The options each method takes beyond the common ones (MethodSpec's and the Lightning
+#: shell's): the step schedule is an option of SL-SAM's only (RST and LookSAM name theirs).
+OWN_OPTIONS = {
+    "SAM": set(),
+    "S2SAM": set(),
+    "RST": {"probability"},
+    "LookSAM": {"interval", "alpha"},
+    "ESAM": {"weight_ratio", "data_ratio"},
+    "SSAMF": {"sparsity", "fisher_samples", "mask_interval"},
+    "TopSLSAM": {"layer_ratio"},
+    "RandomSLSAM": {"layer_ratio", "dense_warmup", "min_updates", "scale_updates",
+                    "max_update_scale"},
+    "SLS2SAM": {"layer_ratio", "dense_warmup", "min_updates", "scale_updates",
+                "max_update_scale", "p_min", "alpha_p", "bandit_loss", "budget",
+                "backprop_depth", "preset"},
+}  # fmt: skip
+OWN_OPTIONS["SparseLayerSAM"] = OWN_OPTIONS["SLS2SAM"] | {
+    "schedule", "sam_probability", "sam_interval", "looksam_alpha", "dense_one_pass",
+}  # fmt: skip
+
+
+def test_each_method_takes_its_own_options_only():
+    import inspect
+
+    from lightning_slsam import SAM
+    from lightning_slsam.lightning import callbacks
+
+    common = set(inspect.signature(SAM).parameters)
+    assert "schedule" not in common and "sam_probability" not in common
+    for name, own in OWN_OPTIONS.items():
+        cls = getattr(callbacks, name)
+        assert set(inspect.signature(cls).parameters) == common | own, name
+        spec = cls.spec_class
+        assert set(spec.option_names()) == common - {"gradient_clip_val",
+            "gradient_clip_algorithm", "accumulate_grad_batches", "plot"} | own  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("method", "option", "value", "hint"),
+    [
+        ("sam", "schedule", "random", "SAM runs its own step schedule"),
+        ("random_slsam", "sam_probability", 0.5, "schedule options are SparseLayerSAM's"),
+        ("sl_s2sam", "dense_one_pass", True, "SLS2SAM runs its own step schedule"),
+        ("rst", "sam_probability", 0.2, "did you mean 'probability'"),
+        ("looksam", "looksam_alpha", 0.0, "did you mean 'alpha'"),
+    ],
+)
+def test_an_option_a_method_no_longer_takes_is_named_with_where_it_is(method, option,
+                                                                     value, hint):  # fmt: skip
+    cls, _ = SPECS[method]
+    with pytest.raises(TypeError, match=rf"^{cls.label} has no option '{option}'; .*{hint}"):
+        method_spec(method, **{option: value})
+    callback = METHODS[method][0]
+    with pytest.raises(TypeError, match=rf"^{callback.__name__} has no option '{option}'; "):
+        callback(**{option: value})
+
+
+def test_sl_sam_keeps_the_schedules_of_its_methods():
+    assert method_spec("slsam_rst").schedule == "random"
+    assert method_spec("slsam_looksam", sam_interval=3).sam_interval == 3
+    with pytest.raises(ValueError, match=r"^SparseLayerSAM: `schedule` must be one of .*SLS2SAM"):
+        method_spec("slsam", schedule="single")

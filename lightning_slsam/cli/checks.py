@@ -108,10 +108,8 @@ def check_callback_options(args: list[str]) -> str | None:
             continue
         try:
             cls(**entry["init_args"])
-        except TypeError as err:
-            return f"{where}: {err}"
-        except (ValueError, MisconfigurationException) as err:
-            return f"{where}: {cls.__name__}: {err}"
+        except (TypeError, ValueError, MisconfigurationException) as err:
+            return f"{where}: {err}"  # the callback's messages name its class
     return None
 
 

@@ -1,5 +1,10 @@
-"""Option checks shared by every part of the plugin: each raises a ``ValueError`` naming
-the option, the value given and what is allowed.
+"""Option checks shared by every part of the plugin, with one message format: a bad value
+raises a ``ValueError`` reading ``\\`name\\` must be <what is allowed>, got <value>.``
+(:func:`invalid`). A method's specification runs the checks of all its options in one
+place and puts its class name first (``SparseLayerSAM: \\`layer_ratio\\` must be ...``).
+
+A :class:`Rule` is one option's check (what it allows, and in words); the ``check_*``
+functions apply the common ones to a value.
 
 >>> check_ratio("layer_ratio", 0.2)
 0.2
@@ -7,101 +12,198 @@ the option, the value given and what is allowed.
 Traceback (most recent call last):
 ...
 ValueError: `layer_ratio` must be in (0, 1], got 1.5.
+>>> number(0, None, low_open=True, note=" (the SAM radius)")("rho", -1, owner="SAM")
+Traceback (most recent call last):
+...
+ValueError: SAM: `rho` must be a finite number > 0 (the SAM radius), got -1.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
+import numbers
 import os
+import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "FLAG",
+    "RATIO",
+    "Rule",
     "check_choice",
-    "check_finite_at_least",
     "check_flag",
     "check_int",
     "check_number",
     "check_path",
     "check_ratio",
-    "check_value",
-    "is_number",
+    "invalid",
     "is_ratio",
+    "number",
+    "one_of",
+    "patterns",
+    "unknown_option",
 ]
 
 
-def is_number(value: Any) -> bool:
-    """An int or float that is not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def invalid(
+    name: str, value: Any, must: str, owner: str | None = None, hint: str = ""
+) -> ValueError:
+    """The error for a bad option value, in the plugin's one format:
+    ``[<owner>: ]`name` must be <must>, got <value>[<hint>].`` (``owner``: the class the
+    user wrote; ``hint``, e.g. what each choice means, starts with its punctuation)."""
+    where = f"{owner}: " if owner else ""
+    return ValueError(f"{where}`{name}` must be {must}, got {value!r}{hint}.")
+
+
+def unknown_option(
+    owner: str, name: str, accepted: Sequence[str], hint: str | None = None
+) -> TypeError:
+    """The error for an option ``owner`` does not take, in the plugin's one format:
+    ``<owner> has no option '<name>'; <hint>`` -- ``hint`` when given, else the closest
+    valid name (``did you mean 'rho'?``), else the valid names."""
+    if hint is None:
+        close = difflib.get_close_matches(name, accepted, n=1)
+        hint = (
+            f"did you mean {close[0]!r}?"
+            if close
+            else f"valid options: {', '.join(sorted(accepted))}."
+        )
+    return TypeError(f"{owner} has no option {name!r}; {hint}")
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one option allows: ``ok(value)``, said in words by ``must`` (for the message);
+    ``convert`` normalises an accepted value (an int radius to a float, say)."""
+
+    must: str
+    ok: Callable[[Any], bool]
+    convert: Callable[[Any], Any] = _same
+    hint: str = ""
+
+    def __call__(self, name: str, value: Any, owner: str | None = None) -> Any:
+        """``value``, converted, if allowed; else the :func:`invalid` error."""
+        if not self.ok(value):
+            raise invalid(name, value, self.must, owner, self.hint)
+        return self.convert(value)
+
+    def or_none(self, meaning: str = "") -> Rule:
+        """This rule, with ``None`` allowed too (``meaning``: what ``None`` stands for)."""
+        return Rule(
+            f"None{meaning} or {self.must}",
+            lambda v: v is None or self.ok(v),
+            lambda v: None if v is None else self.convert(v),
+            self.hint,
+        )
+
+
+def _real(value: Any, integer: bool = False) -> bool:
+    kind = numbers.Integral if integer else numbers.Real
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
+def number(
+    low: float | None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    integer: bool = False,
+    note: str = "",
+) -> Rule:
+    """A finite number (an ``int`` with ``integer``; never a bool) within the bounds given,
+    each open or closed. ``note`` ends the words (what the option is, a typical value)."""
+
+    def ok(v: Any) -> bool:
+        if not _real(v, integer) or not math.isfinite(v):
+            return False
+        above = low is None or (v > low if low_open else v >= low)
+        return above and (high is None or (v < high if high_open else v <= high))
+
+    if low is not None and high is not None:
+        must = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    elif low is not None:
+        kind = "an integer" if integer else "a finite number"
+        must = f"{kind} {'>' if low_open else '>='} {low:g}"
+    else:
+        must = "an integer" if integer else "a finite number"
+    return Rule(must + note, ok, int if integer else float)
+
+
+#: A fraction in (0, 1] (a layer ratio, say).
+RATIO = number(0, 1, low_open=True)
+#: ``True`` or ``False`` (not 0 or 1).
+FLAG = Rule("True or False", lambda v: isinstance(v, bool))
+
+
+def one_of(choices: Sequence[Any], hint: str = "") -> Rule:
+    """One of ``choices``; ``hint`` (e.g. ``": 'a' means ..."``) ends the message."""
+    options = tuple(choices)
+    return Rule(f"one of {options}", lambda v: any(v == c for c in options), hint=hint)
+
+
+def _compiles(items: Any) -> bool:
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        return False
+    try:
+        for item in items:
+            re.compile(item)
+    except (re.error, TypeError):
+        return False
+    return True
+
+
+def patterns(example: str) -> Rule:
+    """A list of regular expressions (a bare string is refused: ``[...]`` it), converted
+    to a list; ``example`` shows one."""
+    return Rule(f"a list of regular expressions, e.g. {example}", _compiles, list)
 
 
 def is_ratio(value: Any) -> bool:
     """Whether ``value`` is a fraction in (0, 1]."""
-    return isinstance(value, (int, float)) and 0 < value <= 1
+    return RATIO.ok(value)
 
 
 def check_ratio(name: str, value: Any) -> float:
     """A fraction in (0, 1]."""
-    if not is_ratio(value):
-        raise ValueError(f"`{name}` must be in (0, 1], got {value!r}.")
-    return float(value)
-
-
-def check_value(name: str, value: Any, ok: Callable[[float], bool], hint: str) -> float:
-    """``value`` as a finite float passing ``ok``, else ``name=value is invalid: hint``."""
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        v = math.nan
-    if not (math.isfinite(v) and ok(v)):
-        raise ValueError(f"{name}={value!r} is invalid: {hint}")
-    return v
+    return RATIO(name, value)
 
 
 def check_flag(name: str, value: Any) -> bool:
     """``True`` or ``False`` (not 0 or 1)."""
-    if not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be True or False, got {value!r}.")
-    return value
+    return FLAG(name, value)
 
 
 def check_int(name: str, value: Any, minimum: int | None) -> int:
     """An integer (not a bool) of at least ``minimum`` (any integer for ``None``)."""
-    if isinstance(value, bool) or not (
-        isinstance(value, int) and (minimum is None or value >= minimum)
-    ):
-        must = "an integer" + (f" >= {minimum}" if minimum is not None else "")
-        raise ValueError(f"`{name}` must be {must}, got {value!r}.")
-    return value
+    return number(minimum, integer=True)(name, value)
 
 
 def check_number(
     name: str, value: Any, must: str, ok: Callable[[float], bool], kind: type = float
 ) -> Any:
     """A number (an ``int`` when ``kind`` is ``int``; never a bool) passing ``ok``;
-    otherwise ``name must be <must>``."""
+    otherwise ``name must be <must>``. The value is returned as given."""
     types = (int,) if kind is int else (int, float)
     if isinstance(value, bool) or not isinstance(value, types) or not ok(value):
-        raise ValueError(f"`{name}` must be {must}, got {value!r}.")
+        raise invalid(name, value, must)
     return value
 
 
 def check_choice(name: str, value: Any, choices: Sequence[Any], hint: str = "") -> Any:
     """One of ``choices``; ``hint`` (e.g. what each choice means) ends the message."""
-    if value not in choices:
-        raise ValueError(f"`{name}` must be one of {tuple(choices)}, got {value!r}{hint}.")
-    return value
+    return one_of(choices, hint)(name, value)
 
 
 def check_path(name: str, path: Any, folder: bool) -> Any:
     """``None`` or an existing folder (``folder=True``) or file."""
     if path is not None and not (os.path.isdir(path) if folder else os.path.isfile(path)):
-        raise ValueError(f"`{name}` {path!r} is not a {'folder' if folder else 'file'}.")
+        raise invalid(name, path, f"None or an existing {'folder' if folder else 'file'}")
     return path
-
-
-def check_finite_at_least(name: str, value: Any, minimum: float, what: str = "") -> float:
-    """A finite number (not a bool) of at least ``minimum``."""
-    if not (is_number(value) and minimum <= value < math.inf):
-        raise ValueError(f"`{name}` must be a finite number >= {minimum:g}{what}, got {value!r}.")
-    return float(value)

@@ -20,7 +20,7 @@ SparseLayerSAM(layer_ratio=0.3, gradient_clip_val=1.0)
 >>> SparseLayerSAM(accumulate_grad_batches=0)
 Traceback (most recent call last):
 ...
-ValueError: `accumulate_grad_batches` must be an integer >= 1, got 0.
+ValueError: SparseLayerSAM: `accumulate_grad_batches` must be an integer >= 1, got 0.
 """
 
 from __future__ import annotations
@@ -110,10 +110,10 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
 
     #: Short name of the method (registry key, logs).
     method: ClassVar[str] = "sam"
-    #: The method's own schedule, used when ``schedule`` is ``None``.
+    #: The method's own schedule (SL-SAM's default one).
     default_schedule: ClassVar[str] = "every_step"
-    #: Whether another ``schedule`` may be chosen (RST, LookSAM and S2 methods fix theirs).
-    schedule_fixed: ClassVar[bool] = False
+    #: Whether the schedule is not an option (every method but SL-SAM runs its own).
+    schedule_fixed: ClassVar[bool] = True
 
     _options_root: ClassVar[bool] = True  # where accepted_options stops looking
     #: The method's specification class (its options and how it builds its engine).
@@ -123,8 +123,8 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
         super().__init_subclass__(**kwargs)
         # The spec's class-level facts, readable on the callback class too.
         cls.method = cls.spec_class.name
-        cls.default_schedule = cls.spec_class.default_schedule
-        cls.schedule_fixed = cls.spec_class.schedule_fixed
+        cls.default_schedule = cls.spec_class.__dataclass_fields__["schedule"].default
+        cls.schedule_fixed = "schedule" not in cls.spec_class.option_names()
         _CALLBACKS.setdefault(cls.spec_class, cls)
         if "__init__" not in cls.__dict__:
             cls.__init__ = shell_init(cls, SAMCallback.__init__, LIGHTNING_OPTIONS)  # type: ignore[method-assign]
@@ -133,10 +133,18 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
     def __init__(self, **options: Any) -> None:
         super().__init__()
         lightning = {k: options.pop(k, default) for k, (_, default) in LIGHTNING_OPTIONS.items()}
-        #: The method's validated options (:class:`~lightning_slsam.methods.spec.MethodSpec`).
-        self.spec = self.spec_class(**options)
-        for name, value in check_lightning_options(**lightning).items():
-            setattr(self, name, value)
+        # A bad option's message names the class written (a user's subclass too): the
+        # spec's name its label, the Lightning options' checks no class.
+        label, name = self.spec_class.label, type(self).__name__
+        try:
+            #: The method's validated options (:class:`~lightning_slsam.methods.spec.MethodSpec`).
+            self.spec = self.spec_class(**options)
+            checked = check_lightning_options(**lightning)
+        except ValueError as err:
+            message = str(err).removeprefix(f"{label}: ")
+            raise ValueError(f"{name}: {message}") from None
+        for key, value in checked.items():
+            setattr(self, key, value)
         self.partition: LayerPartition | None = None
         self.engine: SparseSAMEngine | None = None
         self.frequency_csv_path: str | None = None

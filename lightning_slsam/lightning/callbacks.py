@@ -52,7 +52,7 @@ class SAM(SAMCallback):
         >>> SAM(rho=-1)
         Traceback (most recent call last):
         ...
-        ValueError: `rho` must be a finite number > 0 (the SAM perturbation radius), got -1. ...
+        ValueError: SAM: `rho` must be a finite number > 0 (the SAM radius; ...), got -1.
     """
 
     spec_class = dense.SAMSpec
@@ -77,6 +77,11 @@ class SparseLayerSAM(SAMCallback):
     (``vectors_always_active``) and a floor on each layer's updates (``min_updates``)
     (:data:`PRESETS`).
 
+    SL-SAM is the one method whose step schedule is an option: ``schedule="random"`` adds
+    RST's coin (``sam_probability``), ``"interval"`` LookSAM's interval (``sam_interval``,
+    ``looksam_alpha``), sparse along both axes (``dense_one_pass`` trains every layer on the
+    one-pass steps). Every other method runs its own schedule.
+
     Example:
         ``trainer = L.Trainer(callbacks=[SparseLayerSAM(rho=0.01, layer_ratio=0.2)])``
         (a whole run: :mod:`lightning_slsam.lightning.mixin`).
@@ -90,7 +95,7 @@ class SparseLayerSAM(SAMCallback):
         >>> SparseLayerSAM(layer_ratio=1.5)
         Traceback (most recent call last):
         ...
-        ValueError: layer_ratio=1.5 is invalid: use a value in (0, 1].
+        ValueError: SparseLayerSAM: `layer_ratio` must be in (0, 1], got 1.5.
     """
 
     spec_class = subset.SLSAMSpec
@@ -150,7 +155,7 @@ class S2SAM(SAM):
         >>> S2SAM(schedule="random")
         Traceback (most recent call last):
         ...
-        ValueError: S2SAM fixes schedule='single'; use SAM or SparseLayerSAM with ...
+        TypeError: S2SAM has no option 'schedule'; S2SAM runs its own step schedule. ...
     """
 
     spec_class = dense.S2SAMSpec
@@ -240,7 +245,7 @@ class SSAMF(SAMCallback):
         >>> SSAMF(sparsity=1.0)
         Traceback (most recent call last):
         ...
-        ValueError: `sparsity` must be in [0, 1), got 1.0.
+        ValueError: SSAMF: `sparsity` must be in [0, 1), got 1.0.
     """
 
     spec_class = dense.SSAMFSpec

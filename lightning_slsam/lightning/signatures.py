@@ -9,14 +9,24 @@ method class it derives (see ``SAMCallback.__init_subclass__``).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import re
 import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["ChecksOptions", "accepted_options", "check_options", "shell_init", "with_options_doc"]
+from lightning_slsam.core.validation import unknown_option
+from lightning_slsam.methods.spec import option_hint
+
+__all__ = [
+    "ChecksOptions",
+    "accepted_options",
+    "check_options",
+    "shell_init",
+    "with_options_doc",
+]
+
+_T = TypeVar("_T", bound="ChecksOptions")
 
 
 def accepted_options(cls: type) -> list[str]:
@@ -39,17 +49,15 @@ def accepted_options(cls: type) -> list[str]:
 
 
 def check_options(cls: type, options: dict[str, Any]) -> None:
-    """Raise a ``TypeError`` naming ``cls``, the unknown option and the closest valid one."""
+    """Raise a ``TypeError`` naming ``cls`` and the unknown option, with the name it has
+    for this method or where it belongs (the spec's ``option_hint``), else the closest
+    valid one (:func:`~lightning_slsam.core.validation.unknown_option`)."""
     accepted = accepted_options(cls)
+    spec = getattr(cls, "spec_class", None)
     for key in options:
         if key not in accepted:
-            close = difflib.get_close_matches(key, accepted, n=1)
-            hint = (
-                f"did you mean {close[0]!r}?"
-                if close
-                else f"valid options: {', '.join(sorted(accepted))}."
-            )
-            raise TypeError(f"{cls.__name__} has no option {key!r}; {hint}")
+            hint = option_hint(spec, key) if spec is not None else None
+            raise unknown_option(cls.__name__, key, accepted, hint)
 
 
 def shell_init(
@@ -126,10 +134,10 @@ class ChecksOptions:
     passed on by a subclass's ``**kwargs``.
     """
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+    def __new__(cls: type[_T], *args: Any, **kwargs: Any) -> _T:
         if kwargs:
             check_options(cls, kwargs)
-        obj = super().__new__(cls)
+        obj = super().__new__(cls)  # type: ignore[misc]
         obj._given_options = dict(kwargs)  # for repr: the options as they were written
         return obj
 

@@ -15,9 +15,9 @@ import torch
 from lightning_slsam.core.perturbation import FisherMask
 from lightning_slsam.core.step_kinds import SAMStep, StepKind
 from lightning_slsam.core.step_parts import StepHook
-from lightning_slsam.core.validation import check_ratio
+from lightning_slsam.core.validation import RATIO, number
 from lightning_slsam.methods.esam import SharpestSamples
-from lightning_slsam.methods.spec import MethodSpec
+from lightning_slsam.methods.spec import MethodSpec, option
 from lightning_slsam.methods.ssamf import FisherRefresh
 from lightning_slsam.selection.rules import ExpandToAll, LayerSelection, UniformSelection
 
@@ -36,8 +36,8 @@ class S2SAMSpec(MethodSpec):
 
     name: ClassVar[str] = "s2sam"
     label: ClassVar[str] = "S2SAM"
-    default_schedule: ClassVar[str] = "single"
-    schedule_fixed: ClassVar[bool] = True
+
+    schedule: str = field(default="single", init=False)
 
 
 @dataclass(kw_only=True, eq=False)
@@ -50,16 +50,14 @@ class RSTSpec(MethodSpec):
 
     name: ClassVar[str] = "rst"
     label: ClassVar[str] = "RST"
-    default_schedule: ClassVar[str] = "random"
-    schedule_fixed: ClassVar[bool] = True
+    renamed: ClassVar[dict[str, str]] = {"sam_probability": "probability"}
 
-    probability: float = 0.5
-    sam_probability: float = field(default=0.5, init=False)
+    probability: float = option(0.5, number(0, 1))
+    schedule: str = field(default="random", init=False)
 
     def __post_init__(self) -> None:
-        self.sam_probability = self.probability
         super().__post_init__()
-        self.probability = self.sam_probability
+        self.sam_probability = self.probability  # what the "random" schedule reads
 
 
 @dataclass(kw_only=True, eq=False)
@@ -74,18 +72,16 @@ class LookSAMSpec(MethodSpec):
 
     name: ClassVar[str] = "looksam"
     label: ClassVar[str] = "LookSAM"
-    default_schedule: ClassVar[str] = "interval"
-    schedule_fixed: ClassVar[bool] = True
+    renamed: ClassVar[dict[str, str]] = {"sam_interval": "interval", "looksam_alpha": "alpha"}
 
-    interval: int = 5
-    alpha: float = 0.7
-    sam_interval: int = field(default=5, init=False)
-    looksam_alpha: float = field(default=0.7, init=False)
+    interval: int = option(5, number(1, integer=True))
+    alpha: float = option(0.7, number(0))
+    schedule: str = field(default="interval", init=False)
 
     def __post_init__(self) -> None:
-        self.sam_interval, self.looksam_alpha = self.interval, self.alpha
         super().__post_init__()
-        self.alpha = self.looksam_alpha
+        # What the "interval" schedule and the reuse step read.
+        self.sam_interval, self.looksam_alpha = self.interval, self.alpha
 
 
 @dataclass(kw_only=True, eq=False)
@@ -102,13 +98,8 @@ class ESAMSpec(MethodSpec):
     name: ClassVar[str] = "esam"
     label: ClassVar[str] = "ESAM"
 
-    weight_ratio: float = 0.5
-    data_ratio: float = 0.5
-
-    def __post_init__(self) -> None:
-        self.weight_ratio = check_ratio("weight_ratio", self.weight_ratio)
-        self.data_ratio = check_ratio("data_ratio", self.data_ratio)
-        super().__post_init__()
+    weight_ratio: float = option(0.5, RATIO)
+    data_ratio: float = option(0.5, RATIO)
 
     def selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
         return ExpandToAll(UniformSelection(num_layers, self.weight_ratio, generator))
@@ -133,14 +124,9 @@ class SSAMFSpec(MethodSpec):
     name: ClassVar[str] = "ssamf"
     label: ClassVar[str] = "SSAMF"
 
-    sparsity: float = 0.5
-    fisher_samples: int = 16
-    mask_interval: int = 100
-
-    def __post_init__(self) -> None:
-        FisherMask(self.sparsity, self.fisher_samples, self.mask_interval)  # validates now
-        self.sparsity = float(self.sparsity)
-        super().__post_init__()
+    sparsity: float = option(0.5, number(0, 1, high_open=True))
+    fisher_samples: int = option(16, number(1, integer=True))
+    mask_interval: int = option(100, number(1, integer=True))
 
     def engine_steps(self) -> tuple[dict[str, StepKind], list[StepHook]]:
         refresh = FisherRefresh(FisherMask(self.sparsity, self.fisher_samples, self.mask_interval))

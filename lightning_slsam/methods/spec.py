@@ -11,8 +11,8 @@ uses them directly::
     for batch in loader:
         engine.train_step(lambda: loss_fn(model, batch), optimizer)
 
-Each option is stated once, as a field of its spec class; the options every method
-takes are :class:`MethodSpec`'s.
+Each option is stated once, as a field of its spec class with its check (:func:`option`);
+the options every method takes are :class:`MethodSpec`'s.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -32,9 +32,8 @@ from lightning_slsam.core.partition import (
     LayerSpec,
     build_partition,
     find_new_head,
-    validate_layer_spec,
 )
-from lightning_slsam.core.perturbation import SAMPerturbation
+from lightning_slsam.core.perturbation import PERTURBATION_NORMS, SAMPerturbation
 from lightning_slsam.core.running import BN_STATS
 from lightning_slsam.core.schedules import (
     EveryStep,
@@ -45,19 +44,38 @@ from lightning_slsam.core.schedules import (
 )
 from lightning_slsam.core.step_kinds import SAMStep, StepKind
 from lightning_slsam.core.step_parts import StepHook
-from lightning_slsam.core.validation import check_choice, check_flag
+from lightning_slsam.core.validation import FLAG, Rule, number, one_of, patterns, unknown_option
 from lightning_slsam.methods.looksam import LookSAMReuse
 from lightning_slsam.selection.rules import AllLayers, LayerSelection
 
-__all__ = ["ASAM_RHO", "SAM_RHO", "SCHEDULES", "MethodSpec", "default_seed"]
+__all__ = [
+    "ASAM_RHO",
+    "LAYERS",
+    "SAM_RHO",
+    "SCHEDULES",
+    "SCHEDULE_OPTIONS",
+    "MethodSpec",
+    "default_seed",
+    "option",
+    "option_hint",
+]
 
-#: The step-kind schedules a method can run (``schedule`` option).
+#: The step-kind schedules a method can run (its ``schedule``).
 SCHEDULES = ("every_step", "random", "interval", "single")
+#: The options of SL-SAM's schedule (every other method runs its own).
+SCHEDULE_OPTIONS = (
+    "schedule",
+    "sam_probability",
+    "sam_interval",
+    "looksam_alpha",
+    "dense_one_pass",
+)
 #: Default radius of SAM (the SL-SAM paper's, for every method) and of ASAM (its reference's).
 SAM_RHO = 0.01
 ASAM_RHO = 0.5
 
 Warn = Callable[[str], None]
+_Spec = TypeVar("_Spec", bound="MethodSpec")
 
 
 def default_seed() -> int:
@@ -87,6 +105,39 @@ def _plain(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
 
+def option(default: Any, rule: Rule) -> Any:
+    """A spec field that is an option: its default and its check (a
+    :class:`~lightning_slsam.core.validation.Rule`), run by :meth:`MethodSpec.__post_init__`."""
+    return field(default=default, metadata={"rule": rule})
+
+
+def _layer_spec(value: Any) -> bool:
+    if isinstance(value, str):
+        return value in ("tensor", "module")
+    return callable(value) or patterns("").ok(value)
+
+
+#: The ``layers`` option's check.
+LAYERS = Rule(
+    "'tensor', 'module', a list of regular expressions or a callable (name, parameter) -> key",
+    _layer_spec,
+)
+
+
+def option_hint(spec_class: type[MethodSpec], name: str) -> str | None:
+    """What to say of an option ``spec_class`` does not take: the name it has there
+    (:attr:`MethodSpec.renamed`) or where it belongs; ``None``: the closest valid name."""
+    if name in spec_class.renamed:
+        return f"did you mean {spec_class.renamed[name]!r}?"
+    if name in SCHEDULE_OPTIONS:
+        return (
+            f"{spec_class.label} runs its own step schedule. The schedule options are"
+            " SparseLayerSAM's; RST, LookSAM and S2SAM are SAM on RST's coin, LookSAM's"
+            " interval and single steps."
+        )
+    return None
+
+
 @dataclass(kw_only=True, eq=False)
 class MethodSpec:
     """The options every method takes (SAM on every layer when used as is).
@@ -114,15 +165,6 @@ class MethodSpec:
             normalisation weights) every step. Their gradients cost almost nothing next to
             a matrix's, but as sampled layers they take a share of the layer budget.
             Default ``False`` (the paper samples them like any layer).
-        schedule: the iteration axis: ``"every_step"`` (SAM every step), ``"random"``
-            (RST's coin, ``sam_probability``), ``"interval"`` (LookSAM: SAM every
-            ``sam_interval`` steps, the stored SAM component reused in between with weight
-            ``looksam_alpha``) or ``"single"`` (single-step SAM: perturb along the previous
-            step's gradient, one pass per step). ``None`` (default): the method's own.
-        sam_probability: with ``schedule="random"``, chance of a SAM step (RST: 0.5).
-        sam_interval: with ``schedule="interval"``, steps between SAM steps (LookSAM: 5).
-        looksam_alpha: with ``schedule="interval"``, weight of the reused component
-            (LookSAM: 0.7; 0 makes the steps in between plain steps).
         seed: seed of the method's own generators (layer sampling, RST's coin); ``None``
             uses the seed given to ``seed_everything`` (``PL_GLOBAL_SEED``), else
             ``torch.initial_seed()``.
@@ -136,8 +178,10 @@ class MethodSpec:
             with its own gradient (SAM's m-sharpness); only the per-layer norms are averaged.
         check_masks: debug mode for multi-process training: every step, check that all
             processes drew the same layers and step kind. Default ``False``.
-        dense_one_pass: with ``schedule="random"`` or ``"interval"``, the steps that run
-            one pass train every layer; only the SAM steps are sparse. Default ``False``.
+
+    Each option is a field made by :func:`option`, with its check, run in
+    :meth:`__post_init__` (a bad value's message names :attr:`label` and the option). The
+    step schedule is the method's own: SL-SAM's alone is an option.
 
     Example:
         >>> import torch
@@ -150,76 +194,82 @@ class MethodSpec:
         >>> MethodSpec(bn_stats="third")
         Traceback (most recent call last):
         ...
-        ValueError: `bn_stats` must be one of ('first', 'second', 'both'), got 'third': ...
+        ValueError: SAM: `bn_stats` must be one of ('first', 'second', 'both'), got 'third': ...
     """
 
     #: Registry name of the method.
     name: ClassVar[str] = "sam"
     #: The class name users write (the Lightning callback's), used in messages.
     label: ClassVar[str] = "SAM"
-    #: The method's own schedule, used when ``schedule`` is ``None``.
-    default_schedule: ClassVar[str] = "every_step"
-    #: Whether another ``schedule`` may be chosen (RST, LookSAM and S2 methods fix theirs).
-    schedule_fixed: ClassVar[bool] = False
+    #: Options of other methods this one takes under another name (RST's ``probability``
+    #: is ``sam_probability``), named when the other name is given.
+    renamed: ClassVar[dict[str, str]] = {}
 
-    rho: float | None = None
-    adaptive: bool = False
-    adaptive_eta: float = 0.01
-    perturbation_norm: str = "global"
-    layers: LayerSpec = "tensor"
-    always_active: Sequence[str] = ()
-    always_frozen: Sequence[str] = ()
-    head_always_active: bool = False
-    vectors_always_active: bool = False
-    schedule: str | None = None
-    sam_probability: float = 0.5
-    sam_interval: int = 5
-    looksam_alpha: float = 0.7
-    seed: int | None = None
-    bn_stats: str = "first"
-    replay_dropout: bool = False
-    sync_first_pass: bool = True
-    check_masks: bool = False
-    dense_one_pass: bool = False
+    rho: float | None = option(
+        None, number(0, low_open=True, note=" (the SAM radius; the SL-SAM paper uses 0.01)")
+    )
+    adaptive: bool = option(False, FLAG)
+    adaptive_eta: float = option(0.01, number(0, note=" (ASAM's eta)"))
+    perturbation_norm: str = option("global", one_of(PERTURBATION_NORMS))
+    layers: LayerSpec = option("tensor", LAYERS)
+    always_active: Sequence[str] = option((), patterns(r"['^classifier\\.']"))
+    always_frozen: Sequence[str] = option((), patterns(r"['^embeddings\\.']"))
+    head_always_active: bool = option(False, FLAG)
+    vectors_always_active: bool = option(False, FLAG)
+    seed: int | None = option(None, number(None, integer=True).or_none())
+    bn_stats: str = option(
+        "first", one_of(BN_STATS, ": which pass's BatchNorm running statistics a SAM step keeps")
+    )
+    replay_dropout: bool = option(False, FLAG)
+    sync_first_pass: bool = option(True, FLAG)
+    check_masks: bool = option(False, FLAG)
+    # The step schedule: the method's own, not options (SL-SAM redeclares them as options).
+    #: What kind each step is (one of :data:`SCHEDULES`).
+    schedule: str = field(default="every_step", init=False)
+    sam_probability: float = field(default=0.5, init=False, repr=False)
+    sam_interval: int = field(default=5, init=False, repr=False)
+    looksam_alpha: float = field(default=0.7, init=False, repr=False)
+    dense_one_pass: bool = field(default=False, init=False, repr=False)
     #: Optimizer steps the run will take, for options given as a fraction of the run
     #: (set by :meth:`build_engine`; ``None`` if unknown).
     total_steps: int | None = field(default=None, init=False, repr=False)
 
+    def __new__(cls: type[_Spec], *args: Any, **options: Any) -> _Spec:
+        # An unknown option's message names the method's class, as a bad value's does.
+        accepted = cls.option_names()
+        for key in (key for key in options if key not in accepted):
+            raise unknown_option(cls.label, key, accepted, option_hint(cls, key))
+        return super().__new__(cls)
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        """The options this method takes (its fields made by :func:`option`)."""
+        return [f.name for f in fields(cls) if f.init]  # type: ignore[arg-type]
+
     def __post_init__(self) -> None:
-        check_choice(
-            "bn_stats", self.bn_stats, BN_STATS,
-            ": which pass's BatchNorm running statistics a SAM step keeps",
-        )  # fmt: skip
-        for name in ("replay_dropout", "sync_first_pass", "check_masks", "dense_one_pass",
-                     "head_always_active", "vectors_always_active"):  # fmt: skip
-            check_flag(name, getattr(self, name))
-        if self.rho is None:
-            self.rho = ASAM_RHO if self.adaptive is True else SAM_RHO
-        # Validates rho, perturbation_norm, adaptive and adaptive_eta.
+        # The one place a method's options are checked: defaults resolved, then each
+        # option's rule, then the rules between options. Every message names the class.
+        try:
+            self.resolve_defaults()
+            for f in fields(self):
+                if f.init and "rule" in f.metadata:
+                    setattr(self, f.name, f.metadata["rule"](f.name, getattr(self, f.name)))
+            self.check_combined()
+        except ValueError as err:
+            raise ValueError(f"{self.label}: {err}") from None
         self.perturbation = SAMPerturbation(
             self.rho, norm=self.perturbation_norm, adaptive=self.adaptive, eta=self.adaptive_eta
         )
-        self.rho = float(self.rho)
-        self.adaptive_eta = float(self.adaptive_eta)
-        validate_layer_spec(self.layers)
-        self.always_active = list(self.always_active)
-        self.always_frozen = list(self.always_frozen)
-        if self.schedule is None:
-            self.schedule = self.default_schedule
-        check_choice("schedule", self.schedule, SCHEDULES)
-        if self.schedule_fixed and self.schedule != self.default_schedule:
-            raise ValueError(
-                f"{self.label} fixes schedule={self.default_schedule!r}; use SAM or"
-                f" SparseLayerSAM with schedule={self.schedule!r} for another one."
-            )
-        # Validates every schedule option now (also those the chosen schedule ignores: a
-        # typo there would otherwise pass silently) rather than at setup.
-        for name in (self.schedule, "random", "interval"):
-            make_schedule(name, self.sam_probability, self.sam_interval, self.looksam_alpha, None)
-        self.sam_probability = float(self.sam_probability)
-        self.looksam_alpha = float(self.looksam_alpha)
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"`seed` must be an integer or None, got {self.seed!r}.")
+
+    def resolve_defaults(self) -> None:
+        """Fill the options whose default depends on others (``rho=None``), before the
+        checks."""
+        if self.rho is None:
+            self.rho = ASAM_RHO if self.adaptive is True else SAM_RHO
+
+    def check_combined(self) -> None:
+        """Check the rules between options, after each option's own (none here); raise
+        :func:`~lightning_slsam.core.validation.invalid`'s error."""
 
     # -- what each method chooses -------------------------------------------------------
     def selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
@@ -301,9 +351,7 @@ class MethodSpec:
             partition: the layers, if already built (default: :meth:`partition`).
             warn: how warnings are reported (Lightning passes its rank-zero warning).
         """
-        if total_steps is not None and not (isinstance(total_steps, int) and total_steps >= 1):
-            raise ValueError(f"`total_steps` must be None or an integer >= 1, got {total_steps!r}.")
-        self.total_steps = total_steps
+        self.total_steps = number(1, integer=True).or_none()("total_steps", total_steps)
         if partition is None:
             partition = self.partition(module, warn)
         if seed is None:

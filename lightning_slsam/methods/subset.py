@@ -8,23 +8,16 @@ Each specification builds an engine for a plain loop; the examples of
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
-from lightning_slsam.core.validation import (
-    check_choice,
-    check_flag,
-    check_int,
-    check_ratio,
-    is_ratio,
-)
+from lightning_slsam.core.validation import FLAG, RATIO, Rule, invalid, number, one_of
 from lightning_slsam.methods.presets import BANDIT_LOSSES, BUDGETS, PRESET_WORDS, PRESETS
-from lightning_slsam.methods.spec import MethodSpec, Warn
-from lightning_slsam.selection.bandit import LayerBandit, kl_projection
-from lightning_slsam.selection.projection import weighted_kl_projection
+from lightning_slsam.methods.spec import MethodSpec, Warn, option
+from lightning_slsam.selection.bandit import DEFAULT_ALPHA, LayerBandit, kl_projection
+from lightning_slsam.selection.projection import REL_TOL, weighted_kl_projection
 from lightning_slsam.selection.rules import LayerSelection, TopKSelection, UniformSelection
 from lightning_slsam.selection.wrappers import DenseWarmup, DepthCut
 
@@ -41,15 +34,29 @@ __all__ = [
 ]
 
 
-def _warmup(value: Any) -> int | float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"`dense_warmup` must be a number, got {value!r}.")
-    if (isinstance(value, int) and value >= 0) or (isinstance(value, float) and 0 <= value < 1):
-        return value
-    raise ValueError(
-        f"`dense_warmup` must be an integer number of steps >= 0 or a fraction of the run in"
-        f" [0, 1), got {value!r}."
-    )
+def _warmup(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    return (isinstance(value, int) and value >= 0) or (isinstance(value, float) and 0 <= value < 1)
+
+
+_PRESET_WORDS = (
+    ": 'default' budgets parameters with the short-fine-tune remedies, 'paper' is the SL-SAM"
+    " paper's method, 'robust' the remedies under the paper's budget"
+)
+_BUDGET_WORDS = (
+    ": 'count' is the paper's (expected drawn layers), 'compute' counts their parameters"
+)
+_LOSS_WORDS = (
+    ": 'shifted' is the released code's loss, 'paper' Algorithm 2 literally, 'rank' the"
+    " scale-free loss"
+)
+_SCHEDULE_WORDS = ": 'random' is RST's coin, 'interval' LookSAM's; single-step SL-SAM is SLS2SAM"
+
+#: ``dense_warmup``'s check.
+WARMUP = Rule("an integer number of steps >= 0 or a fraction of the run in [0, 1)", _warmup)
+#: The schedules SL-SAM can run (single-step SL-SAM is :class:`SLS2SAMSpec`).
+SLSAM_SCHEDULES = ("every_step", "random", "interval")
 
 
 @dataclass(kw_only=True, eq=False)
@@ -68,27 +75,11 @@ class LayerSubsetSpec(MethodSpec):
         max_update_scale: the cap on that factor (>= 1); ``None``: ``1 / layer_ratio``.
     """
 
-    layer_ratio: float = 0.2
-    dense_warmup: int | float = 0
-    min_updates: int = 0
-    scale_updates: bool = False
-    max_update_scale: float | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.layer_ratio = check_ratio("layer_ratio", self.layer_ratio)
-        self.dense_warmup = _warmup(self.dense_warmup)
-        check_int("min_updates", self.min_updates, 0)
-        check_flag("scale_updates", self.scale_updates)
-        cap = self.max_update_scale
-        if cap is not None and (
-            isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 1 <= cap < math.inf
-        ):
-            raise ValueError(
-                f"`max_update_scale` must be None (1 / layer_ratio) or a finite number >= 1,"
-                f" got {cap!r}."
-            )
-        self.max_update_scale = None if cap is None else float(cap)
+    layer_ratio: float = option(0.2, RATIO)
+    dense_warmup: int | float = option(0, WARMUP)
+    min_updates: int = option(0, number(0, integer=True))
+    scale_updates: bool = option(False, FLAG)
+    max_update_scale: float | None = option(None, number(1).or_none(" (1 / layer_ratio)"))
 
     @property
     def update_scale(self) -> float | None:
@@ -170,6 +161,18 @@ class SLSAMSpec(LayerSubsetSpec):
             exact method) or ``"robust"``; the options left at ``None`` take its values
             (:data:`PRESETS`).
 
+        schedule: the iteration axis, SAM's steps among all: ``"every_step"`` (default),
+            ``"random"`` (RST's coin: a SAM step with chance ``sam_probability``, else a
+            plain step) or ``"interval"`` (LookSAM's: a SAM step every ``sam_interval``
+            steps, the stored SAM component reused in between with weight
+            ``looksam_alpha``). Single-step SL-SAM is :class:`SLS2SAMSpec`.
+        sam_probability: with ``schedule="random"``, chance of a SAM step, in [0, 1].
+        sam_interval: with ``schedule="interval"``, steps between SAM steps (>= 1).
+        looksam_alpha: with ``schedule="interval"``, weight of the reused component
+            (>= 0; 0 makes the steps in between plain steps).
+        dense_one_pass: with ``schedule="random"`` or ``"interval"``, the steps that run
+            one pass train every layer; only the SAM steps are sparse. Default ``False``.
+
     ``dense_warmup``, ``min_updates``, ``head_always_active``, ``vectors_always_active``,
     ``scale_updates`` and ``max_update_scale`` default to ``None``: the preset's value (a
     ``max_update_scale`` the preset leaves at ``None`` means ``1 / layer_ratio``).
@@ -178,48 +181,40 @@ class SLSAMSpec(LayerSubsetSpec):
     name: ClassVar[str] = "slsam"
     label: ClassVar[str] = "SparseLayerSAM"
 
-    p_min: float = 1e-3
-    alpha_p: float | None = None
-    bandit_loss: str | None = None
-    budget: str | None = None
-    backprop_depth: float = 1.0
-    dense_warmup: int | float | None = None  # type: ignore[assignment]
-    min_updates: int | None = None  # type: ignore[assignment]
-    head_always_active: bool | None = None  # type: ignore[assignment]
-    vectors_always_active: bool | None = None  # type: ignore[assignment]
-    scale_updates: bool | None = None  # type: ignore[assignment]
-    preset: str = "default"
+    p_min: float = option(1e-3, number(0, 1, low_open=True, high_open=True, note=", e.g. 1e-3"))
+    alpha_p: float | None = option(None, number(0, note=", e.g. 1e-3").or_none(" (the loss's)"))
+    bandit_loss: str | None = option(None, one_of(BANDIT_LOSSES, _LOSS_WORDS))
+    budget: str | None = option(None, one_of(BUDGETS, _BUDGET_WORDS))
+    backprop_depth: float = option(1.0, RATIO)
+    dense_warmup: int | float | None = option(None, WARMUP)  # type: ignore[assignment]
+    min_updates: int | None = option(None, number(0, integer=True))  # type: ignore[assignment]
+    head_always_active: bool | None = option(None, FLAG)  # type: ignore[assignment]
+    vectors_always_active: bool | None = option(None, FLAG)  # type: ignore[assignment]
+    scale_updates: bool | None = option(None, FLAG)  # type: ignore[assignment]
+    preset: str = option("default", one_of(tuple(PRESETS), _PRESET_WORDS))
+    schedule: str = option("every_step", one_of(SLSAM_SCHEDULES, _SCHEDULE_WORDS))
+    sam_probability: float = option(0.5, number(0, 1))
+    sam_interval: int = option(5, number(1, integer=True))
+    looksam_alpha: float = option(0.7, number(0))
+    dense_one_pass: bool = option(False, FLAG)
 
-    def __post_init__(self) -> None:
-        check_choice(
-            "preset", self.preset, tuple(PRESETS),
-            ": 'default' budgets parameters with the short-fine-tune remedies, 'paper' is"
-            " the SL-SAM paper's method, 'robust' the remedies under the paper's budget",
-        )  # fmt: skip
+    def resolve_defaults(self) -> None:
+        super().resolve_defaults()
+        one_of(tuple(PRESETS), _PRESET_WORDS)("preset", self.preset)
         #: The options the preset decided (left at None); warnings about an option the
         #: user did not set stay quiet (a model with no fresh head under the default, say).
         self._from_preset = tuple(n for n in PRESETS[self.preset] if getattr(self, n) is None)
         for name in self._from_preset:
             setattr(self, name, PRESETS[self.preset][name])
-        check_ratio("backprop_depth", self.backprop_depth)
-        check_choice(
-            "budget", self.budget, BUDGETS,
-            ": 'count' is the paper's (expected drawn layers), 'compute' counts their parameters",
-        )  # fmt: skip
-        check_choice(
-            "bandit_loss", self.bandit_loss, BANDIT_LOSSES,
-            ": 'shifted' is the released code's loss (default), 'paper' Algorithm 2"
-            " literally, 'rank' the scale-free loss",
-        )  # fmt: skip
-        # A throw-away bandit validates the bandit options now rather than at setup
-        # (p_min * N <= s reduces to p_min <= layer_ratio for every N).
-        ratio = self.layer_ratio
-        probe = max(1, math.ceil(1.0 / ratio)) if is_ratio(ratio) else 1
-        probe_bandit = LayerBandit(probe, ratio, self.p_min, self.alpha_p, self.bandit_loss)
-        super().__post_init__()
-        self.p_min = float(self.p_min)
-        self.alpha_p = probe_bandit.alpha_p
-        self.backprop_depth = float(self.backprop_depth)
+
+    def check_combined(self) -> None:
+        super().check_combined()
+        # The floors alone must fit the budget: p_min * N <= layer_ratio * N for every N.
+        if self.p_min > self.layer_ratio * (1.0 + REL_TOL):
+            raise invalid("p_min", self.p_min, f"at most layer_ratio={self.layer_ratio:g} (the"
+                          " floors alone would exceed the layer budget)")  # fmt: skip
+        if self.alpha_p is None:
+            self.alpha_p = DEFAULT_ALPHA[self.bandit_loss]
 
     def layer_costs(self, num_layers: int) -> torch.Tensor | None:
         """The bandit's per-layer costs: ``None`` under the count budget, else each layer's
@@ -329,11 +324,7 @@ class TopSLSAMSpec(MethodSpec):
     name: ClassVar[str] = "top_slsam"
     label: ClassVar[str] = "TopSLSAM"
 
-    layer_ratio: float = 0.2
-
-    def __post_init__(self) -> None:
-        self.layer_ratio = check_ratio("layer_ratio", self.layer_ratio)
-        super().__post_init__()
+    layer_ratio: float = option(0.2, RATIO)
 
     def selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
         return TopKSelection(num_layers, max(1, round(self.layer_ratio * num_layers)))
@@ -341,12 +332,16 @@ class TopSLSAMSpec(MethodSpec):
 
 @dataclass(kw_only=True, eq=False)
 class SLS2SAMSpec(SLSAMSpec):
-    """SL-S2-SAM (Algorithm 4): single-step SAM on bandit-sampled layers."""
+    """SL-S2-SAM (Algorithm 4): single-step SAM on bandit-sampled layers (its schedule is
+    fixed: SL-SAM's schedule options are not its options)."""
 
     name: ClassVar[str] = "sl_s2sam"
     label: ClassVar[str] = "SLS2SAM"
-    default_schedule: ClassVar[str] = "single"
-    schedule_fixed: ClassVar[bool] = True
 
     #: SL-S2-SAM keeps the paper's method by default (only SL-SAM's default moved).
-    preset: str = "paper"
+    preset: str = option("paper", one_of(tuple(PRESETS), _PRESET_WORDS))
+    schedule: str = field(default="single", init=False)
+    sam_probability: float = field(default=0.5, init=False, repr=False)
+    sam_interval: int = field(default=5, init=False, repr=False)
+    looksam_alpha: float = field(default=0.7, init=False, repr=False)
+    dense_one_pass: bool = field(default=False, init=False, repr=False)

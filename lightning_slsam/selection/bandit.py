@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from lightning_slsam.core.seeding import Seeded, seeded_generator
-from lightning_slsam.core.validation import check_value
+from lightning_slsam.core.validation import RATIO, number
 from lightning_slsam.selection.projection import REL_TOL, kl_projection, weighted_kl_projection
 from lightning_slsam.selection.rules import LayerSelection
 
@@ -79,14 +79,14 @@ def _validated(
     if not integral or num_layers < 1:
         raise ValueError(f"num_layers={num_layers!r} is invalid: pass an int >= 1.")
     n = int(num_layers)
-    ratio = check_value("layer_ratio", layer_ratio, lambda v: 0 < v <= 1, "use a value in (0, 1].")
-    floor = check_value("p_min", p_min, lambda v: 0 < v < 1, "use a value in (0, 1), e.g. 1e-3.")
+    ratio = RATIO("layer_ratio", layer_ratio)
+    floor = number(0, 1, low_open=True, high_open=True, note=", e.g. 1e-3")("p_min", p_min)
     if floor * n > ratio * n * (1.0 + REL_TOL):
         raise ValueError(
             f"p_min={p_min!r} is too large for {n} layers at layer_ratio={ratio}: the floors "
             f"alone exceed the budget s={ratio * n:g}; use p_min <= s/N = {ratio:g}."
         )
-    step = check_value("alpha_p", alpha_p, lambda v: v >= 0, "use a finite value >= 0, e.g. 1e-3.")
+    step = number(0, note=", e.g. 1e-3")("alpha_p", alpha_p)
     return n, ratio, floor, step, loss
 
 
