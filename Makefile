@@ -15,10 +15,13 @@ export MPLBACKEND := Agg
 
 install: $(STAMP)
 
+# editable_mode=compat: the checkout on a plain .pth path, which type checkers (mypy,
+# pyright) follow; setuptools' default for this layout, an import hook, hides the package.
 $(STAMP): pyproject.toml requirements/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c requirements/constraints.txt -e ".[examples,dev,docs]"
+	$(PIP) install -q -c requirements/constraints.txt -e ".[examples,dev,docs]" \
+		--config-settings editable_mode=compat
 	touch $(STAMP)
 
 demo: install

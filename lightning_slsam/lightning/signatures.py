@@ -23,6 +23,7 @@ __all__ = [
     "accepted_options",
     "check_options",
     "shell_init",
+    "stub_init",
     "with_options_doc",
 ]
 
@@ -88,6 +89,28 @@ def shell_init(
     spec_name = cls.spec_class.__name__
     __init__.__doc__ = f"Options of {cls.__name__}: see the class and :class:`{spec_name}`."
     return __init__
+
+
+def _annotation_text(annotation: Any) -> str:
+    if isinstance(annotation, str):
+        return annotation
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
+
+
+def stub_init(cls: type) -> str:
+    """``cls.__init__`` as the source of a stub (``def __init__(self, *, ...) -> None:
+    ...``): what ``lightning/callbacks.pyi`` declares for each method class, so that type
+    checkers and IDEs see its options. The spec's fields keep their annotations as written
+    (``LayerSpec``, not its expansion)."""
+    written = {f.name: f.type for f in dataclasses.fields(cls.spec_class) if f.init}
+    lines = ["    def __init__(", "        self,", "        *,"]
+    for name, param in inspect.signature(cls.__init__).parameters.items():
+        if name != "self":
+            text = _annotation_text(written.get(name, param.annotation))
+            lines.append(f"        {name}: {text} = {param.default!r},")
+    return "\n".join([*lines, "    ) -> None: ..."])
 
 
 def _args_section(doc: str | None) -> dict[str, str]:

@@ -1,0 +1,323 @@
+"""Type stub of :mod:`lightning_slsam.lightning.callbacks`: each method class's options,
+typed and with their defaults, for type checkers and IDEs.
+
+At run time each ``__init__`` is built from the method's specification (its fields) and
+the Lightning options (``SAMCallback.__init_subclass__``); ``tests/test_typing.py`` keeps
+every ``__init__`` here equal to that one (``signatures.stub_init(cls)`` prints it).
+"""
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lightning_slsam.core.partition import LayerSpec
+from lightning_slsam.lightning.callback import SAMCallback
+from lightning_slsam.methods.presets import BANDIT_LOSSES as BANDIT_LOSSES
+from lightning_slsam.methods.presets import PRESETS as PRESETS
+from lightning_slsam.selection.bandit import LayerBandit
+
+class SAM(SAMCallback):
+    def __init__(
+        self,
+        *,
+        rho: float | None = None,
+        adaptive: bool = False,
+        adaptive_eta: float = 0.01,
+        perturbation_norm: str = "global",
+        layers: LayerSpec = "tensor",
+        always_active: Sequence[str] = (),
+        always_frozen: Sequence[str] = (),
+        head_always_active: bool = False,
+        vectors_always_active: bool = False,
+        seed: int | None = None,
+        bn_stats: str = "first",
+        replay_dropout: bool = False,
+        sync_first_pass: bool = True,
+        check_masks: bool = False,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+        accumulate_grad_batches: int = 1,
+        plot: bool = True,
+    ) -> None: ...
+
+class SparseLayerSAM(SAMCallback):
+    def __init__(
+        self,
+        *,
+        rho: float | None = None,
+        adaptive: bool = False,
+        adaptive_eta: float = 0.01,
+        perturbation_norm: str = "global",
+        layers: LayerSpec = "tensor",
+        always_active: Sequence[str] = (),
+        always_frozen: Sequence[str] = (),
+        head_always_active: bool | None = None,
+        vectors_always_active: bool | None = None,
+        seed: int | None = None,
+        bn_stats: str = "first",
+        replay_dropout: bool = False,
+        sync_first_pass: bool = True,
+        check_masks: bool = False,
+        schedule: str = "every_step",
+        sam_probability: float = 0.5,
+        sam_interval: int = 5,
+        looksam_alpha: float = 0.7,
+        dense_one_pass: bool = False,
+        layer_ratio: float = 0.2,
+        dense_warmup: int | float | None = None,
+        min_updates: int | None = None,
+        scale_updates: bool | None = None,
+        max_update_scale: float | None = None,
+        p_min: float = 0.001,
+        alpha_p: float | None = None,
+        bandit_loss: str | None = None,
+        budget: str | None = None,
+        backprop_depth: float = 1.0,
+        preset: str = "default",
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+        accumulate_grad_batches: int = 1,
+        plot: bool = True,
+    ) -> None: ...
+    @property
+    def bandit(self) -> LayerBandit: ...
+    def selection_metrics(self) -> dict[str, float]: ...
+
+class RandomSLSAM(SAMCallback):
+    def __init__(
+        self,
+        *,
+        rho: float | None = None,
+        adaptive: bool = False,
+        adaptive_eta: float = 0.01,
+        perturbation_norm: str = "global",
+        layers: LayerSpec = "tensor",
+        always_active: Sequence[str] = (),
+        always_frozen: Sequence[str] = (),
+        head_always_active: bool = False,
+        vectors_always_active: bool = False,
+        seed: int | None = None,
+        bn_stats: str = "first",
+        replay_dropout: bool = False,
+        sync_first_pass: bool = True,
+        check_masks: bool = False,
+        layer_ratio: float = 0.2,
+        dense_warmup: int | float = 0,
+        min_updates: int = 0,
+        scale_updates: bool = False,
+        max_update_scale: float | None = None,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+        accumulate_grad_batches: int = 1,
+        plot: bool = True,
+    ) -> None: ...
+
+class TopSLSAM(SAMCallback):
+    def __init__(
+        self,
+        *,
+        rho: float | None = None,
+        adaptive: bool = False,
+        adaptive_eta: float = 0.01,
+        perturbation_norm: str = "global",
+        layers: LayerSpec = "tensor",
+        always_active: Sequence[str] = (),
+        always_frozen: Sequence[str] = (),
+        head_always_active: bool = False,
+        vectors_always_active: bool = False,
+        seed: int | None = None,
+        bn_stats: str = "first",
+        replay_dropout: bool = False,
+        sync_first_pass: bool = True,
+        check_masks: bool = False,
+        layer_ratio: float = 0.2,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+        accumulate_grad_batches: int = 1,
+        plot: bool = True,
+    ) -> None: ...
+
+class S2SAM(SAM):
+    def __init__(
+        self,
+        *,
+        rho: float | None = None,
+        adaptive: bool = False,
+        adaptive_eta: float = 0.01,
+        perturbation_norm: str = "global",
+        layers: LayerSpec = "tensor",
+        always_active: Sequence[str] = (),
+        always_frozen: Sequence[str] = (),
+        head_always_active: bool = False,
+        vectors_always_active: bool = False,
+        seed: int | None = None,
+        bn_stats: str = "first",
+        replay_dropout: bool = False,
+        sync_first_pass: bool = True,
+        check_masks: bool = False,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+        accumulate_grad_batches: int = 1,
+        plot: bool = True,
+    ) -> None: ...
+
+class SLS2SAM(SparseLayerSAM):
+    def __init__(
+        self,
+        *,
+        rho: float | None = None,
+        adaptive: bool = False,
+        adaptive_eta: float = 0.01,
+        perturbation_norm: str = "global",
+        layers: LayerSpec = "tensor",
+        always_active: Sequence[str] = (),
+        always_frozen: Sequence[str] = (),
+        head_always_active: bool | None = None,
+        vectors_always_active: bool | None = None,
+        seed: int | None = None,
+        bn_stats: str = "first",
+        replay_dropout: bool = False,
+        sync_first_pass: bool = True,
+        check_masks: bool = False,
+        layer_ratio: float = 0.2,
+        dense_warmup: int | float | None = None,
+        min_updates: int | None = None,
+        scale_updates: bool | None = None,
+        max_update_scale: float | None = None,
+        p_min: float = 0.001,
+        alpha_p: float | None = None,
+        bandit_loss: str | None = None,
+        budget: str | None = None,
+        backprop_depth: float = 1.0,
+        preset: str = "paper",
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+        accumulate_grad_batches: int = 1,
+        plot: bool = True,
+    ) -> None: ...
+
+class RST(SAM):
+    def __init__(
+        self,
+        *,
+        rho: float | None = None,
+        adaptive: bool = False,
+        adaptive_eta: float = 0.01,
+        perturbation_norm: str = "global",
+        layers: LayerSpec = "tensor",
+        always_active: Sequence[str] = (),
+        always_frozen: Sequence[str] = (),
+        head_always_active: bool = False,
+        vectors_always_active: bool = False,
+        seed: int | None = None,
+        bn_stats: str = "first",
+        replay_dropout: bool = False,
+        sync_first_pass: bool = True,
+        check_masks: bool = False,
+        probability: float = 0.5,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+        accumulate_grad_batches: int = 1,
+        plot: bool = True,
+    ) -> None: ...
+
+class LookSAM(SAM):
+    def __init__(
+        self,
+        *,
+        rho: float | None = None,
+        adaptive: bool = False,
+        adaptive_eta: float = 0.01,
+        perturbation_norm: str = "global",
+        layers: LayerSpec = "tensor",
+        always_active: Sequence[str] = (),
+        always_frozen: Sequence[str] = (),
+        head_always_active: bool = False,
+        vectors_always_active: bool = False,
+        seed: int | None = None,
+        bn_stats: str = "first",
+        replay_dropout: bool = False,
+        sync_first_pass: bool = True,
+        check_masks: bool = False,
+        interval: int = 5,
+        alpha: float = 0.7,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+        accumulate_grad_batches: int = 1,
+        plot: bool = True,
+    ) -> None: ...
+
+class ESAM(SAMCallback):
+    def __init__(
+        self,
+        *,
+        rho: float | None = None,
+        adaptive: bool = False,
+        adaptive_eta: float = 0.01,
+        perturbation_norm: str = "global",
+        layers: LayerSpec = "tensor",
+        always_active: Sequence[str] = (),
+        always_frozen: Sequence[str] = (),
+        head_always_active: bool = False,
+        vectors_always_active: bool = False,
+        seed: int | None = None,
+        bn_stats: str = "first",
+        replay_dropout: bool = False,
+        sync_first_pass: bool = True,
+        check_masks: bool = False,
+        weight_ratio: float = 0.5,
+        data_ratio: float = 0.5,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+        accumulate_grad_batches: int = 1,
+        plot: bool = True,
+    ) -> None: ...
+
+class SSAMF(SAMCallback):
+    def __init__(
+        self,
+        *,
+        rho: float | None = None,
+        adaptive: bool = False,
+        adaptive_eta: float = 0.01,
+        perturbation_norm: str = "global",
+        layers: LayerSpec = "tensor",
+        always_active: Sequence[str] = (),
+        always_frozen: Sequence[str] = (),
+        head_always_active: bool = False,
+        vectors_always_active: bool = False,
+        seed: int | None = None,
+        bn_stats: str = "first",
+        replay_dropout: bool = False,
+        sync_first_pass: bool = True,
+        check_masks: bool = False,
+        sparsity: float = 0.5,
+        fisher_samples: int = 16,
+        mask_interval: int = 100,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+        accumulate_grad_batches: int = 1,
+        plot: bool = True,
+    ) -> None: ...
+
+METHODS: Mapping[str, tuple[type[SAMCallback] | None, dict[str, Any]]]
+
+def make_callback(name: str, **kwargs: Any) -> SAMCallback: ...
+def make_callbacks(name: str, **kwargs: Any) -> list[SAMCallback]: ...
+
+__all__ = [
+    "BANDIT_LOSSES",
+    "ESAM",
+    "METHODS",
+    "PRESETS",
+    "RST",
+    "S2SAM",
+    "SAM",
+    "SLS2SAM",
+    "SSAMF",
+    "LookSAM",
+    "RandomSLSAM",
+    "SparseLayerSAM",
+    "TopSLSAM",
+    "make_callback",
+    "make_callbacks",
+]
