@@ -123,8 +123,9 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
         super().__init_subclass__(**kwargs)
         # The spec's class-level facts, readable on the callback class too.
         cls.method = cls.spec_class.name
-        cls.default_schedule = cls.spec_class.__dataclass_fields__["schedule"].default
-        cls.schedule_fixed = "schedule" not in cls.spec_class.option_names()
+        schedule = cls.spec_class.__dataclass_fields__["schedule"]
+        cls.default_schedule = schedule.default or "every_step"  # SL-SAM's None: every step
+        cls.schedule_fixed = not schedule.init
         _CALLBACKS.setdefault(cls.spec_class, cls)
         if "__init__" not in cls.__dict__:
             cls.__init__ = shell_init(cls, SAMCallback.__init__, LIGHTNING_OPTIONS)  # type: ignore[method-assign]

@@ -57,7 +57,7 @@ class SparseLayerSAM(SAMCallback):
         replay_dropout: bool = False,
         sync_first_pass: bool = True,
         check_masks: bool = False,
-        schedule: str = "every_step",
+        schedule: str | None = None,
         sam_probability: float = 0.5,
         sam_interval: int = 5,
         looksam_alpha: float = 0.7,

@@ -161,11 +161,11 @@ class SLSAMSpec(LayerSubsetSpec):
             exact method) or ``"robust"``; the options left at ``None`` take its values
             (:data:`PRESETS`).
 
-        schedule: the iteration axis, SAM's steps among all: ``"every_step"`` (default),
-            ``"random"`` (RST's coin: a SAM step with chance ``sam_probability``, else a
-            plain step) or ``"interval"`` (LookSAM's: a SAM step every ``sam_interval``
-            steps, the stored SAM component reused in between with weight
-            ``looksam_alpha``). Single-step SL-SAM is :class:`SLS2SAMSpec`.
+        schedule: the iteration axis, SAM's steps among all: ``"every_step"`` (``None``,
+            the default), ``"random"`` (RST's coin: a SAM step with chance
+            ``sam_probability``, else a plain step) or ``"interval"`` (LookSAM's: a SAM
+            step every ``sam_interval`` steps, the stored SAM component reused in between
+            with weight ``looksam_alpha``). Single-step SL-SAM is :class:`SLS2SAMSpec`.
         sam_probability: with ``schedule="random"``, chance of a SAM step, in [0, 1].
         sam_interval: with ``schedule="interval"``, steps between SAM steps (>= 1).
         looksam_alpha: with ``schedule="interval"``, weight of the reused component
@@ -192,7 +192,7 @@ class SLSAMSpec(LayerSubsetSpec):
     vectors_always_active: bool | None = option(None, FLAG)  # type: ignore[assignment]
     scale_updates: bool | None = option(None, FLAG)  # type: ignore[assignment]
     preset: str = option("default", one_of(tuple(PRESETS), _PRESET_WORDS))
-    schedule: str = option("every_step", one_of(SLSAM_SCHEDULES, _SCHEDULE_WORDS))
+    schedule: str | None = option(None, one_of(SLSAM_SCHEDULES, _SCHEDULE_WORDS))  # type: ignore[assignment]
     sam_probability: float = option(0.5, number(0, 1))
     sam_interval: int = option(5, number(1, integer=True))
     looksam_alpha: float = option(0.7, number(0))
@@ -200,6 +200,8 @@ class SLSAMSpec(LayerSubsetSpec):
 
     def resolve_defaults(self) -> None:
         super().resolve_defaults()
+        if self.schedule is None:
+            self.schedule = "every_step"
         one_of(tuple(PRESETS), _PRESET_WORDS)("preset", self.preset)
         #: The options the preset decided (left at None); warnings about an option the
         #: user did not set stay quiet (a model with no fresh head under the default, say).
