@@ -156,14 +156,17 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
 
     def __getattr__(self, name: str) -> Any:
         # The method's options and derived values (``rho``, ``layer_ratio``,
-        # ``effective_ratio``, ...) are read from its spec.
+        # ``effective_ratio``, ...) are read from its spec; its methods are the spec's to
+        # call (``callback.spec.build_engine(module)``), not the callback's.
         spec = self.__dict__.get("spec") if not name.startswith("__") else None
+        missing = f"{type(self).__name__!r} object has no attribute {name!r}"
         if spec is not None and name != "spec":
-            try:
+            data = name in spec.__dict__ or name in spec.__dataclass_fields__
+            if data or isinstance(getattr(type(spec), name, None), property):
                 return getattr(spec, name)
-            except AttributeError:
-                pass
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            if callable(getattr(type(spec), name, None)):
+                missing += f"; it is the method specification's: callback.spec.{name}(...)"
+        raise AttributeError(missing)
 
     def selection_metrics(self) -> dict[str, float]:
         """Extra per-step metrics of the method's selection (the bandit's floor counts)."""
@@ -223,21 +226,6 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
             state, self._pending_state = self._pending_state, None
             self._apply_state(state)
         self._logged = self.engine.last_result  # a second fit() logs its own steps only
-
-    def build_engine(
-        self, module: torch.nn.Module, total_steps: int | None = None
-    ) -> SparseSAMEngine:
-        """This method's engine for ``module`` (what ``fit`` builds at its start).
-
-        For plain PyTorch loops and benchmarks, ``make_engine(name, module,
-        ...)`` builds the same without Lightning. ``total_steps``: the run's optimizer steps,
-        needed by options given as a fraction of the run (``dense_warmup``).
-        """
-        if total_steps is not None and not (isinstance(total_steps, int) and total_steps >= 1):
-            raise ValueError(f"`total_steps` must be None or an integer >= 1, got {total_steps!r}.")
-        return self._build_engine(
-            self.spec.partition(module, warn=rank_zero_warn), module, total_steps
-        )
 
     def _build_engine(
         self, partition: LayerPartition, module: torch.nn.Module, total_steps: int | None

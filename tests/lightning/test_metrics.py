@@ -42,7 +42,7 @@ def test_normalized_entropy_bounds():
 
 def test_engine_records_each_layers_mean_first_pass_norm(tmp_path):
     net = make_mlp()
-    engine = SparseLayerSAM(layer_ratio=0.5, seed=0).build_engine(net)
+    engine = SparseLayerSAM(layer_ratio=0.5, seed=0).spec.build_engine(net)
     x, y = make_data(16).tensors
     opt = torch.optim.SGD(net.parameters(), lr=0.0)  # weights fixed: norms are reproducible
     reference = []
