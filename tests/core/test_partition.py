@@ -1,4 +1,5 @@
-"""Layer partition: groupings, exclusions, the user's frozen tensors, tied weights."""
+"""Layer partition (:mod:`lightning_slsam.core.partition`): groupings, exclusions, the user's
+frozen tensors, tied weights, and the fresh head that stays always active."""
 
 from __future__ import annotations
 
@@ -142,3 +143,53 @@ def test_default_layer_counts_match_the_papers_models():
     assert build_partition(deit_small).num_layers == 200
     assert build_partition(roberta_base).num_layers == 201
     assert build_partition(llama_3b).num_layers == 254  # the tied lm_head counted once
+
+
+def test_head_always_active_finds_a_fresh_timm_and_transformers_head():
+    import timm
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    from lightning_slsam.core.partition import find_new_head
+
+    vit = timm.create_model(
+        "vit_tiny_patch16_224", img_size=32, patch_size=8, depth=1, num_classes=7
+    )
+    assert find_new_head(vit) == ["head.weight", "head.bias"]
+    bert = BertForSequenceClassification(
+        BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                   intermediate_size=32, vocab_size=50, num_labels=3)
+    )  # fmt: skip
+    assert find_new_head(bert) == ["classifier.weight", "classifier.bias"]
+    llama = LlamaForCausalLM(
+        LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=2, intermediate_size=32, vocab_size=50)
+    )  # fmt: skip
+    assert find_new_head(llama) == []  # a language model's lm_head is pretrained
+
+    cb = SparseLayerSAM(head_always_active=True, seed=0)
+    engine = cb.spec.build_engine(bert)
+    assert engine.partition.always_active_names == ["classifier.weight", "classifier.bias"]
+    assert "classifier.weight" not in [n for g in engine.partition.param_names for n in g]
+
+
+def test_head_always_active_uses_the_module_hook_and_warns_when_nothing_is_found():
+    class WithHook(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.out = nn.Linear(3, 3), nn.Linear(3, 2)
+
+        def sam_head_parameters(self):
+            return ["out.weight", "out.bias"]
+
+    cb = SparseLayerSAM(head_always_active=True)
+    engine = cb.spec.build_engine(WithHook())
+    assert engine.partition.always_active_names == ["out.weight", "out.bias"]
+    with pytest.warns(UserWarning, match="found no freshly initialised head"):
+        SparseLayerSAM(head_always_active=True).spec.build_engine(make_mlp())
+    with pytest.raises(ValueError, match="head_always_active"):
+        SparseLayerSAM(head_always_active="yes")

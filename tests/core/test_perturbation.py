@@ -1,0 +1,113 @@
+"""SAM's ascent and its exact undo (:mod:`lightning_slsam.core.perturbation`): the radius,
+per-layer norms, the backup, and ASAM's adaptive ascent against its reference code."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import make_data, make_mlp
+from probes import RHO, Recorder, fixed_engine, gradients, loss_closure, net_at, setup_engine
+from torch import nn
+
+from lightning_slsam import SAM, SAMPerturbation, SparseLayerSAM
+
+
+@pytest.mark.parametrize("norm", ["global", "layer"])
+def test_perturbation_has_radius_rho_and_restore_is_exact(norm):
+    net = make_mlp()
+    x, y = make_data(16).tensors
+    before = [p.detach().clone() for p in net.parameters()]
+    mask = [True, True, False, False, True, False, False, True]
+    offsets = []
+
+    def observe(module):
+        offsets.append([p.detach() - b for p, b in zip(module.parameters(), before)])
+
+    grads_ref = copy.deepcopy(net)
+    F.cross_entropy(grads_ref(x), y).backward()
+    opt = torch.optim.SGD(
+        net.parameters(), lr=0.0
+    )  # lr 0: the step must leave weights as they were
+    engine = fixed_engine(net, mask, rho=0.1, norm=norm)
+    engine.train_step(loss_closure(net, x, y, observe=observe), opt)
+
+    first, second = offsets
+    assert all(float(o.abs().max()) == 0 for o in first)
+    perturbed = [second[i] for i in range(8) if mask[i]]
+    assert all(float(second[i].abs().max()) == 0 for i in range(8) if not mask[i])
+    grads = [p.grad for i, p in enumerate(grads_ref.parameters()) if mask[i]]
+    if norm == "global":
+        total = torch.sqrt(sum(e.square().sum() for e in perturbed))
+        assert total.item() == pytest.approx(0.1, rel=1e-5)
+        gnorm = torch.sqrt(sum(g.square().sum() for g in grads))
+        for e, g in zip(perturbed, grads):
+            torch.testing.assert_close(e, 0.1 * g / gnorm, rtol=1e-4, atol=1e-7)
+    else:
+        for e, g in zip(perturbed, grads):  # one tensor per layer here
+            assert e.norm().item() == pytest.approx(0.1, rel=1e-5)
+            torch.testing.assert_close(e, 0.1 * g / g.norm(), rtol=1e-4, atol=1e-7)
+    for p, b in zip(net.parameters(), before):
+        assert torch.equal(p, b)  # exact restore, then an lr=0 step
+
+
+def test_backup_holds_only_the_active_tensors():
+    params = [nn.Parameter(torch.randn(4, 4)) for _ in range(5)]
+    grads = [torch.randn(4, 4) for _ in params[:2]]
+    pert = SAMPerturbation(0.05)
+    norms = torch.stack([g.norm() for g in grads])
+    backup = pert.perturb_(params[:2], grads, norms)
+    assert len(backup) == 2
+    assert all(b.data_ptr() != p.data_ptr() for b, p in zip(backup, params))
+
+
+def _asam_reference(net: nn.Module, grads, rho: float, eta: float, active=None):
+    """ASAM's ascent as its reference code computes it (SamsungLabs/ASAM ``ascent_step``):
+    ``T_w = |w| + eta`` for parameters named like weights, 1 for the others; one norm of
+    ``T_w g`` over all; ``e = rho * T_w^2 g / ||T_w g||``."""
+    named = list(net.named_parameters())
+    use = [active is None or active[i] for i in range(len(named))]
+    scale = [
+        (p.detach().abs() + eta) if "weight" in name else torch.ones_like(p) for name, p in named
+    ]
+    tg = [t * g for t, g, on in zip(scale, grads, use) if on]
+    norm = torch.sqrt(sum(x.square().sum() for x in tg))
+    return [
+        rho * t * t * g / norm if on else torch.zeros_like(g) for t, g, on in zip(scale, grads, use)
+    ]
+
+
+def test_asam_perturbation_follows_the_reference():
+    cb = SAM(rho=RHO, adaptive=True)
+    net, x, y, engine, opt = setup_engine(cb)
+    with torch.no_grad():
+        net[0].weight.zero_()  # a zero-valued weight tensor is still perturbed (eta)
+    rec = Recorder(net, x, y)
+    g = gradients(net, x, y)
+    w = [p.detach().clone() for p in net.parameters()]
+    engine.train_step(rec, opt)
+    expected = _asam_reference(net_at(w, net), g, RHO, 0.01)
+    for before, during, want in zip(w, rec.passes[1]["weights"], expected):
+        torch.testing.assert_close(during - before, want, atol=1e-7, rtol=1e-4)
+    zero_weight = [n for n, _ in net.named_parameters()].index("0.weight")
+    assert float((rec.passes[1]["weights"][zero_weight] - w[zero_weight]).abs().max()) > 0
+    # Biases are perturbed unscaled: rho * g / ||T g|| (not rho * |b|^2 g / ...).
+    bias = [n for n, _ in net.named_parameters()].index("3.bias")
+    ratio = (rec.passes[1]["weights"][bias] - w[bias]) / g[bias]
+    torch.testing.assert_close(ratio, ratio.flatten()[0].expand_as(ratio))
+
+
+def test_asam_on_sl_sam_perturbs_only_active_tensors_as_the_reference():
+    cb = SparseLayerSAM(rho=RHO, layer_ratio=0.4, adaptive=True, seed=2)
+    net, x, y, engine, opt = setup_engine(cb)
+    g = gradients(net, x, y)
+    w = [p.detach().clone() for p in net.parameters()]
+    rec = Recorder(net, x, y)
+    result = engine.train_step(rec, opt)
+    active = result.active_mask.tolist()
+    assert 0 < sum(active) < len(active)
+    expected = _asam_reference(net_at(w, net), g, RHO, 0.01, active)
+    for before, during, want in zip(w, rec.passes[1]["weights"], expected):
+        torch.testing.assert_close(during - before, want, atol=1e-7, rtol=1e-4)
