@@ -1,4 +1,5 @@
-"""Selection rules and wrappers: what they draw, and what the learning rule is told."""
+"""Selection rules that reshape another's draw (:mod:`lightning_slsam.selection.wrappers`):
+what DepthCut and DenseWarmup draw, and what the learning rule behind them is told."""
 
 from __future__ import annotations
 
@@ -6,7 +7,11 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
+from probes import RHO
+from torch import nn
 
+from lightning_slsam import SparseLayerSAM
 from lightning_slsam.selection.bandit import LayerBandit
 from lightning_slsam.selection.rules import LayerSelection, UniformSelection
 from lightning_slsam.selection.wrappers import DenseWarmup, DepthCut
@@ -145,3 +150,44 @@ def test_dense_warmup_rejects_bad_steps():
     for bad in (-1, 2.5, True, "10"):
         with pytest.raises(ValueError, match="steps"):
             DenseWarmup(UniformSelection(4, 0.5), bad)  # type: ignore[arg-type]
+
+
+def test_depth_cut_freezes_everything_below_the_cut_and_shortens_backprop():
+    from lightning_slsam.selection.wrappers import DepthCut
+
+    net = nn.Sequential(*[nn.Linear(3, 3) for _ in range(20)])  # 40 tensors, input first
+    cb = SparseLayerSAM(preset="paper", layer_ratio=0.2, backprop_depth=0.5, seed=1)
+    engine = cb.spec.build_engine(net)
+    assert isinstance(engine.selection, DepthCut)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    x, y = torch.randn(6, 3), torch.randint(0, 3, (6,))
+    reached = []
+    for _ in range(300):
+        result = engine.train_step(lambda: F.cross_entropy(net(x), y), opt)
+        cut = engine.selection.last_cut
+        mask = result.active_mask
+        assert not bool(mask[:cut].any()) and bool(mask.any())
+        reached.append(1 - int(torch.nonzero(mask)[0]) / 40)
+    assert 0.4 < sum(reached) / len(reached) < 0.6  # half the depth on average
+    assert engine.selection.inner.num_updates == 300  # the bandit still learns
+    state = engine.selection.state_dict()
+    again = cb.spec.build_engine(net)
+    again.selection.load_state_dict(state)
+    assert [again.selection.sample().tolist() for _ in range(5)] == [
+        engine.selection.sample().tolist() for _ in range(5)
+    ]
+
+
+def test_warmup_layer_ratio_falls_from_one_to_the_target():
+    net = nn.Sequential(*[nn.Linear(4, 4) for _ in range(25)])  # 50 tensors
+    cb = SparseLayerSAM(rho=RHO, dense_warmup=20, seed=1)
+    engine = cb.spec.build_engine(net)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 4), torch.randint(0, 4, (8,))
+    sizes = [
+        int(engine.train_step(lambda: F.cross_entropy(net(x), y), opt).active_mask.sum())
+        for _ in range(60)
+    ]
+    assert sizes[0] == 50
+    assert sum(sizes[:5]) / 5 > 40 and abs(sum(sizes[30:]) / 30 - 10) < 3
+    assert engine.selection.inner.num_updates == 60  # the bandit learns through the warm-up
