@@ -1,6 +1,6 @@
 """Trains SAM methods on CPU with 1 or 2 gloo processes and records what each rank saw.
 
-Run by tests/test_ddp.py as a separate program (DDP launchers start processes of their
+Run by tests/parallel/test_ddp.py as a separate program (DDP launchers start processes of their
 own). Every rank writes ``<out>/<tag>_rank<r>.pt`` with its per-step layer masks, bytes
 all-reduced and per-step weight checksums, and its final weights and probabilities.
 The global batch is the same whatever the number of processes: with 2 processes each

@@ -1,7 +1,7 @@
 """Trains SAM methods through Lightning's ModelParallelStrategy (FSDP2) on 2 gloo CPU
 processes, or on one process without sharding, and records what each rank saw.
 
-Run by tests/test_fsdp2.py as a separate program (the strategy starts its processes by
+Run by tests/parallel/test_fsdp2.py as a separate program (the strategy starts its processes by
 running this script again). Each rank writes ``<out>/<tag>_rank<r>.pt`` with its per-step
 layer masks and the final full (gathered) weights. The global batch is the same whatever
 the number of processes: rank r takes samples r, r + 2, ... of each 16-sample batch.

@@ -1,6 +1,6 @@
 """Runs SAM methods' engines in a plain loop under FSDP2 on 2 gloo CPU processes.
 
-Run by tests/test_fsdp2.py as a separate program. Every method trains an MLP whose linear
+Run by tests/parallel/test_fsdp2.py as a separate program. Every method trains an MLP whose linear
 layers are sharded with ``fully_shard``; each process sees its half of a 16-sample global
 batch. Beside it every process trains an unsharded copy on the whole batch (the one-process
 run). Rank r writes ``<out>/rank<r>.pt``: per method, the masks it drew, the step kinds

@@ -1,6 +1,6 @@
 """Runs SAM methods' engines in a plain loop under DDP on 2 gloo CPU processes.
 
-Run by tests/test_ddp.py as a separate program. Every method trains an MLP wrapped in
+Run by tests/parallel/test_ddp.py as a separate program. Every method trains an MLP wrapped in
 ``DistributedDataParallel`` through ``engine.train_step(..., ddp=model)``; each process sees
 its half of a 16-sample global batch. Beside it every process trains an unwrapped copy on
 the whole batch (the one-process run). Rank r writes ``<out>/rank<r>.pt``: per method, the
