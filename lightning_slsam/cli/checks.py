@@ -27,6 +27,7 @@ __all__ = [
     "check_callback_options",
     "check_sam_trainer",
     "missing_run",
+    "resolve_callback",
 ]
 
 CONFIG_FLAGS = ("-c", "--config")
@@ -103,7 +104,7 @@ def check_callback_options(args: list[str]) -> str | None:
             entry["init_args"] = {**entry["init_args"], key: yaml.safe_load(value)}
             entries[-1] = (f"{arg}={value}", entry)
     for where, entry in entries:
-        cls = _resolve(entry.get("class_path"))
+        cls = resolve_callback(entry.get("class_path"))
         if cls is None:
             continue
         try:
@@ -124,7 +125,7 @@ def _entry(item: Any) -> dict[str, Any]:
     return {"class_path": None, "init_args": {}}
 
 
-def _resolve(class_path: Any) -> type[SAMCallback] | None:
+def resolve_callback(class_path: Any) -> type[SAMCallback] | None:
     """The SAM callback class that ``class_path`` names, or ``None`` for anything else."""
     if not isinstance(class_path, str):
         return None
@@ -150,7 +151,7 @@ def check_sam_trainer(trainer: Any) -> str | None:
     listed = _get(trainer, "callbacks") or []
     listed = listed if isinstance(listed, list) else [listed]
     sam = [(k, cls) for k, entry in enumerate(listed)
-           if (cls := _resolve(_get(entry, "class_path"))) is not None]  # fmt: skip
+           if (cls := resolve_callback(_get(entry, "class_path"))) is not None]  # fmt: skip
     if len(sam) > 1:
         names = ", ".join(f"[{k}] {cls.__name__}" for k, cls in sam)
         return (
@@ -215,7 +216,7 @@ def annotate_print_config(text: str) -> str:
     listed = listed if isinstance(listed, list) else [listed]
     resolved: list[dict[str, Any]] = []  # per "- class_path:" line of a SAM callback
     for entry in listed:
-        cls = _resolve(_get(entry, "class_path"))
+        cls = resolve_callback(_get(entry, "class_path"))
         if cls is None:
             continue
         given = dict(_get(entry, "init_args") or {})
@@ -230,7 +231,7 @@ def annotate_print_config(text: str) -> str:
     for i, line in enumerate(lines):
         depth = len(line) - len(line.lstrip())
         if match := re.match(r"^(\s*)- class_path: (\S+)\s*$", line):
-            sam = _resolve(match.group(2)) is not None and resolved
+            sam = resolve_callback(match.group(2)) is not None and resolved
             current, indent = (resolved.pop(0) if sam else None), len(match.group(1))
             continue
         if current is None or (line.strip() and depth <= indent):

@@ -43,6 +43,7 @@ from lightning_slsam.cli.checks import (
     missing_run,
 )
 from lightning_slsam.cli.errors import OneLineParser, debugging, fail
+from lightning_slsam.cli.retired_options import drop_retired_options
 from lightning_slsam.lightning.compat import add_cli_subcommand, spawns_processes
 from lightning_slsam.lightning.driver import find_sam_callback
 from lightning_slsam.methods.subset import PRESET_WORDS
@@ -88,6 +89,7 @@ class SLSAMCLI(LightningCLI):
         # Parsed here rather than by the parent, which warns when `args` and sys.argv are
         # both set: with the demo config added, `args` is always set.
         argv = _with_demo_config(list(sys.argv[1:] if args is None else args))
+        argv = drop_retired_options(argv)  # configs saved by 0.2 and earlier
         problem = None if asks_help(argv) else missing_run(argv) or check_callback_options(argv)
         if problem:
             fail(problem)
