@@ -30,6 +30,7 @@ def _pure_modules() -> list[str]:
         names.append(_module_name(path))
     return names
 
+
 #: Heavy libraries that only the surfaces need (tasks, recipes, charts).
 HEAVY = ("timm", "transformers", "matplotlib", "lightning", "torchmetrics")
 
@@ -60,8 +61,10 @@ def test_no_module_outside_the_lightning_subpackages_imports_lightning():
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 found = [node.module]
             bad = [m for m in found if m.split(".")[0] in ("lightning", "pytorch_lightning")]
-            if bad or any(m.startswith(tuple(
-                f"lightning_slsam.{sub}" for sub in LIGHTNING_ALLOWED)) for m in found):
+            if bad or any(
+                m.startswith(tuple(f"lightning_slsam.{sub}" for sub in LIGHTNING_ALLOWED))
+                for m in found
+            ):
                 offenders.setdefault(name, []).extend(found)
     # The package root names the Lightning layer for static tools (loaded on first use),
     # and the top-level compare module keeps an old class path of the command line.
