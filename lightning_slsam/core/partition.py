@@ -149,6 +149,7 @@ def build_partition(
     layers: LayerSpec = "tensor",
     always_active: Sequence[str] = (),
     always_frozen: Sequence[str] = (),
+    regions: Sequence[str] = (),
 ) -> LayerPartition:
     """Partition ``model``'s trainable parameters into sampled layers.
 
@@ -160,6 +161,9 @@ def build_partition(
         always_active: regular expressions (``re.search`` on the parameter name) of
             tensors trained every step instead of being sampled.
         always_frozen: regular expressions of tensors never trained while SL-SAM runs.
+        regions: qualified names of submodules whose tensors form one layer each, whatever
+            ``layers`` says (the compiled regions of :mod:`lightning_slsam.core.regions`:
+            a compiled graph is frozen whole or not at all).
 
     Returns:
         The :class:`LayerPartition`, layers in the order their first tensor appears in
@@ -225,7 +229,8 @@ def build_partition(
             partition_frozen[0].append(param)
             partition_frozen[1].append(name)
             continue
-        key = _group_key(name, param, layers, group_patterns)
+        region = next((r for r in regions if name.startswith(f"{r}.")), None)
+        key = region if region is not None else _group_key(name, param, layers, group_patterns)
         names, params = groups.setdefault(key, ([], []))
         names.append(name)
         params.append(param)

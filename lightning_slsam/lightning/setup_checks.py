@@ -7,9 +7,16 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_slsam.core.regions import (
+    MIN_TORCH,
+    compiled_regions,
+    compiled_whole,
+    torch_guards_requires_grad,
+)
 from lightning_slsam.core.validation import check_choice, check_flag, check_int
 from lightning_slsam.lightning.compat import is_compiled
 from lightning_slsam.lightning.driver import SAMController
@@ -137,14 +144,50 @@ def check_engine(callback: Any, trainer: Any, pl_module: Any, engine: Any) -> No
             " configure_model (over the data-parallel mesh, tensor_parallel_size=1), or use"
             " strategy='ddp'. Unsharded, every process would train on its own data alone."
         )
-    varies = not engine.selection.always_all
-    if varies and is_compiled(pl_module):
+    if not engine.selection.always_all:
+        check_compiled_sampling(type(callback).__name__, pl_module, engine)
+
+
+def check_compiled_sampling(name: str, pl_module: Any, engine: Any) -> None:
+    """A method whose set of trainable layers varies, on a compiled model: each compiled
+    region must be one layer of the partition (the spec groups them so), torch must
+    re-guard graphs on ``requires_grad`` (>= 2.12), and the model must not be compiled
+    whole (one region: nothing left to sample)."""
+    regions = compiled_regions(pl_module)
+    whole = compiled_whole(pl_module) or (is_compiled(pl_module) and not regions)
+    if not whole and not regions:
+        return
+    if not torch_guards_requires_grad():
+        low = ".".join(map(str, MIN_TORCH))
         raise MisconfigurationException(
-            f"{type(callback).__name__} freezes a different set of layers every step, and"
-            " torch.compile guards on requires_grad: the compiled model would be"
-            " recompiled for each new set until torch._dynamo's recompile limit, then"
-            " run uncompiled. Train this method without torch.compile; the dense methods"
-            " (SAM, S2SAM, RST, LookSAM, SSAMF) compile once and work with it."
+            f"{name} on a compiled model needs torch >= {low} (this is {torch.__version__}):"
+            " earlier versions may reuse a compiled graph after a layer's requires_grad"
+            f" changes (pytorch#139476). Upgrade torch, or train {name} without"
+            " torch.compile."
+        )
+    partition = engine.partition
+    layer_of = {id(p): i for i, group in enumerate(partition.params) for p in group}
+    spans = [
+        {layer_of[id(p)] for p in pl_module.get_submodule(r).parameters() if id(p) in layer_of}
+        for r in regions
+    ]
+    split = [r for r, layers in zip(regions, spans) if len(layers) > 1]
+    if split:
+        raise MisconfigurationException(
+            f"{name} draws the tensors of the compiled module(s) {split} as separate layers:"
+            " each new set of frozen tensors inside a compiled graph recompiles it. Build"
+            " the engine after compiling (the callback does, at fit start), or group each"
+            " compiled module into one layer with `layers`."
+        )
+    if whole or any(len(layers) == partition.num_layers for layers in spans):
+        raise MisconfigurationException(
+            f"{name} freezes a different set of layers every step, and torch.compile guards"
+            " on requires_grad: a model compiled whole would be recompiled for each new set"
+            " until torch._dynamo's recompile limit, then run uncompiled. Compile its"
+            " repeated blocks instead (regional compilation, e.g. `for block in"
+            " model.encoder.layer: block.compile()`): each compiled block is then one layer"
+            " that is trained or frozen whole, and compiles once per state. The dense"
+            " methods (SAM, S2SAM, RST, LookSAM, SSAMF) also compile whole."
         )
 
 

@@ -97,6 +97,7 @@ class ESAMSpec(MethodSpec):
 
     name: ClassVar[str] = "esam"
     label: ClassVar[str] = "ESAM"
+    samples_layers: ClassVar[bool] = True
 
     weight_ratio: float = option(0.5, RATIO)
     data_ratio: float = option(0.5, RATIO)

@@ -34,6 +34,7 @@ from lightning_slsam.core.partition import (
     find_new_head,
 )
 from lightning_slsam.core.perturbation import PERTURBATION_NORMS, SAMPerturbation
+from lightning_slsam.core.regions import compiled_regions
 from lightning_slsam.core.running import BN_STATS
 from lightning_slsam.core.schedules import (
     EveryStep,
@@ -204,6 +205,8 @@ class MethodSpec:
     #: Options of other methods this one takes under another name (RST's ``probability``
     #: is ``sam_probability``), named when the other name is given.
     renamed: ClassVar[dict[str, str]] = {}
+    #: Whether the layers a step trains vary (each compiled region is then one layer).
+    samples_layers: ClassVar[bool] = False
 
     rho: float | None = option(
         None, number(0, low_open=True, note=" (the SAM radius; the SL-SAM paper uses 0.01)")
@@ -331,7 +334,9 @@ class MethodSpec:
         placed = [re.compile(p) for p in (*self.always_frozen, *self.always_active)]
         found = dict.fromkeys(n for n in extra if not any(p.search(n) for p in placed))
         active = [*self.always_active, *(f"^{re.escape(name)}$" for name in found)]
-        return build_partition(module, self.layers, active, self.always_frozen)
+        # A method that freezes other layers each step freezes a compiled region whole.
+        regions = compiled_regions(module) if self.samples_layers else []
+        return build_partition(module, self.layers, active, self.always_frozen, regions)
 
     def build_engine(
         self,

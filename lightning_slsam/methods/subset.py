@@ -75,6 +75,8 @@ class LayerSubsetSpec(MethodSpec):
         max_update_scale: the cap on that factor (>= 1); ``None``: ``1 / layer_ratio``.
     """
 
+    samples_layers: ClassVar[bool] = True
+
     layer_ratio: float = option(0.2, RATIO)
     dense_warmup: int | float = option(0, WARMUP)
     min_updates: int = option(0, number(0, integer=True))
@@ -325,6 +327,7 @@ class TopSLSAMSpec(MethodSpec):
 
     name: ClassVar[str] = "top_slsam"
     label: ClassVar[str] = "TopSLSAM"
+    samples_layers: ClassVar[bool] = True
 
     layer_ratio: float = option(0.2, RATIO)
 
