@@ -11,15 +11,27 @@ input needs a gradient, times grad mode) however the layers are drawn.
 Found here: submodules compiled in place (``block.compile()``, the regional compilation
 recipe) and compiled submodules placed in the model (``model.blocks[i] =
 torch.compile(block)``). A model compiled whole (``torch.compile(model)``, or the
-Trainer's compiled module) is one region: see :func:`compiled_whole`.
+Trainer's compiled module) is one region with nothing left to sample:
+:func:`compile_blocks_instead` runs such a region eagerly and compiles its repeated blocks
+(a transformer's layers) with the region's own ``torch.compile`` settings instead.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-__all__ = ["MIN_TORCH", "compiled_regions", "compiled_whole", "torch_guards_requires_grad"]
+__all__ = [
+    "MIN_TORCH",
+    "compile_blocks",
+    "compile_blocks_instead",
+    "compiled_regions",
+    "compiled_whole",
+    "repeated_blocks",
+    "torch_guards_requires_grad",
+]
 
 #: The first torch whose compiled graphs are reliably re-guarded when a parameter's
 #: ``requires_grad`` changes (pytorch#139476: earlier versions may reuse a stale graph).
@@ -27,9 +39,13 @@ MIN_TORCH = (2, 12)
 
 
 def _is_optimized(module: nn.Module) -> bool:
+    """A ``torch.compile(module)`` wrapper that still runs compiled (not handed back to
+    eager by :func:`compile_blocks_instead`)."""
     from torch._dynamo.eval_frame import OptimizedModule
 
-    return isinstance(module, OptimizedModule)
+    if not isinstance(module, OptimizedModule):
+        return False
+    return module.__dict__.get("forward") != module._orig_mod.__call__
 
 
 def _compiled_in_place(module: nn.Module) -> bool:
@@ -77,3 +93,107 @@ def torch_guards_requires_grad(version: str | None = None) -> bool:
     release = (version or torch.__version__).split("+")[0].split(".")
     major, minor = (int("".join(ch for ch in part if ch.isdigit()) or 0) for part in release[:2])
     return (major, minor) >= MIN_TORCH
+
+
+def repeated_blocks(module: nn.Module) -> list[str]:
+    """The qualified names of ``module``'s repeated blocks: the children of its largest
+    ``ModuleList``/``Sequential`` (by parameter count) whose 2+ children are all of one
+    class and hold parameters (a transformer's layers, a ResNet stage's blocks).
+
+    Example:
+        >>> class Net(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.embed = torch.nn.Linear(4, 8)
+        ...         self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        >>> repeated_blocks(Net())
+        ['layers.0', 'layers.1', 'layers.2']
+    """
+    best: list[str] = []
+    best_size = 0
+    for name, container in module.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) < 2:
+            continue
+        children = list(container.named_children())
+        if len({type(child) for _, child in children}) != 1:
+            continue
+        if any(next(child.parameters(), None) is None for _, child in children):
+            continue
+        size = sum(p.numel() for p in container.parameters())
+        if size > best_size:
+            best = [f"{name}.{key}" if name else key for key, _ in children]
+            best_size = size
+    return best
+
+
+def compile_blocks(module: nn.Module, context: Any = None, **options: Any) -> list[str]:
+    """Compile ``module``'s :func:`repeated_blocks` in place, as ``block.compile(**options)``
+    does (``context``: an existing ``torch.compile`` context to compile them with instead,
+    e.g. a compiled module's ``dynamo_ctx``). Blocks compiled already are left as they are.
+    Returns the blocks' names."""
+    blocks = repeated_blocks(module)
+    for name in blocks:
+        _compile(module.get_submodule(name), context, options)
+    return blocks
+
+
+def _compile(block: nn.Module, context: Any, options: dict[str, Any]) -> None:
+    if _is_optimized(block) or _compiled_in_place(block):
+        return
+    if context is None:
+        block.compile(**options)
+    else:  # what nn.Module.compile does, with the given context
+        block._compiled_call_impl = context(block._call_impl)
+
+
+def _context_of(compiled_call: Any) -> Any:
+    """The ``torch.compile`` context that made ``compiled_call`` (a module's in-place
+    compiled call), or ``None`` when it cannot be recovered."""
+    from torch._dynamo.eval_frame import _TorchDynamoContext
+
+    for cell in getattr(compiled_call, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, _TorchDynamoContext):
+            return value
+    return None
+
+
+def compile_blocks_instead(model: nn.Module, context: Any = None) -> dict[str, list[str]]:
+    """Regional compilation of what was compiled whole, for methods that sample layers.
+
+    Every compiled region of ``model`` that holds repeated blocks (``model`` itself when
+    ``context`` is given or it was compiled in place, and compiled submodules) runs eagerly
+    from here on, and its blocks are compiled with the region's own ``torch.compile``
+    settings instead. A region without repeated blocks stays compiled, as one layer.
+
+    Args:
+        model: the model.
+        context: the ``torch.compile`` context ``model`` itself was compiled with, when the
+            caller has already handed ``model`` back to eager (Lightning's compiled module).
+
+    Returns:
+        Each region handed back to eager (``""`` for ``model``) -> its blocks, now compiled.
+    """
+    done: dict[str, list[str]] = {}
+    blocks = repeated_blocks(model)
+    scopes = [("", model)] if context is not None or compiled_whole(model) else []
+    scopes += [(name, model.get_submodule(name)) for name in compiled_regions(model)]
+    for name, region in scopes:
+        inside = [b for b in blocks if not name or b.startswith(f"{name}.")]
+        wrapped = _is_optimized(region)
+        ctx = context if not name else None
+        if ctx is None:
+            ctx = region.dynamo_ctx if wrapped else _context_of(region._compiled_call_impl)
+        if ctx is None or len(inside) < 2:
+            continue  # a region without the model's blocks stays compiled, as one layer
+        if wrapped:
+            region.forward = region._orig_mod.__call__
+        else:
+            region._compiled_call_impl = None
+        for block in inside:
+            _compile(model.get_submodule(block), ctx, {})
+        done[name] = inside
+    return done

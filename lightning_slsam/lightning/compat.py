@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import Tensor
 
 __all__ = [
@@ -21,7 +20,6 @@ __all__ = [
     "carry_step_progress",
     "epoch_ends_with_this_batch",
     "gradient_scaler",
-    "is_compiled",
     "loss_scale_reader",
     "spawns_processes",
 ]
@@ -88,20 +86,6 @@ def automatic_scheduler_configs(raw: Any, current: list[Any]) -> list[Any]:
         a.scheduler is b.scheduler for a, b in zip(rebuilt, current)
     )
     return rebuilt if same else current
-
-
-def is_compiled(module: torch.nn.Module) -> bool:
-    """Whether ``module`` (or a submodule) runs through ``torch.compile``.
-
-    Lightning 2.6.6 marks a module given to ``trainer.fit(torch.compile(model))`` with
-    ``_compiler_ctx``; torch 2.14.1 wraps compiled submodules in
-    ``torch._dynamo.eval_frame.OptimizedModule``.
-    """
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    if getattr(module, "_compiler_ctx", None):
-        return True
-    return any(isinstance(m, OptimizedModule) for m in module.modules())
 
 
 def spawns_processes(strategy: Any) -> bool:

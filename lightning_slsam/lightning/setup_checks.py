@@ -13,12 +13,13 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_slsam.core.regions import (
     MIN_TORCH,
+    compile_blocks_instead,
     compiled_regions,
     compiled_whole,
+    repeated_blocks,
     torch_guards_requires_grad,
 )
 from lightning_slsam.core.validation import check_choice, check_flag, check_int
-from lightning_slsam.lightning.compat import is_compiled
 from lightning_slsam.lightning.driver import SAMController
 from lightning_slsam.lightning.mixin import SAMMixin
 
@@ -148,13 +149,35 @@ def check_engine(callback: Any, trainer: Any, pl_module: Any, engine: Any) -> No
         check_compiled_sampling(type(callback).__name__, pl_module, engine)
 
 
+def compile_blocks_for_sampling(name: str, pl_module: Any, info: Any) -> None:
+    """Before the layers are drawn up: a model compiled whole (``trainer.fit(torch.compile(
+    model))``, ``model.compile()``, or a compiled network inside the LightningModule) runs
+    eagerly, and its repeated blocks are compiled with the same settings instead, so that each
+    block is one layer, trained or frozen whole, whose graphs are traced once per state."""
+    compiled = getattr(pl_module, "_compiler_ctx", None)  # Lightning's compiled module
+    context = compiled.get("dynamo_ctx") if compiled else None
+    if context is not None and len(repeated_blocks(pl_module)) >= 2:
+        from lightning.pytorch.utilities.compile import to_uncompiled
+
+        to_uncompiled(pl_module)
+    else:
+        context = None
+    for region, blocks in compile_blocks_instead(pl_module, context).items():
+        info(
+            f"{name}: {region or type(pl_module).__name__} was compiled whole; its"
+            f" {len(blocks)} blocks ({blocks[0]}, ...) are compiled instead, with the same"
+            " settings, each one layer trained or frozen whole (a compiled graph is traced"
+            " for each set of frozen tensors, so a layer cannot be frozen inside one)."
+        )
+
+
 def check_compiled_sampling(name: str, pl_module: Any, engine: Any) -> None:
     """A method whose set of trainable layers varies, on a compiled model: each compiled
     region must be one layer of the partition (the spec groups them so), torch must
     re-guard graphs on ``requires_grad`` (>= 2.12), and the model must not be compiled
     whole (one region: nothing left to sample)."""
     regions = compiled_regions(pl_module)
-    whole = compiled_whole(pl_module) or (is_compiled(pl_module) and not regions)
+    whole = compiled_whole(pl_module)
     if not whole and not regions:
         return
     if not torch_guards_requires_grad():
