@@ -21,7 +21,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import EXTRA_OPTIONS, LitModel, make_mlp, rank_loader
+from helpers import EXTRA_OPTIONS, Counting, LitModel, Stack, make_mlp, rank_loader
 
 from lightning_slsam import make_callback
 from lightning_slsam.cli.command import release_process_group
@@ -50,13 +50,18 @@ class PerSample(LitModel):
 
 
 class Record(L.Callback):
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, backend: Counting | None = None) -> None:
         self.path = path
+        self.backend = backend  # --compile: the blocks' counting backend
         self.masks, self.bytes, self.checksums, self.scales = [], [], [], []
         self.validations = 0  # validation loops run, the sanity check included
 
     def on_validation_end(self, trainer, pl_module):
         self.validations += 1
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.backend is not None and trainer.global_step == trainer.max_steps // 2:
+            torch.compiler.set_stance("fail_on_recompile")  # warm-up over: no more graphs
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == len(self.checksums):
@@ -71,6 +76,7 @@ class Record(L.Callback):
         self.scales.append(scaler.get_scale() if scaler is not None else None)
 
     def on_train_end(self, trainer, pl_module):
+        torch.compiler.set_stance("default")
         sam = [cb for cb in trainer.callbacks if hasattr(cb, "engine")]
         torch.save(
             {
@@ -83,6 +89,9 @@ class Record(L.Callback):
                 "weights": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
                 "probs": sam[0].probs.clone() if sam else None,
                 "numel": [p.numel() for p in pl_module.parameters()],
+                "layer_names": sam[0].layer_names if sam else None,
+                "graphs": self.backend.graphs if self.backend else None,
+                "compiled_calls": self.backend.calls if self.backend else None,
             },
             f"{self.path}_rank{trainer.global_rank}.pt",
         )
@@ -91,6 +100,7 @@ class Record(L.Callback):
 def run(
     method: str, devices: int, strategy: str, steps: int, out: str, sync: bool, accumulate: int,
     fp16: bool, precision: str, num_nodes: int = 1, validate: bool = False,
+    compile_blocks: bool = False,
 ) -> None:  # fmt: skip
     L.seed_everything(7)
     options = {"seed": None, "sync_first_pass": sync, "accumulate_grad_batches": accumulate}
@@ -103,6 +113,8 @@ def run(
     tag += f"_{precision}" if precision != "32-true" else ""
     tag += f"_nodes{num_nodes}" if num_nodes > 1 else ""
     tag += "_val" if validate else ""
+    tag += "_compiled" if compile_blocks else ""
+    backend = Counting() if compile_blocks else None
     plugins = []
     if fp16:  # fp16 autocast with a real gradient scaler, as "16-mixed" on CUDA
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
@@ -119,7 +131,7 @@ def run(
         num_nodes=num_nodes,
         strategy=chosen,
         max_steps=steps,
-        callbacks=[c for c in (callback, Record(os.path.join(out, tag))) if c is not None],
+        callbacks=[c for c in (callback, Record(os.path.join(out, tag), backend)) if c is not None],
         logger=False,
         default_root_dir=out,
         enable_checkpointing=False,
@@ -132,7 +144,11 @@ def run(
         plugins=plugins,
         precision=None if plugins else precision,
     )
-    model = PerSample(make_mlp(seed=5))
+    model = PerSample(Stack(seed=5) if compile_blocks else make_mlp(seed=5))
+    if compile_blocks:  # regional compilation: each block one layer, trained or frozen whole
+        torch._dynamo.reset()
+        for block in model.net.blocks:
+            block.compile(backend=backend)
     model.accumulate = accumulate
     model.overflow_step = 1 if fp16 else -1
     trainer.fit(model)
@@ -150,14 +166,16 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--num-nodes", type=int, default=1, help="under torchrun, one per node")
     parser.add_argument("--validate", action="store_true", help="validate before and between steps")
+    parser.add_argument("--compile", action="store_true", help="compile the model's blocks")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True  # never fall back to eager
     for method in args.methods.split(","):
         run(
             method, args.devices, args.strategy, args.steps, args.out,
             not args.local_first_pass, args.accumulate, args.fp16, args.precision,
-            args.num_nodes, args.validate,
+            args.num_nodes, args.validate, args.compile,
         )  # fmt: skip
 
 

@@ -317,3 +317,51 @@ def two_ranks(worker: str, out) -> list[dict]:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+# -- compiled models ---------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """A residual MLP block (every block runs the same code: one compiled function)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self, dim: int = 8, depth: int = 3, classes: int = 3, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class Counting:
+    """A torch.compile backend (aot_eager: AOTAutograd, then eager kernels) that counts the
+    graphs it compiles and the calls into them."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+        self.calls = 0
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.graphs += 1
+        compiled = lookup_backend("aot_eager")(gm, example_inputs)
+
+        def run(*args):
+            self.calls += 1
+            return compiled(*args)
+
+        return run

@@ -8,7 +8,7 @@ import copy
 import lightning as L
 import pytest
 import torch
-from helpers import LitModel, loader, make_data, trainer
+from helpers import Counting, LitModel, Stack, loader, make_data, trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
@@ -19,51 +19,6 @@ from lightning_slsam.core.regions import (
     torch_guards_requires_grad,
 )
 from lightning_slsam.lightning.setup_checks import check_compiled_sampling
-
-
-class Block(nn.Module):
-    """A residual MLP block (every block runs the same code: one compiled function)."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.relu(self.fc1(x)))
-
-
-class Stack(nn.Module):
-    def __init__(self, dim: int = 8, depth: int = 3, classes: int = 3, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
-        self.head = nn.Linear(dim, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-class Counting:
-    """A torch.compile backend (aot_eager: AOTAutograd, then eager kernels) that counts the
-    graphs it compiles and the calls into them."""
-
-    def __init__(self) -> None:
-        self.graphs = 0
-        self.calls = 0
-
-    def __call__(self, gm, example_inputs):
-        from torch._dynamo.backends.registry import lookup_backend
-
-        self.graphs += 1
-        compiled = lookup_backend("aot_eager")(gm, example_inputs)
-
-        def run(*args):
-            self.calls += 1
-            return compiled(*args)
-
-        return run
 
 
 def test_compiled_regions_are_found_outermost_and_in_model_order():
@@ -137,8 +92,8 @@ def _fit(net: nn.Module, callbacks: list, steps: int) -> dict[str, torch.Tensor]
     return {n.replace("_orig_mod.", ""): p.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_regional_compile_trains_sl_sam_without_recompiles_and_equals_eager(monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+@torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+def test_regional_compile_trains_sl_sam_without_recompiles_and_equals_eager():
     torch._dynamo.reset()
     eager_net, compiled_net = Stack(), Stack()
     compiled_net.load_state_dict(eager_net.state_dict())

@@ -24,6 +24,8 @@ METHODS = [
     "sam", "slsam", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
     "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_robust",
 ]  # fmt: skip
+#: Methods trained on a model whose blocks are compiled (layer sampling: each block a layer).
+COMPILED = ["slsam", "slsam_default", "top_slsam", "esam"]
 # ESAM's data selection ranks each process's own samples: not the one-process choice.
 PER_RANK_DATA = {"esam"}
 # Methods whose step 1 runs two passes (S2-SAM, LookSAM and RST's runs reuse or skip it).
@@ -59,6 +61,10 @@ def runs(tmp_path_factory):
     _run(out, "--methods", methods, "--devices", "1", "--fp16")
     for precision in ("bf16-mixed", "bf16-true"):
         _run(out, "--methods", methods, "--devices", "2", "--precision", precision)
+    # Regional compilation: every layer-sampling method's graphs traced once per state.
+    for devices in ("2", "1"):
+        _run(out, "--methods", ",".join(COMPILED), "--devices", devices, "--compile",
+             "--steps", "8")  # fmt: skip
 
     def load(tag: str, rank: int = 0) -> dict:
         return torch.load(out / f"{tag}_rank{rank}.pt", weights_only=False)
@@ -106,6 +112,21 @@ def test_validation_before_and_between_steps_under_ddp(runs, launcher):
         assert run["checksums"] == plain["checksums"]
         assert all(torch.equal(a, b) for a, b in zip(run["masks"], plain["masks"], strict=True))
         assert all(torch.equal(run["weights"][k], w) for k, w in plain["weights"].items())
+
+
+@pytest.mark.parametrize("method", COMPILED)
+def test_compiled_blocks_under_ddp_match_one_process_without_recompiles(runs, method):
+    # 8 steps, the last 4 under fail_on_recompile (the worker): no graph was traced after
+    # warm-up, compiled graphs ran every step, on both ranks alike and as in one process.
+    r0, r1 = runs(f"{method}_ddp_fork_2_compiled", 0), runs(f"{method}_ddp_fork_2_compiled", 1)
+    assert _same_ranks(r0, r1) and r0["global_step"] == 8
+    assert r0["layer_names"][:3] == ["net.blocks.0", "net.blocks.1", "net.blocks.2"]
+    assert r0["compiled_calls"] >= 3 * 2 * 8 and 2 <= r0["graphs"] <= 8
+    if method not in PER_RANK_DATA:  # (ESAM trains every layer; it samples perturbations)
+        assert sum(not mask[:3].all() for mask in r0["masks"]) >= 4  # blocks were frozen
+        one = runs(f"{method}_ddp_fork_1_compiled")
+        assert _max_diff(r0, one) < 1e-5
+        assert all(torch.equal(a, b) for a, b in zip(r0["masks"], one["masks"], strict=True))
 
 
 def _active(record: dict, mask: torch.Tensor) -> tuple[int, int]:
