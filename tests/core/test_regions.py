@@ -14,8 +14,10 @@ from torch import nn
 
 from lightning_slsam import SAM, SparseLayerSAM, build_partition, make_engine
 from lightning_slsam.core.regions import (
+    compile_blocks_instead,
     compiled_regions,
     compiled_whole,
+    repeated_blocks,
     torch_guards_requires_grad,
 )
 from lightning_slsam.lightning.setup_checks import check_compiled_sampling
@@ -40,7 +42,34 @@ def test_compiled_regions_are_found_outermost_and_in_model_order():
     assert part.param_names[-1] == ["head._orig_mod.weight", "head._orig_mod.bias"]
 
 
-def test_only_methods_that_sample_layers_group_the_regions():
+def test_repeated_blocks_are_the_largest_stack_of_one_class():
+    net = Stack()
+    net.pair = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))  # fewer parameters
+    net.mixed = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 8))  # not one class
+    assert repeated_blocks(net) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert repeated_blocks(nn.Linear(2, 2)) == []
+
+
+@pytest.mark.parametrize("form", ["wrapper", "in_place", "child"])
+def test_a_region_compiled_whole_hands_its_blocks_to_regional_compilation(form):
+    eager, net = Stack(), Stack()
+    net.head = torch.compile(net.head, backend="aot_eager")  # no blocks in it: stays compiled
+    model: nn.Module = net
+    if form == "wrapper":
+        model = torch.compile(net, backend="aot_eager")
+    elif form == "in_place":
+        net.compile(backend="aot_eager")
+    else:
+        model = nn.Sequential(net)
+        model[0] = torch.compile(net, backend="aot_eager")
+    prefix = {"wrapper": "_orig_mod.", "in_place": "", "child": "0._orig_mod."}[form]
+    region = {"wrapper": "", "in_place": "", "child": "0"}[form]
+    blocks = [f"{prefix}blocks.{i}" for i in range(3)]
+    assert compile_blocks_instead(model) == {region: blocks}
+    assert not compiled_whole(model) and compiled_regions(model) == [*blocks, f"{prefix}head"]
+    assert compile_blocks_instead(model) == {}  # done once
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(model(x), eager(x))
     net = Stack()
     for block in net.blocks:
         block.compile()
