@@ -50,7 +50,7 @@ from lightning_slsam.lightning.setup_checks import (
     check_lightning_options,
     check_one_optimizer,
     check_saved_layers,
-    compile_blocks_for_sampling,
+    prepare_compiled,
 )
 from lightning_slsam.lightning.signatures import (
     ChecksOptions,
@@ -215,8 +215,7 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
         if self.spec.needs_total_steps():
             total = estimated_stepping_batches(trainer)
             self.spec.total_steps = int(total) if math.isfinite(total) else None
-        if self.spec.samples_layers:
-            compile_blocks_for_sampling(type(self).__name__, pl_module, rank_zero_info)
+        prepare_compiled(type(self).__name__, pl_module, self.spec.samples_layers, rank_zero_info)
         partition = self.spec.partition(pl_module, warn=rank_zero_warn)
         old = self.partition
         if self.engine is not None and old is not None and old.signature() == partition.signature():

@@ -149,12 +149,24 @@ def check_engine(callback: Any, trainer: Any, pl_module: Any, engine: Any) -> No
         check_compiled_sampling(type(callback).__name__, pl_module, engine)
 
 
-def compile_blocks_for_sampling(name: str, pl_module: Any, info: Any) -> None:
-    """Before the layers are drawn up: a model compiled whole (``trainer.fit(torch.compile(
-    model))``, ``model.compile()``, or a compiled network inside the LightningModule) runs
-    eagerly, and its repeated blocks are compiled with the same settings instead, so that each
-    block is one layer, trained or frozen whole, whose graphs are traced once per state."""
-    compiled = getattr(pl_module, "_compiler_ctx", None)  # Lightning's compiled module
+def prepare_compiled(name: str, pl_module: Any, samples_layers: bool, info: Any) -> None:
+    """Before the layers are drawn up, on a compiled model.
+
+    Lightning's compiled module (``trainer.fit(torch.compile(model))``) compiles
+    ``training_step`` too; a SAM step calls it once per pass with the engine's Python logic
+    between the passes, which torch.compile would trace in pieces, step index and all, so
+    ``training_step`` runs eagerly again and the model's ``forward`` stays compiled.
+
+    A method that samples layers (``samples_layers``) cannot freeze a layer inside a compiled
+    graph: a model compiled whole (Lightning's compiled module, ``model.compile()``, or a
+    compiled network inside the LightningModule) runs eagerly, and its repeated blocks are
+    compiled with the same settings instead, each one layer trained or frozen whole, whose
+    graphs are traced once per state."""
+    compiled = getattr(pl_module, "_compiler_ctx", None)
+    if compiled:
+        pl_module.training_step = compiled["original_training_step"]
+    if not samples_layers:
+        return
     context = compiled.get("dynamo_ctx") if compiled else None
     if context is not None and len(repeated_blocks(pl_module)) >= 2:
         from lightning.pytorch.utilities.compile import to_uncompiled

@@ -188,3 +188,18 @@ def test_resuming_compiled_sl_sam_equals_the_uninterrupted_run(tmp_path):
     assert torch.equal(full_cb.probs, resumed_cb.probs)
     for name, value in full.items():
         assert torch.equal(resumed[name], value), name
+
+
+def test_dense_sam_on_the_trainers_compiled_module_compiles_the_forward_once():
+    """Lightning compiles ``training_step`` too; the callback runs it eagerly (the SAM step's
+    logic between passes is not traced) and the model's forward stays one compiled graph."""
+    torch._dynamo.reset()
+    backend = Counting()
+    model = PerSample(Stack())
+    guard = NoRecompileAfter(4, backend)
+    _fit(torch.compile(model, backend=backend), [SAM(rho=0.05), guard])
+    assert backend.graphs == 1 and backend.calls == 2 * 12  # every pass of every step
+    assert model._compiler_ctx is not None  # the forward is still Lightning's compiled one
+    eager = PerSample(Stack())
+    _fit(eager, [SAM(rho=0.05)])
+    _assert_equal(_weights(model), _weights(eager))
