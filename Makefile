@@ -11,7 +11,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export MPLBACKEND := Agg
 
-.PHONY: install demo test lint docs docs-serve format bench bench-fsdp2 clean
+.PHONY: install demo test lint docs docs-serve format bench bench-fsdp2 bench-compile clean
 
 install: $(STAMP)
 
@@ -52,6 +52,10 @@ bench: install
 # SAM vs SL-SAM per-rank peak memory under FSDP2 and DDP (2 gloo CPU processes, ~15 min).
 bench-fsdp2: install
 	$(PY) benchmarks/fsdp2_memory.py
+
+# Eager vs torch.compile (regional, inductor) step time of AdamW, SAM, SL-SAM and the default.
+bench-compile: install
+	$(PY) benchmarks/compile_step_time.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache lightning_logs site
