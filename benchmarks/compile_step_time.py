@@ -14,8 +14,9 @@ is wrapped to count the graphs it compiles: during warm-up, and during the timed
 
     python benchmarks/compile_step_time.py                  # (or `make bench-compile`)
     # all three CPU models x 4 methods: estimated at 20-25 minutes on 2 quiet CPU cores
-    # (inductor's compile: several minutes per model; Llama's blocks compile one graph each,
-    # transformers' KV cache guarding on the layer index)
+    # (inductor's compile: several minutes per model). Models with a transformers config
+    # train with `use_cache=False`, eager and compiled alike: with a key-value cache each
+    # decoder layer compiles a graph of its own (the cache update guards on its index).
     python benchmarks/compile_step_time.py --models minilm --methods sam,slsam \\
         --backend aot_eager --steps 3 --warmup 3            # a quick check
 """
@@ -126,6 +127,11 @@ def measure(
 ) -> dict:
     """Eager and regionally compiled step times of ``names`` on ``model_name``."""
     work = make_workload(model_name, warmup + steps, device)
+    config = getattr(work.model, "config", None)
+    if getattr(config, "use_cache", False):
+        # Training needs no key-value cache, and with one every decoder layer compiles a
+        # graph of its own (the cache update guards on the layer's index): both modes off.
+        config.use_cache = False
     warm, timed = work.batches[:warmup], work.batches[warmup:]
     eager, compiled, counters, blocks = {}, {}, {}, []
     for name in names:
@@ -254,7 +260,9 @@ def render(result: dict) -> str:
         " steps is a"
         f" recompile; dynamo's recompile limit was set to {result['recompile_limit']}). Active"
         " ratio: the engine's `mean_active_ratio` over all its steps (warm-up included);"
-        " compiled, each block is one layer of the partition, so it can differ from eager.",
+        " compiled, each block is one layer of the partition, so it can differ from eager."
+        " Transformers models train with `config.use_cache = False` in both modes (a"
+        " key-value cache makes each decoder layer a graph of its own).",
         "",
         "## Checks",
         "",

@@ -215,7 +215,9 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
         if self.spec.needs_total_steps():
             total = estimated_stepping_batches(trainer)
             self.spec.total_steps = int(total) if math.isfinite(total) else None
-        prepare_compiled(type(self).__name__, pl_module, self.spec.samples_layers, rank_zero_info)
+        prepare_compiled(
+            type(self).__name__, pl_module, self.spec.samples_layers, rank_zero_info, rank_zero_warn
+        )
         partition = self.spec.partition(pl_module, warn=rank_zero_warn)
         old = self.partition
         if self.engine is not None and old is not None and old.signature() == partition.signature():

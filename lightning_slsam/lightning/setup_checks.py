@@ -149,7 +149,9 @@ def check_engine(callback: Any, trainer: Any, pl_module: Any, engine: Any) -> No
         check_compiled_sampling(type(callback).__name__, pl_module, engine)
 
 
-def prepare_compiled(name: str, pl_module: Any, samples_layers: bool, info: Any) -> None:
+def prepare_compiled(
+    name: str, pl_module: Any, samples_layers: bool, info: Any, warn: Any = None
+) -> None:
     """Before the layers are drawn up, on a compiled model.
 
     Lightning's compiled module (``trainer.fit(torch.compile(model))``) compiles
@@ -180,6 +182,17 @@ def prepare_compiled(name: str, pl_module: Any, samples_layers: bool, info: Any)
             f" {len(blocks)} blocks ({blocks[0]}, ...) are compiled instead, with the same"
             " settings, each one layer trained or frozen whole (a compiled graph is traced"
             " for each set of frozen tensors, so a layer cannot be frozen inside one)."
+        )
+    cached = [n for n, m in pl_module.named_modules() if getattr(m, "config", None) is not None
+              and getattr(m.config, "use_cache", False) is True]  # fmt: skip
+    if warn is not None and cached and compiled_regions(pl_module):
+        warn(
+            f"{name}: `{cached[0] or type(pl_module).__name__}.config.use_cache` is True on a"
+            " model with compiled blocks: a key-value cache makes each decoder layer a"
+            " compiled graph of its own (the cache update depends on the layer's index), up"
+            " to 4 per layer under layer sampling, past torch._dynamo's recompile limit (8)"
+            " on a deep model, after which the blocks run uncompiled. Training needs no"
+            " cache: set `model.config.use_cache = False`."
         )
 
 

@@ -178,3 +178,25 @@ def test_fit_warnings_are_silenced_between_add_and_remove_only():
         )
     assert [str(w.message)[-1] for w in caught] == ["b", "c"]  # other categories, and after
     assert warnings.filters == before
+
+
+def test_a_key_value_cache_on_compiled_blocks_is_warned_about_with_the_fix():
+    from types import SimpleNamespace
+
+    from helpers import Stack
+
+    from lightning_slsam.lightning.setup_checks import prepare_compiled
+
+    for use_cache, compiled in ((True, True), (False, True), (True, False)):
+        model = LitModel(Stack())
+        model.net.config = SimpleNamespace(use_cache=use_cache)  # a transformers config
+        if compiled:
+            for block in model.net.blocks:
+                block.compile(backend="aot_eager")
+        warnings: list[str] = []
+        prepare_compiled("SparseLayerSAM", model, True, lambda _: None, warnings.append)
+        if use_cache and compiled:
+            assert len(warnings) == 1 and "`net.config.use_cache` is True" in warnings[0]
+            assert "set `model.config.use_cache = False`" in warnings[0]
+        else:
+            assert warnings == []
