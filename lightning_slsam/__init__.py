@@ -46,6 +46,7 @@ _LIGHTNING_MODULES = (
     "lightning_slsam.lightning.callbacks",
     "lightning_slsam.lightning.callback",
     "lightning_slsam.lightning.mixin",
+    "lightning_slsam.lightning.fabric",
 )
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
         make_callback,
         make_callbacks,
     )
+    from lightning_slsam.lightning.fabric import FabricSAM
     from lightning_slsam.lightning.mixin import SAMMixin
 
 
@@ -101,6 +103,7 @@ __all__ = [
     "DepthCut",
     "EveryStep",
     "ExpandToAll",
+    "FabricSAM",
     "FisherMask",
     "IntervalSchedule",
     "LayerBandit",

@@ -1,0 +1,344 @@
+"""SAM methods in a Lightning Fabric loop: :class:`FabricSAM`.
+
+Fabric users write their own loop; Fabric brings the strategy (DDP, FSDP2 through
+``ModelParallelStrategy``), the precision plugin, and checkpointing. :class:`FabricSAM`
+runs one SAM step of any method of the registry over the model and optimizer that
+``fabric.setup`` returned:
+
+- both gradient passes back-propagate through ``fabric.backward`` (the precision plugin's
+  loss scaling included; the engine reads the scale to unscale its norms);
+- under DDP the step runs inside ``fabric.no_backward_sync(model)`` and the engine averages
+  the active layers' gradients itself (DDP would all-reduce frozen buckets too); under FSDP2
+  the parameters' own reduce-scatter averages them, nothing is skipped;
+- the optimizer steps once, through Fabric's optimizer (a gradient scaler skips and backs
+  off on an overflow), after clipping with ``fabric.clip_gradients``;
+- gradient accumulation: :meth:`FabricSAM.step` takes several micro-batches, and each pass
+  runs over all of them before the step;
+- its state (``state_dict``/``load_state_dict``) goes into ``fabric.save`` / ``fabric.load``
+  next to the model and optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_slsam.core.contract import (
+    PER_SAMPLE_NEEDED,
+    PassOutput,
+    StepContext,
+    StepResult,
+    split_per_sample,
+)
+from lightning_slsam.core.engine import SparseSAMEngine
+from lightning_slsam.lightning.compat import loss_scale_reader
+from lightning_slsam.lightning.mixin import _first_tensor, _subset
+from lightning_slsam.lightning.setup_checks import check_saved_layers
+from lightning_slsam.methods.registry import lookup, method_spec
+from lightning_slsam.methods.spec import MethodSpec, default_seed
+from lightning_slsam.parallel.ddp import GradientAverager
+
+__all__ = ["FabricSAM"]
+
+#: Fabric strategies whose wrapping SAM cannot run (flat parameters, ZeRO partitions, XLA).
+_REFUSED = {
+    "FSDPStrategy": "FSDP1 flattens parameters into flat buffers, so a layer cannot be frozen"
+    " or perturbed alone",
+    "DeepSpeedStrategy": "DeepSpeed fixes which parameters train when it initialises, reduces"
+    " the gradients of all of them itself and runs the optimizer step SAM must control",
+    "XLAStrategy": "XLA's lazy tensors are not supported",
+    "XLAFSDPStrategy": "XLA's lazy tensors are not supported",
+}
+
+
+def _names(obj: Any) -> set[str]:
+    return {cls.__name__ for cls in type(obj).__mro__}
+
+
+class _FabricPasses:
+    """The engine's ``forward_backward`` over a step's micro-batches, back-propagating
+    through ``fabric.backward``; each micro-batch's loss counts ``1/len(batches)``."""
+
+    def __init__(
+        self, fabric: Any, loss_fn: Callable[[Any], Tensor], batches: list[Any],
+        needs_per_sample: bool,
+    ) -> None:  # fmt: skip
+        self.fabric, self.loss_fn, self.batches = fabric, loss_fn, batches
+        self.needs_per_sample = needs_per_sample
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        sizes = []
+        for batch in self.batches:
+            first = _first_tensor(batch)
+            sizes.append(int(first.shape[0]) if first is not None and first.dim() else 1)
+        return sizes
+
+    def __call__(
+        self, subsets: list[Tensor] | None = None, backward: bool = True, loss_scale: float = 1.0
+    ) -> PassOutput:
+        scale = loss_scale / len(self.batches)
+        total: Tensor | None = None
+        per_sample: list[Tensor | None] = []
+        for i, batch in enumerate(self.batches):
+            index = subsets[i] if subsets is not None else None
+            if index is not None and index.numel() == 0:
+                per_sample.append(None)
+                continue
+            if index is not None:
+                batch = _subset(batch, index, self.batch_sizes[i])
+            with torch.set_grad_enabled(backward and torch.is_grad_enabled()):
+                loss, samples = split_per_sample(self.loss_fn(batch))
+            if samples is None and self.needs_per_sample:
+                raise ValueError(PER_SAMPLE_NEEDED)  # before any backward
+            per_sample.append(samples)
+            loss = loss * scale if scale != 1.0 else loss
+            if backward and loss.requires_grad:  # False when no active layer reaches it
+                self.fabric.backward(loss)
+            loss = loss.detach()
+            total = loss if total is None else total + loss
+        assert total is not None, "every micro-batch of a pass was skipped"
+        return PassOutput(total, per_sample)
+
+
+class FabricSAM:
+    """A SAM method of the registry in a Lightning Fabric loop.
+
+    Args:
+        fabric: the launched ``lightning.fabric.Fabric``.
+        model: the model returned by ``fabric.setup`` (or ``fabric.setup_module``).
+        optimizer: the optimizer returned by ``fabric.setup`` (or
+            ``fabric.setup_optimizers``), over the model's parameters. Under
+            ``ModelParallelStrategy`` (FSDP2) sharding replaces the parameters, so the order
+            is: ``model = fabric.setup_module(model)`` (the strategy's ``parallelize_fn``
+            applies ``fully_shard``), then the optimizer over ``model.parameters()``, then
+            ``optimizer = fabric.setup_optimizers(optimizer)``.
+        method: a method name of :data:`~lightning_slsam.METHODS` (``"slsam"`` is the
+            paper's SL-SAM, ``"slsam_default"`` the plugin's default, ``"sam"``, ...) or a
+            :class:`~lightning_slsam.methods.spec.MethodSpec`.
+        gradient_clip_val: clip the update gradient with ``fabric.clip_gradients``
+            (``None`` or 0: no clipping).
+        gradient_clip_algorithm: ``"norm"`` (``max_norm``) or ``"value"`` (``clip_val``).
+        total_steps: the run's optimizer steps, for options given as a fraction of the run.
+        **options: the method's options (``layer_ratio``, ``rho``, ``seed``, ...).
+
+    Example::
+
+        fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp")
+        fabric.launch()
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters()))
+        sam = FabricSAM(fabric, model, optimizer, "slsam", layer_ratio=0.2)
+        for x, y in fabric.setup_dataloaders(loader):
+            result = sam.step(lambda batch: F.cross_entropy(model(batch[0]), batch[1]), (x, y))
+        fabric.save("ckpt.pt", {"model": model, "optimizer": optimizer, "sam": sam})
+
+    Under FSDP2 (``fully_shard`` over the data-parallel mesh)::
+
+        def parallelize(module, mesh):
+            for layer in module.layers:
+                fully_shard(layer, mesh=mesh["data_parallel"])
+            return fully_shard(module, mesh=mesh["data_parallel"])
+
+        strategy = ModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=1)
+        fabric = L.Fabric(accelerator="cuda", devices=2, strategy=strategy)
+        fabric.launch()
+        model = fabric.setup_module(model)  # sharded: new parameters
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+        sam = FabricSAM(fabric, model, optimizer, "slsam", layer_ratio=0.2)
+    """
+
+    def __init__(
+        self,
+        fabric: Any,
+        model: Any,
+        optimizer: Any,
+        method: str | MethodSpec = "slsam",
+        *,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+        total_steps: int | None = None,
+        **options: Any,
+    ) -> None:
+        from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
+
+        if not _is_fabric(fabric):
+            raise TypeError(
+                f"FabricSAM takes the Fabric object first, got {type(fabric).__name__}:"
+                " `FabricSAM(fabric, model, optimizer, 'slsam')`."
+            )
+        if not isinstance(model, _FabricModule):
+            raise TypeError(
+                f"FabricSAM needs the model that fabric.setup returned, got"
+                f" {type(model).__name__}: `model, optimizer = fabric.setup(model, optimizer)`"
+                " first, then `FabricSAM(fabric, model, optimizer, ...)`."
+            )
+        if not isinstance(optimizer, _FabricOptimizer):
+            raise TypeError(
+                f"FabricSAM needs the optimizer that fabric.setup returned, got"
+                f" {type(optimizer).__name__}: `model, optimizer = fabric.setup(model,"
+                " optimizer)`."
+            )
+        strategy = fabric.strategy
+        refused = sorted(_names(strategy) & set(_REFUSED))
+        if refused:
+            raise ValueError(
+                f"FabricSAM does not support {type(strategy).__name__}: {_REFUSED[refused[0]]}."
+                " Use strategy='ddp' (any precision, accumulation and clipping), FSDP2 through"
+                " ModelParallelStrategy (fully_shard in its parallelize_fn), or one device."
+            )
+        if gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(
+                "`gradient_clip_algorithm` must be 'norm' or 'value', got"
+                f" {gradient_clip_algorithm!r}."
+            )
+        clip = gradient_clip_val
+        if clip is not None and not (isinstance(clip, (int, float)) and clip >= 0):
+            raise ValueError(f"`gradient_clip_val` must be None or a number >= 0, got {clip!r}.")
+        self.fabric, self.model, self.optimizer = fabric, model, optimizer
+        self.gradient_clip_val, self.gradient_clip_algorithm = clip, gradient_clip_algorithm
+        self.method = method if isinstance(method, str) else type(method).name
+        self.spec = _spec(method, options)
+        seed = self.spec.seed if self.spec.seed is not None else default_seed()
+        if fabric.world_size > 1:  # every process draws the same layers: rank 0's seed
+            seed = fabric.broadcast(seed)
+        module = model.module
+        self.partition = self.spec.partition(module)
+        self.engine: SparseSAMEngine = self.spec.build_engine(
+            module, total_steps=total_steps, seed=seed, partition=self.partition
+        )
+        self._check_parameters(module)
+        self.ddp = fabric.world_size > 1 and "DDPStrategy" in _names(strategy)
+        sharded = "ModelParallelStrategy" in _names(strategy)
+        if sharded and fabric.world_size > 1 and not self.engine.freezer.sharded:
+            raise ValueError(
+                "FabricSAM under ModelParallelStrategy needs the model sharded with FSDP2,"
+                " but no parameter is a sharded DTensor: apply fully_shard in the strategy's"
+                " parallelize_fn, or use strategy='ddp'."
+            )
+        self.averager = GradientAverager() if fabric.world_size > 1 else None
+        self._checked_draw = False
+
+    def _check_parameters(self, module: torch.nn.Module) -> None:
+        """The optimizer updates the tensors the engine freezes and perturbs."""
+        engine_params = {id(p) for group in self.partition.params for p in group}
+        opt_params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if not opt_params or any(id(p) not in engine_params for p in opt_params):
+            raise ValueError(
+                "FabricSAM: the optimizer holds tensors that are not the model's parameters:"
+                " create the optimizer over `model.parameters()` and pass both to"
+                " `fabric.setup(model, optimizer)` together. Under ModelParallelStrategy"
+                " (FSDP2), sharding replaces the parameters: `model ="
+                " fabric.setup_module(model)` first, then `optimizer ="
+                " fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))`."
+            )
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self, loss_fn: Callable[[Any], Tensor], *batches: Any) -> StepResult:
+        """One optimizer step of the method over ``batches`` (several: accumulated).
+
+        Args:
+            loss_fn: ``loss_fn(batch)`` runs the model on ``batch`` and returns the loss --
+                a scalar, or a 1-D tensor of per-sample losses (averaged for the update;
+                ESAM chooses samples by them). Called once per pass and micro-batch; methods
+                that address single samples call it on a subset of the batch's samples.
+            *batches: the step's micro-batches (one for no accumulation).
+
+        Returns:
+            The step's record (:class:`~lightning_slsam.StepResult`): ``loss`` (the first
+            pass's, averaged over micro-batches), ``active_mask``, ``kind``, ``skipped``...
+        """
+        if not batches:
+            raise ValueError("FabricSAM.step needs at least one batch: `sam.step(loss_fn, batch)`.")
+        passes = _FabricPasses(self.fabric, loss_fn, list(batches), self.engine.needs_per_sample)
+        scaler = getattr(self.fabric.strategy.precision, "scaler", None)
+        context = StepContext(
+            grad_scale=loss_scale_reader(scaler),
+            averager=self.averager,
+            check_draw=self.averager is not None and not self._checked_draw,
+        )
+        self._checked_draw = True
+        no_sync = self.fabric.no_backward_sync(self.model) if self.ddp else nullcontext()
+        with no_sync:
+            return self.engine.step(
+                passes, self._zero_grad, lambda skip: self._optimizer_step(skip, scaler), context
+            )
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _optimizer_step(self, skip: bool, scaler: Any) -> None:
+        if skip:
+            if scaler is not None:
+                # The gradient scaler must still back off: hand it an infinite gradient so
+                # that it skips the optimizer and lowers its scale.
+                param = next(p for g in self.optimizer.param_groups for p in g["params"])
+                param.grad = torch.full_like(param, float("inf"))
+                self.optimizer.step()
+            return
+        clip = self.gradient_clip_val
+        if clip:
+            if self.gradient_clip_algorithm == "norm":
+                self.fabric.clip_gradients(
+                    self.model, self.optimizer, max_norm=clip, error_if_nonfinite=False
+                )
+            else:
+                self.fabric.clip_gradients(self.model, self.optimizer, clip_val=clip)
+        self.optimizer.step()
+
+    # -- state, for fabric.save / fabric.load --------------------------------------------
+    @property
+    def name(self) -> str:
+        return f"FabricSAM({self.spec.label})"
+
+    def state_dict(self) -> dict[str, Any]:
+        """The method's state (selection, counters, generators, a method's own parts)."""
+        return {
+            "method": self.method,
+            "engine": self.engine.state_dict(),
+            "layer_names": self.partition.names,
+            "layer_tensors": self.partition.signature(),
+            "config": self.spec.hyperparameters(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; refuses a checkpoint of other layers."""
+        check_saved_layers(self, state.get("layer_tensors"), self.partition.signature(),
+                           (state.get("config") or {}).get("preset"))  # fmt: skip
+        engine_state = dict(state["engine"])
+        engine_state["selection"] = self.spec.adopt_selection_state(
+            engine_state["selection"], self.engine.selection.state_dict(), _warn
+        )
+        self.engine.load_state_dict(engine_state)
+
+
+def _spec(method: str | MethodSpec, options: dict[str, Any]) -> MethodSpec:
+    if isinstance(method, MethodSpec):
+        if options:
+            raise TypeError(
+                f"FabricSAM takes options with a method name, not with a MethodSpec (got"
+                f" {sorted(options)}): set them on the spec."
+            )
+        return method
+    spec_class, _ = lookup(method)  # a ValueError naming the closest method
+    if spec_class is None:
+        raise ValueError(
+            f"Method {method!r} is plain AdamW, which needs no FabricSAM: call"
+            " `fabric.backward(loss)` and `optimizer.step()`."
+        )
+    return method_spec(method, **options)
+
+
+def _is_fabric(obj: Any) -> bool:
+    from lightning.fabric import Fabric
+
+    return isinstance(obj, Fabric)
+
+
+def _warn(message: str) -> None:
+    from lightning.fabric.utilities import rank_zero_warn
+
+    rank_zero_warn(message)

@@ -1,0 +1,177 @@
+"""FabricSAM on one device: the Trainer path's result for every method, accumulation,
+clipping, bfloat16, a stop and resume through fabric.save / fabric.load, and bad input
+refused before any weight changes."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import EXTRA_OPTIONS, LitModel, loader, make_data, make_mlp, trainer
+
+from lightning_slsam import FabricSAM, make_callback
+
+#: Every method of the comparison, by name, and the plugin's own presets.
+METHODS = [
+    "sam", "slsam", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
+    "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_depth", "slsam_robust",
+    "slsam_default",
+]  # fmt: skip
+STEPS = 4
+BATCH = 16
+
+
+class PerSample(LitModel):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y, reduction="none")
+
+
+def _options(method: str, **extra) -> dict:
+    return {"seed": 3, **EXTRA_OPTIONS.get(method, {}), **extra}
+
+
+def _weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n.removeprefix("net."): p.detach().clone() for n, p in module.named_parameters()}
+
+
+def fabric_run(method, accumulate=1, clip=None, algorithm="norm", precision="32-true",
+               steps=STEPS, **options):  # fmt: skip
+    """SAM through FabricSAM on one CPU device; the batches as the Trainer's loader."""
+    L.seed_everything(7)
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision=precision)
+    net = make_mlp(seed=5)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01)
+    model, optimizer = fabric.setup(net, optimizer)
+    sam = FabricSAM(fabric, model, optimizer, method, gradient_clip_val=clip,
+                    gradient_clip_algorithm=algorithm, total_steps=steps,
+                    **_options(method, **options))  # fmt: skip
+    batches = list(loader(make_data(BATCH * steps), BATCH // accumulate))
+    results = []
+
+    def loss_fn(batch):
+        x, y = batch
+        return F.cross_entropy(model(x), y, reduction="none")
+
+    for i in range(steps):
+        results.append(sam.step(loss_fn, *batches[i * accumulate : (i + 1) * accumulate]))
+    return _weights(model.module), sam, results
+
+
+def trainer_run(method, accumulate=1, clip=None, algorithm="norm", precision="32-true",
+                steps=STEPS, **options):  # fmt: skip
+    L.seed_everything(7)
+    model = PerSample(make_mlp(seed=5))
+    callback = make_callback(method, accumulate_grad_batches=accumulate, gradient_clip_val=clip,
+                             gradient_clip_algorithm=algorithm,
+                             **_options(method, **options))  # fmt: skip
+    fit = trainer(callbacks=[callback], max_steps=steps, limit_val_batches=0, precision=precision)
+    fit.fit(model, loader(make_data(BATCH * steps), BATCH // accumulate))
+    return _weights(model), callback
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in b)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_fabric_equals_the_trainer_path(method):
+    weights, sam, results = fabric_run(method)
+    expected, callback = trainer_run(method)
+    assert _max_diff(weights, expected) < 1e-6
+    assert sam.engine.counts.tolist() == callback.engine.counts.tolist()
+    assert sam.engine.num_steps == STEPS and len(results) == STEPS
+    start = _weights(make_mlp(seed=5))
+    assert _max_diff(weights, start) > 1e-3  # it trained
+
+
+@pytest.mark.parametrize("method", ["sam", "slsam", "esam"])
+def test_accumulation_and_clipping_equal_the_trainer_path(method):
+    for options in ({"accumulate": 2}, {"clip": 0.05}, {"clip": 0.01, "algorithm": "value"},
+                    {"accumulate": 2, "clip": 0.05}):  # fmt: skip
+        weights, _, _ = fabric_run(method, **options)
+        expected, _ = trainer_run(method, **options)
+        assert _max_diff(weights, expected) < 1e-6, options
+    unclipped, _, _ = fabric_run(method)
+    assert _max_diff(fabric_run(method, clip=0.05)[0], unclipped) > 1e-4  # clipping acted
+
+
+@pytest.mark.parametrize("method", ["sam", "slsam", "slsam_default"])
+def test_bfloat16_mixed_is_within_the_trainer_paths_tolerance(method):
+    weights, _, _ = fabric_run(method, precision="bf16-mixed")
+    full, _, _ = fabric_run(method)
+    expected, _ = trainer_run(method, precision="bf16-mixed")
+    assert _max_diff(weights, expected) < 1e-6  # the same bfloat16 arithmetic
+    assert _max_diff(weights, full) < 3e-2  # the DDP tests' bfloat16 tolerance
+
+
+def test_fabric_save_and_load_resume_bit_for_bit(tmp_path):
+    steps = 6
+    full, full_sam, _ = fabric_run("slsam", steps=steps)
+
+    def run(start: int, stop: int, load: bool):
+        L.seed_everything(7)
+        fabric = L.Fabric(accelerator="cpu", devices=1)
+        net = make_mlp(seed=5)
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01)
+        model, optimizer = fabric.setup(net, optimizer)
+        sam = FabricSAM(fabric, model, optimizer, "slsam", total_steps=steps, seed=3)
+        state = {"model": model, "optimizer": optimizer, "sam": sam}
+        if load:
+            fabric.load(tmp_path / "ckpt.pt", state)
+        batches = list(loader(make_data(BATCH * steps), BATCH))
+        for i in range(start, stop):
+            x, y = batches[i]
+            sam.step(lambda b: F.cross_entropy(model(b[0]), b[1], reduction="none"), (x, y))
+        if not load:
+            fabric.save(tmp_path / "ckpt.pt", state)
+        return _weights(model.module), sam
+
+    run(0, 3, load=False)
+    resumed, sam = run(3, steps, load=True)
+    assert all(torch.equal(resumed[k], full[k]) for k in full)
+    assert torch.equal(sam.engine.counts, full_sam.engine.counts)
+    assert torch.equal(sam.engine.selection.probs, full_sam.engine.selection.probs)
+
+
+def test_bad_input_is_refused_naming_the_fix_before_any_weight_changes():
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    net = make_mlp(seed=5)
+    before = _weights(net)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    with pytest.raises(TypeError, match=r"fabric\.setup\(model, optimizer\)` first"):
+        FabricSAM(fabric, net, optimizer, "slsam")
+    with pytest.raises(TypeError, match=r"takes the Fabric object first"):
+        FabricSAM(net, net, optimizer, "slsam")
+    model, fabric_opt = fabric.setup(net, optimizer)
+    with pytest.raises(TypeError, match=r"optimizer that fabric\.setup returned"):
+        FabricSAM(fabric, model, optimizer, "slsam")
+    with pytest.raises(ValueError, match=r"Unknown method 'slsm'.*Did you mean 'slsam'"):
+        FabricSAM(fabric, model, fabric_opt, "slsm")
+    with pytest.raises(ValueError, match=r"plain AdamW, which needs no FabricSAM"):
+        FabricSAM(fabric, model, fabric_opt, "adamw")
+    with pytest.raises(ValueError, match=r"`layer_ratio` must be in \(0, 1\], got 1\.5"):
+        FabricSAM(fabric, model, fabric_opt, "slsam", layer_ratio=1.5)
+    with pytest.raises(ValueError, match=r"`gradient_clip_algorithm` must be 'norm' or 'value'"):
+        FabricSAM(fabric, model, fabric_opt, "slsam", gradient_clip_algorithm="l2")
+    other = fabric.setup_optimizers(torch.optim.AdamW(make_mlp().parameters()))
+    with pytest.raises(ValueError, match=r"not the model's parameters"):
+        FabricSAM(fabric, model, other, "slsam")
+    sam = FabricSAM(fabric, model, fabric_opt, "esam", seed=3)
+    with pytest.raises(ValueError, match=r"per-sample"):  # ESAM without per-sample losses
+        x, y = make_data(16)[:]
+        sam.step(lambda b: F.cross_entropy(model(b[0]), b[1]), (x, y))
+    assert all(torch.equal(before[k], v) for k, v in _weights(net).items())
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
+def test_strategies_sam_cannot_run_are_refused(strategy, monkeypatch):
+    # The refusal goes by the strategy's class: stand-ins of FSDP1 and DeepSpeed.
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    model, optimizer = fabric.setup(make_mlp(), torch.optim.AdamW(make_mlp().parameters()))
+    name = {"fsdp": "FSDPStrategy", "deepspeed": "DeepSpeedStrategy"}[strategy]
+    stand_in = type(name, (type(fabric.strategy),), {})
+    monkeypatch.setattr(fabric._strategy, "__class__", stand_in)
+    with pytest.raises(ValueError, match=rf"does not support {name}.*strategy='ddp'"):
+        FabricSAM(fabric, model, optimizer, "slsam")
