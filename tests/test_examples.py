@@ -73,3 +73,17 @@ def test_esam_config_trains_the_demo_task_through_the_cli(tmp_path, capsys):
     assert "ESAM mean active ratio" in out
     ratio = float(out.split("ESAM mean active ratio: ")[1].split("x")[0])
     assert 1.0 < ratio < 2.0  # half the layers in the first pass, all in the second
+
+
+def test_the_fabric_example_trains_saves_and_resumes(tmp_path):
+    fabric_text = _load("fabric_text")
+    common = ["--num-train", "64", "--num-val", "32", "--batch-size", "8", "--out", str(tmp_path)]
+    first = fabric_text.main(["--steps", "3", *common])
+    assert first["steps"] == 3 and 0 < first["mean_active_ratio"] < 2.0
+    import torch
+
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert saved["step"] == 3 and saved["sam"]["engine"]["num_steps"] == 3
+    resumed = fabric_text.main(["--steps", "5", "--resume", str(tmp_path / "last.ckpt"), *common])
+    assert resumed["steps"] == 5
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["sam"]["engine"]["num_steps"] == 5

@@ -223,10 +223,11 @@ class FabricSAM:
         self._checked_draw = False
 
     def _check_parameters(self, module: torch.nn.Module) -> None:
-        """The optimizer updates the tensors the engine freezes and perturbs."""
-        engine_params = {id(p) for group in self.partition.params for p in group}
+        """The optimizer updates the model's current tensors, which the engine freezes and
+        perturbs (not tensors FSDP2 replaced when it sharded the model, nor another model's)."""
+        model_params = {id(p) for p in module.parameters()}
         opt_params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        if not opt_params or any(id(p) not in engine_params for p in opt_params):
+        if not opt_params or any(id(p) not in model_params for p in opt_params):
             raise ValueError(
                 "FabricSAM: the optimizer holds tensors that are not the model's parameters:"
                 " create the optimizer over `model.parameters()` and pass both to"
