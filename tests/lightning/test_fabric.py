@@ -175,3 +175,29 @@ def test_strategies_sam_cannot_run_are_refused(strategy, monkeypatch):
     monkeypatch.setattr(fabric._strategy, "__class__", stand_in)
     with pytest.raises(ValueError, match=rf"does not support {name}.*strategy='ddp'"):
         FabricSAM(fabric, model, optimizer, "slsam")
+
+
+def test_float16_overflow_skips_the_step_and_backs_the_scaler_off():
+    from lightning.fabric.plugins import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    fabric = L.Fabric(accelerator="cpu", devices=1,
+                      plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])  # fmt: skip
+    net = make_mlp(seed=5)
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    sam = FabricSAM(fabric, model, optimizer, "slsam", seed=3)
+    seen = []
+    for step, batch in enumerate(list(loader(make_data(48), BATCH))):
+        calls = []
+
+        def loss_fn(b, step=step, calls=calls):
+            calls.append(1)
+            losses = F.cross_entropy(model(b[0]), b[1], reduction="none")
+            overflow = step == 1 and len(calls) == 2  # step 1's second pass
+            return losses * float("inf") if overflow else losses
+
+        before = _weights(net)
+        result = sam.step(loss_fn, batch)
+        changed = any(not torch.equal(before[k], v) for k, v in _weights(net).items())
+        seen.append((result.skipped, scaler.get_scale(), changed))
+    assert seen == [(False, 2.0**10, True), (True, 2.0**9, False), (False, 2.0**9, True)]
