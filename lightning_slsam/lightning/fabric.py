@@ -149,6 +149,19 @@ class FabricSAM:
         model = fabric.setup_module(model)  # sharded: new parameters
         optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
         sam = FabricSAM(fabric, model, optimizer, "slsam", layer_ratio=0.2)
+
+    One step on one CPU device:
+
+        >>> import lightning as L
+        >>> import torch.nn.functional as F
+        >>> fabric = L.Fabric(accelerator="cpu", devices=1)
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        >>> model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+        >>> sam = FabricSAM(fabric, model, optimizer, "slsam", layer_ratio=0.5, seed=0)
+        >>> x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+        >>> result = sam.step(lambda batch: F.cross_entropy(model(batch[0]), batch[1]), (x, y))
+        >>> result.kind, bool(result.active_mask.all())  # two passes over a sampled subset
+        ('sam', False)
     """
 
     def __init__(

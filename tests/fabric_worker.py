@@ -1,0 +1,251 @@
+"""Trains SAM methods through :class:`~lightning_slsam.FabricSAM` in a Lightning Fabric loop
+and records what each rank saw.
+
+Run by tests/parallel/test_fabric_parallel.py as a separate program: with ``--devices 2``
+Fabric's launcher starts the second process by running this script again. The cases named
+by ``--cases`` run one after the other in the same processes, each on a fresh model,
+optimizer and FabricSAM (one Fabric object per strategy and precision). Every rank writes
+``<out>/<case>_rank<r>.pt`` with its per-step layer masks, step kinds and bytes all-reduced,
+and its final full (gathered) weights. The tests run the one-process runs in their own
+process through :func:`train` (``devices=1``).
+
+The global batch is the same whatever the number of processes: rank r of 2 takes samples
+r, r + 2, ... of each 16-sample batch (of each 8-sample micro-batch with accumulation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, field
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from helpers import EXTRA_OPTIONS, make_data, make_mlp
+
+from lightning_slsam import FabricSAM, StepResult
+from lightning_slsam.parallel.ddp import release_process_group
+
+GLOBAL_BATCH = 16
+STEPS = 3
+#: Every method of the comparison and the plugin's default, under DDP.
+METHODS = [
+    "sam", "slsam", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
+    "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_robust", "slsam_default",
+]  # fmt: skip
+#: Under FSDP2 (ModelParallelStrategy, fully_shard in parallelize_fn).
+FSDP2_METHODS = ["sam", "slsam", "slsam_default", "esam"]
+#: The stop and resume: 6 steps, stopped after 3.
+RESUME_STEPS, RESUME_AT = 6, 3
+
+
+@dataclass
+class Case:
+    method: str
+    strategy: str = "ddp"  # "ddp" or "fsdp2" (devices=1: one device, whatever the name)
+    precision: str = "32-true"
+    accumulate: int = 1
+    clip: float | None = None
+    steps: int = STEPS
+    start: int = 0  # the first step (a resumed run loads <out>/resume.ckpt first)
+    save_at: int | None = None  # fabric.save(<out>/resume.ckpt) after this many steps
+    fail_rank: int = -1  # this rank's loss_fn raises in the second pass of step 2
+    evaluate: bool = False  # a forward under torch.no_grad before every step
+    options: dict = field(default_factory=dict)
+
+
+def _cases() -> dict[str, Case]:
+    cases = {f"{m}": Case(m) for m in [*METHODS, "adamw"]}
+    cases.update({f"{m}_bf16": Case(m, precision="bf16-mixed") for m in METHODS})
+    for method in ("sam", "slsam", "slsam_default"):
+        cases[f"{method}_acc2"] = Case(method, accumulate=2)
+        cases[f"{method}_clip"] = Case(method, clip=0.05)
+    cases.update({f"fsdp2_{m}": Case(m, strategy="fsdp2") for m in FSDP2_METHODS})
+    cases["fsdp2_slsam_clip"] = Case("slsam", strategy="fsdp2", clip=0.05)
+    cases["fsdp2_slsam_acc2"] = Case("slsam", strategy="fsdp2", accumulate=2)
+    cases["fsdp2_slsam_bf16"] = Case("slsam", strategy="fsdp2", precision="bf16-mixed")
+    # FSDP2 leaves the root's parameters unsharded after a forward without backward.
+    cases["fsdp2_slsam_evaluated"] = Case("slsam", strategy="fsdp2", evaluate=True)
+    cases["resume_whole"] = Case("slsam", steps=RESUME_STEPS)
+    cases["resume_first"] = Case("slsam", steps=RESUME_STEPS, save_at=RESUME_AT)
+    cases["resume_second"] = Case("slsam", steps=RESUME_STEPS, start=RESUME_AT)
+    for rank in (0, 1):
+        cases[f"fault{rank}"] = Case("slsam", steps=6, fail_rank=rank)
+    return cases
+
+
+CASES = _cases()
+
+
+def _shard(module: torch.nn.Module, mesh) -> torch.nn.Module:
+    """ModelParallelStrategy's parallelize_fn: every linear layer, then the root, sharded
+    with FSDP2 over the data-parallel mesh."""
+    from torch.distributed.fsdp import fully_shard
+
+    data_parallel = mesh["data_parallel"]
+    for layer in module:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=data_parallel)
+    return fully_shard(module, mesh=data_parallel)
+
+
+def make_fabric(strategy: str, devices: int, precision: str) -> L.Fabric:
+    if devices == 1:
+        chosen = "auto"
+    elif strategy == "ddp":
+        chosen = DDPStrategy(process_group_backend="gloo")
+    else:
+        chosen = ModelParallelStrategy(parallelize_fn=_shard, data_parallel_size=2,
+                                       tensor_parallel_size=1)  # fmt: skip
+    fabric = L.Fabric(accelerator="cpu", devices=devices, strategy=chosen, precision=precision)
+    fabric.launch()
+    return fabric
+
+
+def _batches(fabric: L.Fabric, step: int, accumulate: int) -> list[tuple]:
+    """The step's micro-batches on this rank: its share of the global batch ``step``."""
+    x, y = make_data(GLOBAL_BATCH * RESUME_STEPS)[:]
+    window = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
+    x, y = x[window], y[window]
+    size = GLOBAL_BATCH // accumulate
+    rank, world = fabric.global_rank, fabric.world_size
+    return [(x[i : i + size][rank::world], y[i : i + size][rank::world])
+            for i in range(0, GLOBAL_BATCH, size)]  # fmt: skip
+
+
+def _full(module: torch.nn.Module) -> dict[str, torch.Tensor]:  # a collective when sharded
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in module.named_parameters()}  # fmt: skip
+
+
+class _PlainSteps:
+    """AdamW steps without SAM, as FabricSAM.step's stand-in (the traffic counter's control)."""
+
+    def __init__(self, fabric: L.Fabric, model, optimizer) -> None:
+        self.fabric, self.model, self.optimizer = fabric, model, optimizer
+
+    def step(self, loss_fn, batch) -> StepResult:
+        loss = loss_fn(batch).mean()
+        self.fabric.backward(loss)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        mask = torch.ones(len(list(self.model.parameters())), dtype=torch.bool)
+        return StepResult(loss.detach(), mask, 0, "adamw")
+
+
+def _count_ddp_traffic(model, record: dict) -> None:
+    """Counts the bytes DDP's own reducer all-reduces (FabricSAM switches it off)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = model._forward_module
+    if not isinstance(ddp, DistributedDataParallel):
+        return
+
+    def hook(state, bucket):
+        record["ddp_bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
+        return allreduce_hook(None, bucket)
+
+    ddp.register_comm_hook(None, hook)
+
+
+def train(fabric: L.Fabric, case: Case, out: str | None = None) -> dict:
+    """One run of ``case`` on ``fabric``; returns this rank's record."""
+    L.seed_everything(99 if case.start else 7)  # a resumed run must take its state from the file
+    net = make_mlp(seed=5)
+    if case.strategy == "fsdp2":  # FSDP2 replaces the parameters: the optimizer comes after
+        model = fabric.setup_module(net)
+        optimizer = fabric.setup_optimizers(
+            torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        )
+    else:
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01)
+        model, optimizer = fabric.setup(net, optimizer)
+    options = {"seed": 3 if case.method in ("esam", "ssamf") else None}
+    options.update(EXTRA_OPTIONS.get(case.method, {}), **case.options)
+    if case.method == "adamw":  # plain Fabric steps: DDP's reducer averages, as usual
+        sam = _PlainSteps(fabric, model, optimizer)
+    else:
+        sam = FabricSAM(fabric, model, optimizer, case.method, gradient_clip_val=case.clip,
+                        total_steps=case.steps, **options)  # fmt: skip
+    record: dict = {"masks": [], "kinds": [], "bytes": [], "losses": [], "ddp_bytes": 0}
+    _count_ddp_traffic(model, record)
+    state = {"model": model, "optimizer": optimizer, "sam": sam}
+    if case.start:
+        fabric.load(os.path.join(out, "resume.ckpt"), state)
+    calls = [0]
+
+    def loss_fn(batch):
+        calls[0] += 1
+        if fabric.global_rank == case.fail_rank and step == 2 and calls[0] == 2:
+            raise RuntimeError(f"a fault on rank {fabric.global_rank}")
+        x, y = batch
+        return F.cross_entropy(model(x), y, reduction="none")
+
+    for step in range(case.start, case.steps):
+        calls[0] = 0
+        batches = _batches(fabric, step, case.accumulate)
+        if case.evaluate:
+            with torch.no_grad():
+                model(batches[0][0])
+        result = sam.step(loss_fn, *batches)
+        record["masks"].append(result.active_mask.clone())
+        record["kinds"].append(result.kind)
+        record["bytes"].append(result.allreduce_bytes)
+        record["losses"].append(float(result.loss))
+        if case.save_at is not None and step + 1 == case.save_at:
+            fabric.save(os.path.join(out, "resume.ckpt"), state)
+            break
+    record["weights"] = _full(model.module)
+    record["sharded"] = any(hasattr(p, "full_tensor") for p in model.module.parameters())
+    record["numel"] = [w.numel() for w in record["weights"].values()]
+    if isinstance(sam, _PlainSteps):
+        return record
+    record["counts"] = sam.engine.counts.clone()
+    probs = getattr(sam.engine.selection, "probs", None)
+    record["probs"] = None if probs is None else probs.clone()
+    return record
+
+
+def refused_joint_setup(fabric: L.Fabric) -> str:
+    """Under FSDP2, an optimizer made before sharding and set up with the model holds the
+    replaced tensors: FabricSAM must refuse it, naming the order."""
+    net = make_mlp(seed=5)
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters()))
+    try:
+        FabricSAM(fabric, model, optimizer, "slsam")
+    except ValueError as err:
+        return str(err)
+    return "not refused"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    fabrics: dict[tuple[str, str], L.Fabric] = {}
+    for name in args.cases.split(","):
+        if name == "fsdp2_joint_setup":
+            fabric = fabrics.get(("fsdp2", "32-true")) or make_fabric("fsdp2", 2, "32-true")
+            record: dict = {"refused": refused_joint_setup(fabric)}
+        else:
+            case = CASES[name]
+            key = (case.strategy, case.precision)
+            if key not in fabrics:
+                fabrics[key] = make_fabric(case.strategy, 2, case.precision)
+            fabric = fabrics[key]
+            record = train(fabric, case, args.out)
+        torch.save(record, os.path.join(args.out, f"{name}_rank{fabric.global_rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()
+    release_process_group()  # a gloo group alive at exit can abort a finished run
