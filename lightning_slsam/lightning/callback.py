@@ -45,11 +45,12 @@ from lightning_slsam.lightning.driver import SAMController, driver_of, find_sam_
 from lightning_slsam.lightning.setup_checks import (
     LIGHTNING_OPTIONS,
     FitWarnings,
+    apply_method_state,
     check_engine,
     check_fit_setup,
     check_lightning_options,
     check_one_optimizer,
-    check_saved_layers,
+    method_state,
     prepare_compiled,
 )
 from lightning_slsam.lightning.signatures import (
@@ -308,13 +309,7 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
     def state_dict(self) -> dict[str, Any]:
         if self.engine is None or self.partition is None:
             return dict(self._pending_state or {})
-        return {
-            "method": self.method,
-            "engine": self.engine.state_dict(),
-            "layer_names": self.partition.names,
-            "layer_tensors": self.partition.signature(),
-            "config": self.spec.hyperparameters(),
-        }
+        return method_state(self.method, self.spec, self.engine, self.partition)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
@@ -326,13 +321,7 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
 
     def _apply_state(self, state: dict[str, Any]) -> None:
         assert self.engine is not None and self.partition is not None
-        check_saved_layers(self, state.get("layer_tensors"), self.partition.signature(),
-                           (state.get("config") or {}).get("preset"))  # fmt: skip
-        engine_state = dict(state["engine"])
-        engine_state["selection"] = self.spec.adopt_selection_state(
-            engine_state["selection"], self.selection.state_dict(), rank_zero_warn
-        )
-        self.engine.load_state_dict(engine_state)
+        apply_method_state(self, state, self.engine, self.partition, rank_zero_warn)
 
 
 def estimated_stepping_batches(trainer: pl.Trainer) -> float:

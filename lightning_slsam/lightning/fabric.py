@@ -37,7 +37,7 @@ from lightning_slsam.core.contract import (
 from lightning_slsam.core.engine import SparseSAMEngine
 from lightning_slsam.lightning.compat import loss_scale_reader
 from lightning_slsam.lightning.mixin import _first_tensor, _subset
-from lightning_slsam.lightning.setup_checks import check_saved_layers
+from lightning_slsam.lightning.setup_checks import apply_method_state, method_state
 from lightning_slsam.methods.registry import lookup, method_spec
 from lightning_slsam.methods.spec import MethodSpec, default_seed
 from lightning_slsam.parallel.ddp import GradientAverager
@@ -310,23 +310,11 @@ class FabricSAM:
 
     def state_dict(self) -> dict[str, Any]:
         """The method's state (selection, counters, generators, a method's own parts)."""
-        return {
-            "method": self.method,
-            "engine": self.engine.state_dict(),
-            "layer_names": self.partition.names,
-            "layer_tensors": self.partition.signature(),
-            "config": self.spec.hyperparameters(),
-        }
+        return method_state(self.method, self.spec, self.engine, self.partition)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output; refuses a checkpoint of other layers."""
-        check_saved_layers(self, state.get("layer_tensors"), self.partition.signature(),
-                           (state.get("config") or {}).get("preset"))  # fmt: skip
-        engine_state = dict(state["engine"])
-        engine_state["selection"] = self.spec.adopt_selection_state(
-            engine_state["selection"], self.engine.selection.state_dict(), _warn
-        )
-        self.engine.load_state_dict(engine_state)
+        apply_method_state(self, state, self.engine, self.partition, _warn)
 
 
 def _spec(method: str | MethodSpec, options: dict[str, Any]) -> MethodSpec:

@@ -239,6 +239,30 @@ def check_compiled_sampling(name: str, pl_module: Any, engine: Any) -> None:
         )
 
 
+def method_state(method: str, spec: Any, engine: Any, partition: Any) -> dict[str, Any]:
+    """What a checkpoint holds of a SAM method (the callback's and FabricSAM's state)."""
+    return {
+        "method": method,
+        "engine": engine.state_dict(),
+        "layer_names": partition.names,
+        "layer_tensors": partition.signature(),
+        "config": spec.hyperparameters(),
+    }
+
+
+def apply_method_state(owner: Any, state: dict[str, Any], engine: Any, partition: Any,
+                       warn: Any) -> None:  # fmt: skip
+    """Restore :func:`method_state`'s output into ``engine`` after checking that it was
+    saved for the same layers (``owner``: the callback or FabricSAM, named in errors)."""
+    check_saved_layers(owner, state.get("layer_tensors"), partition.signature(),
+                       (state.get("config") or {}).get("preset"))  # fmt: skip
+    engine_state = dict(state["engine"])
+    engine_state["selection"] = owner.spec.adopt_selection_state(
+        engine_state["selection"], engine.selection.state_dict(), warn
+    )
+    engine.load_state_dict(engine_state)
+
+
 def check_saved_layers(callback: Any, saved: Any, current: list[list[str]],
                        saved_preset: str | None = None) -> None:  # fmt: skip
     """A checkpoint's layers (``saved``; ``None`` in old ones) match the model's.
