@@ -4,10 +4,12 @@ Add :class:`SAMMixin` to a LightningModule's bases and a method callback to the 
 :class:`SparseLayerSAM` (SL-SAM), or any baseline of the SL-SAM paper's comparison
 (:class:`SAM`, :class:`RandomSLSAM`, :class:`TopSLSAM`, :class:`S2SAM`, :class:`SLS2SAM`,
 :class:`RST`, :class:`ESAM`, :class:`SSAMF`, :class:`LookSAM`; :func:`make_callback` by
-name). The pure-PyTorch parts (:class:`LayerBandit`, :class:`SparseSAMEngine`,
-:func:`build_partition`, the method specifications of :mod:`lightning_slsam.methods.spec`) also
-work in a plain training loop: ``import lightning_slsam`` loads only them (and torch);
-the Lightning layer loads when one of its names is first used.
+name). In a Lightning Fabric loop, :class:`FabricSAM` runs any of them over the model and
+optimizer that ``fabric.setup`` returned. The pure-PyTorch parts (:class:`LayerBandit`,
+:class:`SparseSAMEngine`, :func:`build_partition`, the method specifications of
+:mod:`lightning_slsam.methods.spec`) also work in a plain training loop:
+``import lightning_slsam`` loads only them (and torch); the Lightning layer loads when one
+of its names is first used.
 """
 
 from typing import TYPE_CHECKING, Any
