@@ -35,9 +35,14 @@ from lightning_slsam.core.contract import (
     split_per_sample,
 )
 from lightning_slsam.core.engine import SparseSAMEngine
+from lightning_slsam.core.regions import compile_blocks_instead, compiled_whole
 from lightning_slsam.lightning.compat import loss_scale_reader
 from lightning_slsam.lightning.mixin import _first_tensor, _subset
-from lightning_slsam.lightning.setup_checks import apply_method_state, method_state
+from lightning_slsam.lightning.setup_checks import (
+    apply_method_state,
+    check_compiled_sampling,
+    method_state,
+)
 from lightning_slsam.methods.registry import lookup, method_spec
 from lightning_slsam.methods.spec import MethodSpec, default_seed
 from lightning_slsam.parallel.ddp import GradientAverager
@@ -219,11 +224,22 @@ class FabricSAM:
         if fabric.world_size > 1:  # every process draws the same layers: rank 0's seed
             seed = fabric.broadcast(seed)
         module = model.module
+        if self.spec.samples_layers:  # as the callback: each compiled block one layer
+            compile_blocks_instead(model._forward_module)
         self.partition = self.spec.partition(module)
         self.engine: SparseSAMEngine = self.spec.build_engine(
             module, total_steps=total_steps, seed=seed, partition=self.partition
         )
         self._check_parameters(module)
+        if self.spec.samples_layers:
+            if compiled_whole(model._forward_module):
+                raise ValueError(
+                    f"FabricSAM({self.spec.label}) freezes a different set of layers every"
+                    " step, and a model compiled whole without repeated blocks would be"
+                    " recompiled for each set. Compile its blocks instead (`block.compile()`)"
+                    " or train it uncompiled."
+                )
+            check_compiled_sampling(self.name, module, self.engine)
         self.ddp = fabric.world_size > 1 and "DDPStrategy" in _names(strategy)
         sharded = "ModelParallelStrategy" in _names(strategy)
         if sharded and fabric.world_size > 1 and not self.engine.freezer.sharded:

@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import EXTRA_OPTIONS, LitModel, loader, make_data, make_mlp, trainer
+from helpers import EXTRA_OPTIONS, Counting, LitModel, Stack, loader, make_data, make_mlp, trainer
 
 from lightning_slsam import FabricSAM, make_callback
 
@@ -201,3 +201,50 @@ def test_float16_overflow_skips_the_step_and_backs_the_scaler_off():
         changed = any(not torch.equal(before[k], v) for k, v in _weights(net).items())
         seen.append((result.skipped, scaler.get_scale(), changed))
     assert seen == [(False, 2.0**10, True), (True, 2.0**9, False), (False, 2.0**9, True)]
+
+
+class _Kept(Counting):
+    """Fabric deep-copies the compile arguments before compiling again: count in one place."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def _fit_stack(compiled, backend=None, **options):
+    L.seed_everything(7)
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    net = Stack()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    model, optimizer = fabric.setup(torch.compile(net, backend=backend) if compiled else net,
+                                    optimizer)  # fmt: skip
+    sam = FabricSAM(fabric, model, optimizer, "slsam", seed=3, **options)
+
+    def loss_fn(batch):
+        return F.cross_entropy(model(batch[0]), batch[1], reduction="none")
+
+    for batch in loader(make_data(96), BATCH):
+        sam.step(loss_fn, batch)
+    return _weights(net), sam
+
+
+def test_a_model_compiled_whole_trains_sl_sam_on_its_compiled_blocks():
+    torch._dynamo.reset()
+    backend = _Kept()
+    compiled, sam = _fit_stack(True, backend)
+    eager, eager_sam = _fit_stack(False, layers=[r"^(blocks\.\d+)\."])
+    assert sam.partition.names[:3] == eager_sam.partition.names[:3] == [
+        "blocks.0", "blocks.1", "blocks.2"]  # fmt: skip
+    assert sam.engine.counts.tolist() == eager_sam.engine.counts.tolist()
+    assert backend.calls == 3 * 2 * 6 and 2 <= backend.graphs <= 4  # the blocks ran compiled
+    for name, value in eager.items():
+        torch.testing.assert_close(compiled[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_a_model_compiled_whole_without_blocks_is_refused_under_layer_sampling():
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    net = make_mlp(seed=5)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    model, optimizer = fabric.setup(torch.compile(net, backend="aot_eager"), optimizer)
+    with pytest.raises(ValueError, match=r"compiled whole without repeated blocks.*block\.compile"):
+        FabricSAM(fabric, model, optimizer, "slsam")
+    FabricSAM(fabric, model, optimizer, "sam")  # dense: compiles whole
