@@ -3,6 +3,7 @@
 Run by tests/parallel/test_ddp.py as a separate program (DDP launchers start processes of their
 own). Every rank writes ``<out>/<tag>_rank<r>.pt`` with its per-step layer masks, bytes
 all-reduced and per-step weight checksums, and its final weights and probabilities.
+``--plan FILE`` runs several command lines in one launch (``helpers.launch``).
 The global batch is the same whatever the number of processes: with 2 processes each
 gets every other sample (DistributedSampler), so a step sees the same 16 samples.
 """
@@ -21,7 +22,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import EXTRA_OPTIONS, Counting, LitModel, Stack, make_mlp, rank_loader
+from helpers import EXTRA_OPTIONS, Counting, LitModel, Stack, make_mlp, planned, rank_loader
 
 from lightning_slsam import make_callback
 from lightning_slsam.cli.command import release_process_group
@@ -168,15 +169,15 @@ def main() -> None:
     parser.add_argument("--validate", action="store_true", help="validate before and between steps")
     parser.add_argument("--compile", action="store_true", help="compile the model's blocks")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
     torch.set_num_threads(1)
     torch._dynamo.config.fail_on_recompile_limit_hit = True  # never fall back to eager
-    for method in args.methods.split(","):
-        run(
-            method, args.devices, args.strategy, args.steps, args.out,
-            not args.local_first_pass, args.accumulate, args.fp16, args.precision,
-            args.num_nodes, args.validate, args.compile,
-        )  # fmt: skip
+    for args in planned(parser):
+        for method in args.methods.split(","):
+            run(
+                method, args.devices, args.strategy, args.steps, args.out,
+                not args.local_first_pass, args.accumulate, args.fp16, args.precision,
+                args.num_nodes, args.validate, args.compile,
+            )  # fmt: skip
 
 
 if __name__ == "__main__":

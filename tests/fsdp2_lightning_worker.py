@@ -5,6 +5,7 @@ Run by tests/parallel/test_fsdp2.py as a separate program (the strategy starts i
 running this script again). Each rank writes ``<out>/<tag>_rank<r>.pt`` with its per-step
 layer masks and the final full (gathered) weights. The global batch is the same whatever
 the number of processes: rank r takes samples r, r + 2, ... of each 16-sample batch.
+``--plan FILE`` runs several command lines in one launch (``helpers.launch``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from helpers import EXTRA_OPTIONS, LitModel, make_mlp, rank_loader
+from helpers import EXTRA_OPTIONS, LitModel, make_mlp, planned, rank_loader
 
 from lightning_slsam import make_callback
 from lightning_slsam.cli.command import release_process_group
@@ -164,18 +165,18 @@ def main() -> None:
     parser.add_argument("--resume-from", default=None, help="a checkpoint ({method} filled in)")
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--validate", action="store_true", help="validate before and between steps")
-    args = parser.parse_args()
-    for method in args.methods.split(","):
-        options = {"seed": 3, "plot": False, "check_masks": args.check_masks}
-        if args.clip is not None:
-            options["gradient_clip_val"] = args.clip
-        if method in ("slsam", "random_slsam", "sl_s2sam"):
-            options["layer_ratio"] = 0.5
-        options.update(EXTRA_OPTIONS.get(method, {}))
-        options["tag"], options["fail_rank"] = args.tag, args.fail_rank
-        run(method, args.devices, args.steps, args.out, options, not args.no_shard,
-            args.accumulate, args.precision, args.resume_at, args.full_checkpoint,
-            args.resume_from, args.validate)  # fmt: skip
+    for args in planned(parser):
+        for method in args.methods.split(","):
+            options = {"seed": 3, "plot": False, "check_masks": args.check_masks}
+            if args.clip is not None:
+                options["gradient_clip_val"] = args.clip
+            if method in ("slsam", "random_slsam", "sl_s2sam"):
+                options["layer_ratio"] = 0.5
+            options.update(EXTRA_OPTIONS.get(method, {}))
+            options["tag"], options["fail_rank"] = args.tag, args.fail_rank
+            run(method, args.devices, args.steps, args.out, options, not args.no_shard,
+                args.accumulate, args.precision, args.resume_at, args.full_checkpoint,
+                args.resume_from, args.validate)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -307,6 +307,35 @@ class ShardProbe(L.Callback):
         torch.save(record, f"{self.path}_rank{trainer.global_rank}.pt")
 
 
+def launch(worker: str, runs: list[list[str]], out, timeout: int = 900) -> None:
+    """Run a worker script once for several runs (``--plan``): each process start (imports,
+    and with Lightning's subprocess launcher the second rank's) is paid once, not per run."""
+    import json
+    import subprocess
+    import sys
+
+    plan = out / f"plan_{len(list(out.glob('plan_*.json')))}.json"
+    plan.write_text(json.dumps([[*run, "--out", str(out)] for run in runs]))
+    done = subprocess.run(
+        [sys.executable, worker, "--plan", str(plan)], capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def planned(parser) -> list:
+    """A worker's runs: its command line's, or every argument list of ``--plan FILE`` (see
+    :func:`launch`), in order. A second rank started by re-running the script reads the
+    same file, so both ranks run the same fits."""
+    import json
+    import sys
+
+    if sys.argv[1:2] == ["--plan"]:
+        with open(sys.argv[2]) as f:
+            return [parser.parse_args(run) for run in json.load(f)]
+    return [parser.parse_args()]
+
+
 def two_ranks(worker: str, out) -> list[dict]:
     """Run a 2-process worker script (``--out``) and load what each rank saved."""
     import subprocess

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from helpers import two_ranks
+from helpers import launch, two_ranks
 from plain_ddp_worker import CASES as PLAIN_CASES
 
 #: The workers stay in tests/ (run by path), one folder above this file.
@@ -33,38 +33,32 @@ SECOND_PASS_AT_STEP_1 = {"sam", "slsam", "random_slsam", "top_slsam", "esam", "s
                          "slsam_robust"}  # fmt: skip
 
 
-def _run(out, *args: str) -> None:
-    done = subprocess.run(
-        [sys.executable, WORKER, "--out", str(out), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
     methods = ",".join(METHODS)
-    _run(out, "--methods", methods, "--devices", "2", "--strategy", "ddp_fork")
-    _run(out, "--methods", methods, "--devices", "1")
-    _run(out, "--methods", "slsam", "--devices", "2", "--strategy", "ddp")
-    _run(out, "--methods", "slsam", "--devices", "2", "--strategy", "ddp_spawn")
-    for launcher in ("ddp", "ddp_spawn"):  # the default sanity check, validation every step
-        _run(out, "--methods", "slsam", "--devices", "2", "--strategy", launcher, "--validate")
-    _run(out, "--methods", "slsam,sam", "--devices", "2", "--strategy", "ddp_fork",
-         "--local-first-pass")  # fmt: skip
-    _run(out, "--methods", "slsam", "--devices", "2", "--accumulate", "2")
-    # Every method in every precision the strategy takes (one process beside, for fp16).
-    _run(out, "--methods", methods, "--devices", "2", "--fp16")
-    _run(out, "--methods", methods, "--devices", "1", "--fp16")
-    for precision in ("bf16-mixed", "bf16-true"):
-        _run(out, "--methods", methods, "--devices", "2", "--precision", precision)
-    # Regional compilation: every layer-sampling method's graphs traced once per state.
-    for devices in ("2", "1"):
-        _run(out, "--methods", ",".join(COMPILED), "--devices", devices, "--compile",
-             "--steps", "8")  # fmt: skip
+    fork, spawn = ["--devices", "2", "--strategy", "ddp_fork"], ["--strategy", "ddp_spawn"]
+    # One launch for the fork and spawn launchers' runs, then the one-process runs (the
+    # parent computes nothing before its last fork). Lightning's subprocess launcher ("ddp")
+    # starts the second rank by re-running the script: its runs take a launch of their own.
+    launch(WORKER, [
+        ["--methods", methods, *fork],
+        ["--methods", "slsam,sam", *fork, "--local-first-pass"],
+        ["--methods", "slsam", *fork, "--accumulate", "2"],
+        # Every method in every precision the strategy takes (one process beside, for fp16).
+        ["--methods", methods, *fork, "--fp16"],
+        *(["--methods", methods, *fork, "--precision", p] for p in ("bf16-mixed", "bf16-true")),
+        # Regional compilation: every layer-sampling method's graphs traced once per state.
+        ["--methods", ",".join(COMPILED), *fork, "--compile", "--steps", "8"],
+        ["--methods", "slsam", "--devices", "2", *spawn],
+        # The default sanity check, then validation after every step.
+        ["--methods", "slsam", "--devices", "2", *spawn, "--validate"],
+        ["--methods", methods, "--devices", "1"],
+        ["--methods", methods, "--devices", "1", "--fp16"],
+        ["--methods", ",".join(COMPILED), "--devices", "1", "--compile", "--steps", "8"],
+    ], out)  # fmt: skip
+    launch(WORKER, [["--methods", "slsam", "--devices", "2", "--strategy", "ddp", *validate]
+                    for validate in ([], ["--validate"])], out)  # fmt: skip
 
     def load(tag: str, rank: int = 0) -> dict:
         return torch.load(out / f"{tag}_rank{rank}.pt", weights_only=False)

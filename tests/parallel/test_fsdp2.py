@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from helpers import two_ranks
+from helpers import launch, two_ranks
 
 from lightning_slsam.methods.ssamf import _sample_sources
 from lightning_slsam.parallel.fsdp2 import local, shard_layout, sum_over_shards, top_coordinates
@@ -135,13 +135,52 @@ def _lightning(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+VALIDATED = ["sam", "slsam", "slsam_robust", "sl_s2sam", "ssamf"]
+VARIANTS = {  # tag -> worker arguments (sam and slsam, on 2 processes and on 1)
+    "acc2": ["--accumulate", "2"],
+    "clip": ["--clip", "0.05", "--tag", "_clip"],
+}
+#: What ModelParallelStrategy accepts besides 32-true. (It refuses 16-mixed and 64-true
+#: itself; 16-true trains float16 weights without a loss scaler, where AdamW fails on its
+#: own: its second moment underflows.)
+BFLOAT16 = ["bf16-mixed", "bf16-true"]
+RESUMED = ["sam", "slsam", "s2sam", "sl_s2sam", "looksam", "ssamf"]
+CROSSED = ["slsam", "s2sam", "looksam"]
+
+
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory):
+    """Every fit through the strategy, in three launches of the worker: the one-process
+    runs, the sharded ones (the subprocess launcher re-runs the script for rank 1, so one
+    launch holds runs of one device count), and a one-process resume from a sharded run."""
     out = tmp_path_factory.mktemp("fsdp2_lightning")
-    for devices in ("2", "1"):
-        done = _lightning("--methods", ",".join(LIGHTNING_METHODS), "--devices", devices,
-                          "--out", str(out))  # fmt: skip
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    methods, crossed = ",".join(LIGHTNING_METHODS), ",".join(CROSSED)
+    one = ["--devices", "1"]
+    launch(LIGHTNING_WORKER, [
+        ["--methods", methods, *one],
+        *(["--methods", "sam,slsam", *one, *args] for args in VARIANTS.values()),
+        # A checkpoint moves between one device and FSDP2: from step 4 of 8, both ways.
+        ["--methods", crossed, *one, "--steps", "8", "--resume-at", "4"],
+    ], out)  # fmt: skip
+    two = ["--devices", "2"]
+    launch(LIGHTNING_WORKER, [
+        ["--methods", methods, *two],
+        # Lightning's default sanity check (2 batches) before the first step, then a
+        # validation loop after every training step.
+        ["--methods", ",".join(VALIDATED), *two, "--validate"],
+        *(["--methods", "sam,slsam", *two, *args] for args in VARIANTS.values()),
+        ["--methods", "sam,slsam", *two, "--check-masks", "--tag", "_check"],
+        *(["--methods", methods, *two, "--precision", p] for p in BFLOAT16),
+        # 8 steps (two epochs of 4 batches), checkpointed every step; a fresh fit resumes
+        # from the checkpoint of step 4. Sharded (distributed) and full checkpoints.
+        *(["--methods", ",".join(RESUMED), *two, "--steps", "8", "--resume-at", "4", *extra]
+          for extra in ([], ["--full-checkpoint", "--tag", "_full"])),
+        ["--methods", crossed, *two, "--steps", "8", "--tag", "_from1",
+         "--resume-from", str(out / "{method}_1_checkpoints" / "epoch=0-step=4.ckpt")],
+    ], out, timeout=1500)  # fmt: skip
+    sharded = out / "{method}_2_full_checkpoints" / "epoch=0-step=4.ckpt"
+    launch(LIGHTNING_WORKER, [["--methods", crossed, *one, "--steps", "8", "--tag", "_from2",
+                               "--resume-from", str(sharded)]], out)  # fmt: skip
     return lambda tag: torch.load(out / f"{tag}.pt", weights_only=False)
 
 
@@ -159,27 +198,13 @@ def test_model_parallel_strategy_equals_one_process(fits, method):
         assert diff < 1e-5
 
 
-VALIDATED = ["sam", "slsam", "slsam_robust", "sl_s2sam", "ssamf"]
-
-
-@pytest.fixture(scope="module")
-def validated(tmp_path_factory):
-    # Lightning's default sanity check (2 batches) before the first step, then a validation
-    # loop after every training step.
-    out = tmp_path_factory.mktemp("fsdp2_validated")
-    done = _lightning("--methods", ",".join(VALIDATED), "--devices", "2", "--validate",
-                      "--out", str(out))  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return lambda tag: torch.load(out / f"{tag}.pt", weights_only=False)
-
-
 @pytest.mark.parametrize("method", VALIDATED)
-def test_validation_before_and_between_steps_under_fsdp2(validated, fits, method):
+def test_validation_before_and_between_steps_under_fsdp2(fits, method):
     # FSDP2 leaves the root's parameters unsharded after a forward without backward: the
     # run still trains the sharded tensors, and equals the run without validation exactly.
     plain = fits(f"{method}_2_rank0")
     for rank in (0, 1):
-        run = validated(f"{method}_2_val_rank{rank}")
+        run = fits(f"{method}_2_val_rank{rank}")
         assert run["sharded"] and run["global_step"] == 3
         assert run["validations"] == 4  # the sanity check, then one after each step
         assert [m.tolist() for m in run["masks"]] == [m.tolist() for m in plain["masks"]]
@@ -200,28 +225,10 @@ def test_model_parallel_strategy_refuses_what_it_cannot_do(tmp_path, args, words
         assert word in done.stderr, done.stderr[-3000:]
 
 
-VARIANTS = {  # tag -> worker arguments (sam and slsam, on 2 processes and on 1)
-    "acc2": ["--accumulate", "2"],
-    "clip": ["--clip", "0.05", "--tag", "_clip"],
-}
-
-
-@pytest.fixture(scope="module")
-def variants(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp2_variants")
-    runs = [(devices, args) for args in VARIANTS.values() for devices in ("2", "1")]
-    runs.append(("2", ["--check-masks", "--tag", "_check"]))  # plain runs: the fits fixture
-    for devices, args in runs:
-        done = _lightning("--methods", "sam,slsam", "--devices", devices, "--out", str(out),
-                          *args)  # fmt: skip
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return lambda tag: torch.load(out / f"{tag}.pt", weights_only=False)
-
-
 @pytest.mark.parametrize("method", ["sam", "slsam"])
 @pytest.mark.parametrize(("tag", "tolerance"), [("acc2", 1e-5), ("clip", 1e-5)])
-def test_model_parallel_strategy_with_training_features(variants, fits, method, tag, tolerance):
-    r0, one = variants(f"{method}_2_{tag}_rank0"), variants(f"{method}_1_{tag}_rank0")
+def test_model_parallel_strategy_with_training_features(fits, method, tag, tolerance):
+    r0, one = fits(f"{method}_2_{tag}_rank0"), fits(f"{method}_1_{tag}_rank0")
     assert r0["sharded"] and r0["global_step"] == one["global_step"] == 3
     assert all(torch.equal(a, b) for a, b in zip(r0["masks"], one["masks"]))
     diff = max((r0["weights"][k] - one["weights"][k]).abs().max().item() for k in one["weights"])
@@ -232,27 +239,11 @@ def test_model_parallel_strategy_with_training_features(variants, fits, method, 
                    one["weights"]) > 1e-3  # fmt: skip
 
 
-#: What ModelParallelStrategy accepts besides 32-true. (It refuses 16-mixed and 64-true
-#: itself; 16-true trains float16 weights without a loss scaler, where AdamW fails on its
-#: own: its second moment underflows.)
-BFLOAT16 = ["bf16-mixed", "bf16-true"]
-
-
-@pytest.fixture(scope="module")
-def bfloat16(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp2_bfloat16")
-    for precision in BFLOAT16:
-        done = _lightning("--methods", ",".join(LIGHTNING_METHODS), "--devices", "2",
-                          "--precision", precision, "--out", str(out))  # fmt: skip
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return lambda tag: torch.load(out / f"{tag}.pt", weights_only=False)
-
-
 @pytest.mark.parametrize("precision", BFLOAT16)
 @pytest.mark.parametrize("method", LIGHTNING_METHODS)
-def test_every_method_in_bfloat16_under_fsdp2(bfloat16, fits, method, precision):
+def test_every_method_in_bfloat16_under_fsdp2(fits, method, precision):
     # The same layers on both ranks and as in float32, and float32's weights up to bfloat16.
-    r0, r1 = bfloat16(f"{method}_2_{precision}_rank0"), bfloat16(f"{method}_2_{precision}_rank1")
+    r0, r1 = fits(f"{method}_2_{precision}_rank0"), fits(f"{method}_2_{precision}_rank1")
     full = fits(f"{method}_2_rank0")
     assert r0["sharded"] and r0["global_step"] == 3
     dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
@@ -265,79 +256,32 @@ def test_every_method_in_bfloat16_under_fsdp2(bfloat16, fits, method, precision)
 
 
 @pytest.mark.parametrize("method", ["sam", "slsam"])
-def test_check_masks_under_model_parallel_strategy(variants, fits, method):
+def test_check_masks_under_model_parallel_strategy(fits, method):
     # The debug mode's collective runs beside FSDP2's and changes nothing.
-    checked, plain = variants(f"{method}_2_check_rank0"), fits(f"{method}_2_rank0")
+    checked, plain = fits(f"{method}_2_check_rank0"), fits(f"{method}_2_rank0")
     for name, weight in plain["weights"].items():
         assert torch.equal(checked["weights"][name], weight)
 
 
-RESUMED = ["sam", "slsam", "s2sam", "sl_s2sam", "looksam", "ssamf"]
-
-
-@pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
-    # 8 steps (two epochs of 4 batches), checkpointed every step; a fresh fit resumes from
-    # the checkpoint of step 4. Sharded (distributed) and full checkpoints.
-    out = tmp_path_factory.mktemp("fsdp2_resume")
-    for extra in ([], ["--full-checkpoint", "--tag", "_full"]):
-        done = _lightning("--methods", ",".join(RESUMED), "--devices", "2", "--steps", "8",
-                          "--resume-at", "4", "--out", str(out), *extra)  # fmt: skip
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-    def load(tag: str) -> dict:
-        return torch.load(out / f"{tag}.pt", weights_only=False)
-
-    load.out = out  # the crossed fixture resumes from these runs' full checkpoints
-    return load
-
-
 @pytest.mark.parametrize("checkpoint", ["", "_full"])
 @pytest.mark.parametrize("method", RESUMED)
-def test_resuming_under_fsdp2_equals_the_uninterrupted_run(resumed, method, checkpoint):
+def test_resuming_under_fsdp2_equals_the_uninterrupted_run(fits, method, checkpoint):
     # S2-SAM's and LookSAM's per-tensor state is saved whole and resharded on load.
-    whole = resumed(f"{method}_2{checkpoint}_uninterrupted_rank0")
+    whole = fits(f"{method}_2{checkpoint}_uninterrupted_rank0")
     for rank in (0, 1):
-        again = resumed(f"{method}_2{checkpoint}_resumed_rank{rank}")
+        again = fits(f"{method}_2{checkpoint}_resumed_rank{rank}")
         assert again["global_step"] == 8
         assert [m.tolist() for m in again["masks"]] == [m.tolist() for m in whole["masks"][4:]]
         for name, weight in whole["weights"].items():
             assert torch.equal(again["weights"][name], weight), name
 
 
-CROSSED = ["slsam", "s2sam", "looksam"]
-
-
-@pytest.fixture(scope="module")
-def crossed(tmp_path_factory, resumed):
-    # One device -> FSDP2, and FSDP2 (the resumed fixture's full checkpoints) -> one device,
-    # from step 4 of 8.
-    out = tmp_path_factory.mktemp("fsdp2_crossed")
-    methods = ",".join(CROSSED)
-    sharded = resumed.out / "{method}_2_full_checkpoints" / "epoch=0-step=4.ckpt"
-    runs = [
-        ["--devices", "1", "--resume-at", "4"],
-        ["--devices", "2", "--tag", "_from1",
-         "--resume-from", str(out / "{method}_1_checkpoints" / "epoch=0-step=4.ckpt")],
-        ["--devices", "1", "--tag", "_from2", "--resume-from", str(sharded)],
-    ]  # fmt: skip
-    for args in runs:
-        done = _lightning("--methods", methods, "--steps", "8", "--out", str(out), *args)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-    def load(tag: str) -> dict:
-        if tag.endswith("_2_uninterrupted_rank0"):  # the FSDP2 run the checkpoints came from
-            return resumed(tag.replace("_2_uninterrupted", "_2_full_uninterrupted"))
-        return torch.load(out / f"{tag}.pt", weights_only=False)
-
-    return load
-
-
 @pytest.mark.parametrize(("source", "target"), [("1", "2"), ("2", "1")])
 @pytest.mark.parametrize("method", CROSSED)
-def test_a_checkpoint_moves_between_one_device_and_fsdp2(crossed, method, source, target):
-    whole = crossed(f"{method}_{source}_uninterrupted_rank0")
-    again = crossed(f"{method}_{target}_from{source}_rank0")
+def test_a_checkpoint_moves_between_one_device_and_fsdp2(fits, method, source, target):
+    # FSDP2's side: the resumed runs' full checkpoints.
+    whole = fits(f"{method}_{source}{'_full' if source == '2' else ''}_uninterrupted_rank0")
+    again = fits(f"{method}_{target}_from{source}_rank0")
     assert again["sharded"] == (target == "2") and again["global_step"] == 8
     assert [m.tolist() for m in again["masks"]] == [m.tolist() for m in whole["masks"][4:]]
     diff = max((again["weights"][k] - whole["weights"][k]).abs().max().item() for k in
@@ -355,7 +299,7 @@ def test_a_fault_on_one_rank_ends_every_rank(tmp_path, rank):
     assert f"a fault on rank {rank}" in done.stderr
 
 
-def test_esam_under_fsdp2_equals_esam_under_ddp(tmp_path):
+def test_esam_under_fsdp2_equals_esam_under_ddp(fits, tmp_path):
     # ESAM ranks each process's own samples: the run to equal is DDP's on the same data
     # (both workers: the same model, seeds, 16-sample global batches split the same way).
     ddp = subprocess.run(
@@ -365,9 +309,7 @@ def test_esam_under_fsdp2_equals_esam_under_ddp(tmp_path):
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert ddp.returncode == 0, ddp.stderr[-3000:]
-    done = _lightning("--methods", "esam", "--devices", "2", "--out", str(tmp_path))
-    assert done.returncode == 0, done.stderr[-3000:]
-    fsdp2 = torch.load(tmp_path / "esam_2_rank0.pt", weights_only=False)
+    fsdp2 = fits("esam_2_rank0")
     reference = torch.load(tmp_path / "esam_ddp_fork_2_rank0.pt", weights_only=False)
     assert [m.tolist() for m in fsdp2["masks"]] == [m.tolist() for m in reference["masks"]]
     for name, weight in reference["weights"].items():
