@@ -25,14 +25,28 @@ TINY = [
 ]  # fmt: skip
 
 
-def test_compare_runs_every_method_and_seed_and_writes_the_table(tmp_path, capsys):
+def test_compare_runs_every_method_and_seed_interleaved_resumes_and_writes_the_table(
+    tmp_path, capsys
+):
+    # One comparison (6 runs, each a process of its own): AdamW, SL-SAM and a variant of it.
     out = tmp_path / "cmp"
-    main(["compare", "--config", TASK, "--methods", "adamw,slsam", "--seeds", "2",
-          "--out", str(out), "--", *TINY])  # fmt: skip
+    args = ["compare", "--config", TASK, "--methods", "adamw,slsam,ranked", "--seeds", "2",
+            "--variant", "ranked=slsam", "--option", "ranked.bandit_loss=rank",
+            "--option", "ranked.alpha_p=0.5", "--out", str(out), "--", *TINY]  # fmt: skip
+    main(args)
+    printed = capsys.readouterr().out
+    assert "comparison.md" in printed
+    # Seed by seed, every method within a seed, with the run count.
+    order = [line.split(": ", 1)[1] for line in printed.splitlines() if line.startswith("== run")]
+    assert order[0] == "adamw, seed 42" and order[1].startswith("slsam, seed 42")
+    assert order[2].startswith("ranked, seed 42") and order[3].startswith("adamw, seed 43")
+    assert "== run 6/6" in printed
+    # From the second run on, the time left is estimated.
+    assert "min left" not in order[0] and all("min left" in o for o in order[1:])
     result = json.loads((out / "comparison.json").read_text())
     rows, runs = result["rows"], result["runs"]
-    assert set(rows) == {"adamw", "slsam"}
-    assert [len(runs[m]) for m in ("adamw", "slsam")] == [2, 2]
+    assert set(rows) == {"adamw", "slsam", "ranked"}
+    assert [len(runs[m]) for m in ("adamw", "slsam", "ranked")] == [2, 2, 2]
     for method in ("adamw", "slsam"):
         for run in runs[method]:
             assert run["global_step"] == 4 and len(run["values"]) == 2
@@ -40,11 +54,21 @@ def test_compare_runs_every_method_and_seed_and_writes_the_table(tmp_path, capsy
     assert rows["adamw"]["active_ratio"] == 1.0
     assert 0 < rows["slsam"]["active_ratio"] < 2.0
     assert rows["slsam"]["seeds"] == 2
+    # The variant: its own options, and the selection's statistics.
+    ranked = runs["ranked"][0]
+    config = (out / "configs" / "ranked_seed42.yaml").read_text()
+    assert "bandit_loss: rank" in config and "lightning_slsam.SparseLayerSAM" in config
+    assert len(ranked["entropy"]) == 4 and len(ranked["floor_layers"]) == 4
+    assert ranked["entropy"][-1] < 1.0  # alpha 0.5: the distribution moved
+    assert -1 <= ranked["spearman_frequency_norm"] <= 1
+    assert rows["ranked"]["final_entropy"] == sum(r["entropy"][-1] for r in runs["ranked"]) / 2
     table = (out / "comparison.md").read_text()
-    assert "| adamw | 2 |" in table and "| slsam | 2 |" in table
+    assert "| adamw | 2 |" in table and "| slsam | 2 |" in table and "| ranked | 2 |" in table
+    assert "| Spearman | entropy | at floor |" in table
     assert (out / "accuracy_vs_active_ratio.png").stat().st_size > 5000
+    assert (out / "selection_over_steps.png").stat().st_size > 5000
     assert (out / "layer_frequency.png").is_file()
-    assert "comparison.md" in capsys.readouterr().out
+    assert (out / "layer_frequency_ranked.png").is_file()
     # --render re-tabulates the saved runs without training: the same table.
     (out / "comparison.md").unlink()
     from lightning_slsam.cli.compare import main as compare_main
@@ -52,6 +76,9 @@ def test_compare_runs_every_method_and_seed_and_writes_the_table(tmp_path, capsy
     again = compare_main(["--render", str(out)])
     assert (out / "comparison.md").read_text() == table
     assert json.loads(json.dumps(again["rows"])) == rows
+    # --resume keeps every finished run with an unchanged configuration.
+    main([*args[: -len(TINY) - 1], "--resume", "--", *TINY])
+    assert capsys.readouterr().out.count("(kept)") == 6
 
 
 def test_a_single_seed_shows_its_value_without_a_spread():
@@ -89,38 +116,6 @@ def test_compare_options_override_a_method_and_are_checked(tmp_path):
     for bad in ("slsam.layer_ratio=3", "sam.rho=0.1", "slsam=0.2", "slsam.no_such=1"):
         with pytest.raises(SystemExit):
             _parse_options(parser, [bad], ["slsam"])
-
-
-def test_compare_variants_run_interleaved_resume_and_report_the_selection(tmp_path, capsys):
-    out = tmp_path / "cmp"
-    args = ["compare", "--config", TASK, "--methods", "slsam,ranked", "--seeds", "2",
-            "--variant", "ranked=slsam", "--option", "ranked.bandit_loss=rank",
-            "--option", "ranked.alpha_p=0.5", "--out", str(out), "--", *TINY]  # fmt: skip
-    main(args)
-    printed = capsys.readouterr().out
-    # Seed by seed, every method within a seed, with the run count.
-    order = [line.split(": ", 1)[1] for line in printed.splitlines() if line.startswith("== run")]
-    assert order[0] == "slsam, seed 42" and order[1].startswith("ranked, seed 42")
-    assert order[2].startswith("slsam, seed 43") and "== run 4/4" in printed
-    # From the second run on, the time left is estimated.
-    assert "min left" not in order[0] and all("min left" in o for o in order[1:])
-    result = json.loads((out / "comparison.json").read_text())
-    ranked = result["runs"]["ranked"][0]
-    config = (out / "configs" / "ranked_seed42.yaml").read_text()
-    assert "bandit_loss: rank" in config and "lightning_slsam.SparseLayerSAM" in config
-    assert len(ranked["entropy"]) == 4 and len(ranked["floor_layers"]) == 4
-    assert ranked["entropy"][-1] < 1.0  # alpha 0.5: the distribution moved
-    assert -1 <= ranked["spearman_frequency_norm"] <= 1
-    row = result["rows"]["ranked"]
-    assert row["final_entropy"] == sum(r["entropy"][-1] for r in result["runs"]["ranked"]) / 2
-    assert (out / "selection_over_steps.png").stat().st_size > 5000
-    assert (out / "layer_frequency_ranked.png").is_file()
-    table = (out / "comparison.md").read_text()
-    assert "| Spearman | entropy | at floor |" in table and "| ranked | 2 |" in table
-    # --resume keeps every finished run with an unchanged configuration.
-    main([*args[: -len(TINY) - 1], "--resume", "--", *TINY])
-    assert printed.count("(kept)") == 0
-    assert capsys.readouterr().out.count("(kept)") == 4
 
 
 def test_compare_rejects_bad_variants(tmp_path):
