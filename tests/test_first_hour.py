@@ -32,6 +32,21 @@ def console(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
+def in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """Run the console script's ``main`` in this process (what the script runs, without a
+    new interpreter's start-up): its exit code, stdout and stderr."""
+    from lightning_slsam.cli.command import main
+
+    capsys.readouterr()
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else 1
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["lightning-slsam", *args], code, out, err)
+
+
 def first_line(text: str) -> str:
     return next(line for line in text.splitlines() if line.strip())
 
@@ -47,8 +62,9 @@ def test_help_and_the_missing_subcommand_error_list_compare():
 
 
 # -- 2. the demo config is used only on request -------------------------------------------
-def test_demo_values_are_never_merged_into_a_users_run():
-    own = console(
+def test_demo_values_are_never_merged_into_a_users_run(capsys):
+    own = in_process(
+        capsys,
         "fit",
         "--model=lightning_slsam.tasks.vision.ImageClassifier",
         "--data=lightning_slsam.tasks.vision.DigitsDataModule",
@@ -60,14 +76,14 @@ def test_demo_values_are_never_merged_into_a_users_run():
     assert config["trainer"].get("max_time") is None
     assert config["trainer"].get("val_check_interval") in (None, 1.0)
     assert config["trainer"].get("logger") in (None, True)
-    nothing = console("fit")
+    nothing = in_process(capsys, "fit")
     assert nothing.returncode == 2
     assert first_line(nothing.stderr) == (
         "lightning-slsam: error: `lightning-slsam fit` needs a run: give --config RUN.yaml"
         " (or --model and --data class paths), or --demo for the packaged demo (MiniLM-L6"
         " on Rotten Tomatoes)."
     )
-    demo = console("fit", "--demo", "--print_config")
+    demo = in_process(capsys, "fit", "--demo", "--print_config")
     assert demo.returncode == 0, demo.stderr
     shown = yaml.safe_load(demo.stdout)
     assert shown["trainer"]["callbacks"][0]["class_path"] == "lightning_slsam.SparseLayerSAM"
@@ -106,13 +122,13 @@ def test_compare_takes_the_first_seed_from_the_config(tmp_path, capsys):
         ("{layer_ratio: 1.5}", "SparseLayerSAM: `layer_ratio` must be in (0, 1], got 1.5."),
     ],
 )  # fmt: skip
-def test_a_bad_callback_option_in_yaml_is_one_line(tmp_path, init_args, message):
+def test_a_bad_callback_option_in_yaml_is_one_line(tmp_path, capsys, init_args, message):
     config = tmp_path / "run.yaml"
     config.write_text(
         "trainer:\n  callbacks:\n    - class_path: lightning_slsam.SparseLayerSAM\n"
         f"      init_args: {init_args}\n"
     )
-    done = console("fit", "--config", VISION, "--config", str(config))
+    done = in_process(capsys, "fit", "--config", VISION, "--config", str(config))
     assert done.returncode == 2
     assert done.stderr.splitlines()[0] == (
         f"lightning-slsam: error: {config}: trainer.callbacks[0]: {message}"
@@ -120,8 +136,9 @@ def test_a_bad_callback_option_in_yaml_is_one_line(tmp_path, init_args, message)
     assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1
 
 
-def test_a_bad_callback_flag_names_the_users_class():
-    done = console(
+def test_a_bad_callback_flag_names_the_users_class(capsys):
+    done = in_process(
+        capsys,
         "fit",
         "--config",
         VISION,
