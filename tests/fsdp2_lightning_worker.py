@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from helpers import EXTRA_OPTIONS, LitModel, make_mlp, planned, rank_loader
+from helpers import EXTRA_OPTIONS, Counting, LitModel, Stack, make_mlp, planned, rank_loader
 
 from lightning_slsam import make_callback
 from lightning_slsam.cli.command import release_process_group
@@ -37,17 +37,23 @@ class Sharded(LitModel):
     shard = True
     accumulate = 1
     fail_rank = -1  # this process raises in the second pass of step 2
+    backend: Counting | None = None  # --compile: compiled after sharding
+    compile_whole = False  # --compile whole: the network compiled whole (handed to its blocks)
 
     def configure_model(self) -> None:
-        if self.trainer.world_size == 1 or not self.shard:
-            return
-        from torch.distributed.fsdp import fully_shard
+        blocks = list(getattr(self.net, "blocks", []))
+        if self.trainer.world_size > 1 and self.shard:
+            from torch.distributed.fsdp import fully_shard
 
-        mesh = self.device_mesh["data_parallel"]
-        for layer in self.net:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(self.net, mesh=mesh)
+            mesh = self.device_mesh["data_parallel"]
+            for layer in blocks or self.net:
+                if blocks or isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+        if self.backend is not None:  # regional compilation: each block one layer
+            torch._dynamo.reset()
+            for block in [self.net] if self.compile_whole else blocks:
+                block.compile(backend=self.backend)
 
     def training_step(self, batch, batch_idx):
         if self.global_rank == self.fail_rank and self.global_step == 2 and self.sam_pass == 2:
@@ -71,6 +77,10 @@ class Record(L.Callback):
     def on_validation_end(self, trainer, pl_module):
         self.validations += 1
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if pl_module.backend is not None and trainer.global_step == trainer.max_steps // 2:
+            torch.compiler.set_stance("fail_on_recompile")  # warm-up over: no more graphs
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == len(self.masks):
             return  # a micro-batch buffered for accumulation: no step yet
@@ -79,6 +89,9 @@ class Record(L.Callback):
             self.masks.append(sam[0].engine.last_result.active_mask.clone())
 
     def on_train_end(self, trainer, pl_module):
+        torch.compiler.set_stance("default")
+        sam = [cb for cb in trainer.callbacks if hasattr(cb, "engine")]
+        backend = pl_module.backend
         weights = {}
         for name, param in pl_module.named_parameters():
             full = param.full_tensor() if hasattr(param, "full_tensor") else param
@@ -86,7 +99,10 @@ class Record(L.Callback):
         sharded = any(hasattr(p, "full_tensor") for p in pl_module.parameters())
         torch.save(
             {"masks": self.masks, "weights": weights, "sharded": sharded,
-             "global_step": trainer.global_step, "validations": self.validations},
+             "global_step": trainer.global_step, "validations": self.validations,
+             "layer_names": sam[0].layer_names if sam else None,
+             "graphs": backend.graphs if backend else None,
+             "compiled_calls": backend.calls if backend else None},
             f"{self.path}_rank{trainer.global_rank}.pt",
         )  # fmt: skip
 
@@ -94,7 +110,7 @@ class Record(L.Callback):
 def run(
     method: str, devices: int, steps: int, out: str, options: dict, shard: bool,
     accumulate: int, precision: str, resume_at: int = 0, full_checkpoint: bool = False,
-    resume_from: str | None = None, validate: bool = False,
+    resume_from: str | None = None, validate: bool = False, compile_blocks: str = "",
 ) -> None:  # fmt: skip
     """One fit of ``steps`` steps; with ``resume_at``, that fit checkpoints every step
     (``<tag>_uninterrupted``), and a fresh fit resumes from its checkpoint of step
@@ -104,7 +120,11 @@ def run(
     options_fail_rank = options.pop("fail_rank", -1)
     tag = f"{method}_{devices}{f'_acc{accumulate}' if accumulate > 1 else ''}"
     tag += f"_{precision}" if precision != "32-true" else ""
-    tag += suffix + ("_val" if validate else "")
+    tag += (
+        suffix
+        + ("_val" if validate else "")
+        + (f"_compiled_{compile_blocks}" if compile_blocks else "")
+    )
 
     def fit(name: str, ckpt_path: str | None = None, save_dir: str | None = None) -> None:
         strategy = (
@@ -132,7 +152,9 @@ def run(
             **VALIDATE if validate else {"limit_val_batches": 0},
             use_distributed_sampler=False,
         )
-        model = Sharded(make_mlp(seed=5))
+        model = Sharded(Stack(seed=5) if compile_blocks else make_mlp(seed=5))
+        model.backend = Counting() if compile_blocks else None
+        model.compile_whole = compile_blocks == "whole"
         model.shard, model.accumulate = shard, accumulate
         model.fail_rank = options_fail_rank
         trainer.fit(model, ckpt_path=ckpt_path)
@@ -165,6 +187,8 @@ def main() -> None:
     parser.add_argument("--resume-from", default=None, help="a checkpoint ({method} filled in)")
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--validate", action="store_true", help="validate before and between steps")
+    parser.add_argument("--compile", choices=["", "blocks", "whole"], default="",
+                        help="compile each block, or the network, after sharding")  # fmt: skip
     for args in planned(parser):
         for method in args.methods.split(","):
             options = {"seed": 3, "plot": False, "check_masks": args.check_masks}
@@ -176,7 +200,7 @@ def main() -> None:
             options["tag"], options["fail_rank"] = args.tag, args.fail_rank
             run(method, args.devices, args.steps, args.out, options, not args.no_shard,
                 args.accumulate, args.precision, args.resume_at, args.full_checkpoint,
-                args.resume_from, args.validate)  # fmt: skip
+                args.resume_from, args.validate, args.compile)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -146,6 +146,8 @@ VARIANTS = {  # tag -> worker arguments (sam and slsam, on 2 processes and on 1)
 BFLOAT16 = ["bf16-mixed", "bf16-true"]
 RESUMED = ["sam", "slsam", "s2sam", "sl_s2sam", "looksam", "ssamf"]
 CROSSED = ["slsam", "s2sam", "looksam"]
+#: form of torch.compile (after fully_shard, in configure_model) -> the methods it trains
+COMPILED = {"blocks": ["slsam", "slsam_default", "top_slsam", "esam"], "whole": ["slsam", "sam"]}
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +163,8 @@ def fits(tmp_path_factory):
         *(["--methods", "sam,slsam", *one, *args] for args in VARIANTS.values()),
         # A checkpoint moves between one device and FSDP2: from step 4 of 8, both ways.
         ["--methods", crossed, *one, "--steps", "8", "--resume-at", "4"],
+        *(["--methods", ",".join(m), *one, "--compile", form, "--steps", "8"]
+          for form, m in COMPILED.items()),
     ], out)  # fmt: skip
     two = ["--devices", "2"]
     launch(LIGHTNING_WORKER, [
@@ -177,6 +181,10 @@ def fits(tmp_path_factory):
           for extra in ([], ["--full-checkpoint", "--tag", "_full"])),
         ["--methods", crossed, *two, "--steps", "8", "--tag", "_from1",
          "--resume-from", str(out / "{method}_1_checkpoints" / "epoch=0-step=4.ckpt")],
+        # Compiled after sharding: the blocks, or the network whole (the callback hands a
+        # whole compile under layer sampling to the blocks).
+        *(["--methods", ",".join(m), *two, "--compile", form, "--steps", "8"]
+          for form, m in COMPILED.items()),
     ], out, timeout=1500)  # fmt: skip
     sharded = out / "{method}_2_full_checkpoints" / "epoch=0-step=4.ckpt"
     launch(LIGHTNING_WORKER, [["--methods", crossed, *one, "--steps", "8", "--tag", "_from2",
@@ -287,6 +295,33 @@ def test_a_checkpoint_moves_between_one_device_and_fsdp2(fits, method, source, t
     diff = max((again["weights"][k] - whole["weights"][k]).abs().max().item() for k in
                whole["weights"])  # fmt: skip
     assert diff < 1e-5  # the same run, summed in another order
+
+
+@pytest.mark.parametrize(
+    ("form", "method"), [(form, m) for form, methods in COMPILED.items() for m in methods]
+)
+def test_compiled_models_under_fsdp2_match_one_process_without_recompiles(fits, form, method):
+    # 8 steps, the last 4 under fail_on_recompile (the worker): no graph was traced after
+    # warm-up; the compiled graphs ran in both passes of every step, as on one process.
+    tag = f"{method}_{{}}_compiled_{form}_rank{{}}"
+    r0, r1, one = fits(tag.format(2, 0)), fits(tag.format(2, 1)), fits(tag.format(1, 0))
+    assert r0["sharded"] and not one["sharded"] and r0["global_step"] == one["global_step"] == 8
+    assert all(torch.equal(a, b) for a, b in zip(r0["masks"], r1["masks"], strict=True))
+    if method == "sam":  # dense: FSDP2's hooks split the whole network's graph
+        assert r0["compiled_calls"] >= 2 * 8 and r0["graphs"] <= 4
+    else:  # each block one layer: 3 blocks, 2 passes, 8 steps, at most 4 variants a block
+        # (ESAM: a third forward for the samples' losses, and 8: its batch size varies)
+        assert r0["layer_names"][:3] == ["net.blocks.0", "net.blocks.1", "net.blocks.2"]
+        assert r0["compiled_calls"] == (3 * 3 * 8 if method == "esam" else 3 * 2 * 8)
+        assert r0["graphs"] <= (8 if method == "esam" else 4)
+        if method != "esam":
+            assert (one["compiled_calls"], one["graphs"]) == (r0["compiled_calls"], r0["graphs"])
+    if method != "esam":  # (ESAM trains every layer; each process ranks its own samples)
+        assert sum(not bool(m.all()) for m in r0["masks"]) >= (0 if method == "sam" else 4)
+        assert all(torch.equal(a, b) for a, b in zip(r0["masks"], one["masks"], strict=True))
+        diff = max((r0["weights"][k] - one["weights"][k]).abs().max().item() for k in
+                   one["weights"])  # fmt: skip
+        assert diff < 1e-5
 
 
 @pytest.mark.parametrize("rank", [0, 1])
