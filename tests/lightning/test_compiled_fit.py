@@ -203,3 +203,23 @@ def test_dense_sam_on_the_trainers_compiled_module_compiles_the_forward_once():
     eager = PerSample(Stack())
     _fit(eager, [SAM(rho=0.05)])
     _assert_equal(_weights(model), _weights(eager))
+
+
+@pytest.mark.parametrize("name", ["slsam", "slsam_default"])
+def test_compiled_blocks_in_bf16_mixed_compile_once_and_follow_eager(name):
+    """Autocast traced into the blocks' graphs: the same layers as eager bf16-mixed, no
+    recompile after warm-up, and eager's weights (the backend runs eager's kernels)."""
+    torch._dynamo.reset()
+    backend = Counting()
+    model = PerSample(Stack())
+    for block in model.net.blocks:
+        block.compile(backend=backend)
+    callback = make_callback(name, seed=3)
+    guard = NoRecompileAfter(6, backend)
+    _fit(model, [callback, guard], precision="bf16-mixed")
+    assert guard.calls_after_warmup >= 3 * 6 and 3 <= backend.graphs <= 4
+    eager_cb = make_callback(name, seed=3, layers=BLOCKS)
+    eager = PerSample(Stack())
+    _fit(eager, [eager_cb], precision="bf16-mixed")
+    assert eager_cb.engine.counts.tolist() == callback.engine.counts.tolist()
+    _assert_equal(_weights(model), _weights(eager))
