@@ -27,7 +27,7 @@ from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from helpers import EXTRA_OPTIONS, make_data, make_mlp
+from helpers import EXTRA_OPTIONS, Counting, Stack, make_data, make_mlp
 
 from lightning_slsam import FabricSAM, StepResult
 from lightning_slsam.parallel.ddp import release_process_group
@@ -41,6 +41,8 @@ METHODS = [
 ]  # fmt: skip
 #: Under FSDP2 (ModelParallelStrategy, fully_shard in parallelize_fn).
 FSDP2_METHODS = ["sam", "slsam", "slsam_default", "esam"]
+#: On a model whose blocks are compiled (each block one layer).
+COMPILED_METHODS = ["slsam", "slsam_default", "top_slsam"]
 #: The stop and resume: 6 steps, stopped after 3.
 RESUME_STEPS, RESUME_AT = 6, 3
 
@@ -57,6 +59,7 @@ class Case:
     save_at: int | None = None  # fabric.save(<out>/resume.ckpt) after this many steps
     fail_rank: int = -1  # this rank's loss_fn raises in the second pass of step 2
     evaluate: bool = False  # a forward under torch.no_grad before every step
+    compile: str = ""  # "blocks" or "whole": a Stack's blocks, or the Stack, compiled
     options: dict = field(default_factory=dict)
 
 
@@ -72,6 +75,13 @@ def _cases() -> dict[str, Case]:
     cases["fsdp2_slsam_bf16"] = Case("slsam", strategy="fsdp2", precision="bf16-mixed")
     # FSDP2 leaves the root's parameters unsharded after a forward without backward.
     cases["fsdp2_slsam_evaluated"] = Case("slsam", strategy="fsdp2", evaluate=True)
+    # Compiled (6 steps, the last 3 under fail_on_recompile): under DDP the blocks before
+    # fabric.setup, or the model whole (FabricSAM hands it to the blocks); under FSDP2 the
+    # blocks after sharding.
+    for method in COMPILED_METHODS:
+        cases[f"compiled_{method}"] = Case(method, steps=6, compile="blocks")
+    cases["compiled_whole_slsam"] = Case("slsam", steps=6, compile="whole")
+    cases["fsdp2_compiled_slsam"] = Case("slsam", strategy="fsdp2", steps=6, compile="blocks")
     cases["resume_whole"] = Case("slsam", steps=RESUME_STEPS)
     cases["resume_first"] = Case("slsam", steps=RESUME_STEPS, save_at=RESUME_AT)
     cases["resume_second"] = Case("slsam", steps=RESUME_STEPS, start=RESUME_AT)
@@ -89,8 +99,9 @@ def _shard(module: torch.nn.Module, mesh) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     data_parallel = mesh["data_parallel"]
-    for layer in module:
-        if isinstance(layer, torch.nn.Linear):
+    blocks = list(getattr(module, "blocks", []))  # a Stack: each block, else each linear
+    for layer in blocks or module:
+        if blocks or isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=data_parallel)
     return fully_shard(module, mesh=data_parallel)
 
@@ -120,8 +131,8 @@ def _batches(fabric: L.Fabric, step: int, accumulate: int) -> list[tuple]:
 
 
 def _full(module: torch.nn.Module) -> dict[str, torch.Tensor]:  # a collective when sharded
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in module.named_parameters()}  # fmt: skip
+    return {n.replace("_orig_mod.", ""): (p.full_tensor() if hasattr(p, "full_tensor") else p)
+            .detach().clone() for n, p in module.named_parameters()}  # fmt: skip
 
 
 class _PlainSteps:
@@ -158,15 +169,24 @@ def _count_ddp_traffic(model, record: dict) -> None:
 def train(fabric: L.Fabric, case: Case, out: str | None = None) -> dict:
     """One run of ``case`` on ``fabric``; returns this rank's record."""
     L.seed_everything(99 if case.start else 7)  # a resumed run must take its state from the file
-    net = make_mlp(seed=5)
+    net = Stack(seed=5) if case.compile else make_mlp(seed=5)
+    backend = Counting()
+    if case.compile:
+        torch._dynamo.reset()
+    if case.compile == "blocks" and case.strategy != "fsdp2":
+        for block in net.blocks:
+            block.compile(backend=backend)
     if case.strategy == "fsdp2":  # FSDP2 replaces the parameters: the optimizer comes after
         model = fabric.setup_module(net)
+        for block in net.blocks if case.compile else []:  # compiled after sharding
+            block.compile(backend=backend)
         optimizer = fabric.setup_optimizers(
             torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
         )
     else:
+        compiled = torch.compile(net, backend=backend) if case.compile == "whole" else net
         optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01)
-        model, optimizer = fabric.setup(net, optimizer)
+        model, optimizer = fabric.setup(compiled, optimizer)
     options = {"seed": 3 if case.method in ("esam", "ssamf") else None}
     options.update(EXTRA_OPTIONS.get(case.method, {}), **case.options)
     if case.method == "adamw":  # plain Fabric steps: DDP's reducer averages, as usual
@@ -189,6 +209,8 @@ def train(fabric: L.Fabric, case: Case, out: str | None = None) -> dict:
         return F.cross_entropy(model(x), y, reduction="none")
 
     for step in range(case.start, case.steps):
+        if case.compile and step == case.steps // 2:
+            torch.compiler.set_stance("fail_on_recompile")  # warm-up over: no more graphs
         calls[0] = 0
         batches = _batches(fabric, step, case.accumulate)
         if case.evaluate:
@@ -202,6 +224,8 @@ def train(fabric: L.Fabric, case: Case, out: str | None = None) -> dict:
         if case.save_at is not None and step + 1 == case.save_at:
             fabric.save(os.path.join(out, "resume.ckpt"), state)
             break
+    torch.compiler.set_stance("default")
+    record["graphs"], record["compiled_calls"] = backend.graphs, backend.calls
     record["weights"] = _full(model.module)
     record["sharded"] = any(hasattr(p, "full_tensor") for p in model.module.parameters())
     record["numel"] = [w.numel() for w in record["weights"].values()]
@@ -231,6 +255,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True  # never fall back to eager
     fabrics: dict[tuple[str, str], L.Fabric] = {}
     for name in args.cases.split(","):
         if name == "fsdp2_joint_setup":

@@ -203,13 +203,6 @@ def test_float16_overflow_skips_the_step_and_backs_the_scaler_off():
     assert seen == [(False, 2.0**10, True), (True, 2.0**9, False), (False, 2.0**9, True)]
 
 
-class _Kept(Counting):
-    """Fabric deep-copies the compile arguments before compiling again: count in one place."""
-
-    def __deepcopy__(self, memo):
-        return self
-
-
 def _fit_stack(compiled, backend=None, **options):
     L.seed_everything(7)
     fabric = L.Fabric(accelerator="cpu", devices=1)
@@ -229,7 +222,7 @@ def _fit_stack(compiled, backend=None, **options):
 
 def test_a_model_compiled_whole_trains_sl_sam_on_its_compiled_blocks():
     torch._dynamo.reset()
-    backend = _Kept()
+    backend = Counting()
     compiled, sam = _fit_stack(True, backend)
     eager, eager_sam = _fit_stack(False, layers=[r"^(blocks\.\d+)\."])
     assert sam.partition.names[:3] == eager_sam.partition.names[:3] == [

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 
+import fabric_worker as worker
 import pytest
 import torch
 from fabric_worker import CASES, FSDP2_METHODS, METHODS, RESUME_AT, make_fabric, train
@@ -26,6 +27,9 @@ WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 # ESAM's data selection ranks each process's own samples: not the one-process choice.
 PER_RANK_DATA = {"esam"}
 VARIANTS = [f"{m}_{v}" for v in ("acc2", "clip") for m in ("sam", "slsam", "slsam_default")]
+#: Compiled models: the blocks (DDP, FSDP2 after sharding), the model whole (DDP).
+COMPILED = [*(f"compiled_{m}" for m in worker.COMPILED_METHODS), "compiled_whole_slsam",
+            "fsdp2_compiled_slsam"]  # fmt: skip
 FSDP2_VARIANTS = ["fsdp2_slsam_clip", "fsdp2_slsam_acc2", "fsdp2_slsam_bf16",
                   "fsdp2_slsam_evaluated"]  # fmt: skip
 #: The FabricSAM runs under DDP.
@@ -56,7 +60,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fabric")
     cases = [*DDP_CASES, "adamw", "resume_whole",
              "resume_first", *(f"fsdp2_{m}" for m in FSDP2_METHODS), *FSDP2_VARIANTS,
-             "fsdp2_joint_setup"]  # fmt: skip
+             "fsdp2_joint_setup", *COMPILED]  # fmt: skip
     first = _run(out, *cases)
     second = _run(out, "resume_second")  # from resume_first's checkpoint
     return lambda name, rank=0: (second if name == "resume_second" else first)(name, rank)
@@ -66,7 +70,8 @@ def runs(tmp_path_factory):
 def one(name: str) -> dict:
     """The case on one device, in this process."""
     case = CASES[name]
-    return train(make_fabric(case.strategy, 1, case.precision), case)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        return train(make_fabric(case.strategy, 1, case.precision), case)
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -210,6 +215,21 @@ def test_fabric_fsdp2_refuses_an_optimizer_made_before_sharding(runs):
         message = runs("fsdp2_joint_setup", rank)["refused"]
         assert "not the model's parameters" in message, message
         assert "fabric.setup_module(model)" in message and "setup_optimizers" in message
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_compiled_models_under_fabric_equal_one_process_without_recompiles(runs, name):
+    # 6 steps, the last 3 under fail_on_recompile (the worker): every step ran the blocks'
+    # compiled graphs in both passes, on both ranks as on one process, each block one layer.
+    r0, r1, single = runs(name, 0), runs(name, 1), one(name)
+    assert _same_ranks(r0, r1) and r0["sharded"] == name.startswith("fsdp2")
+    assert r0["compiled_calls"] == single["compiled_calls"] == 3 * 2 * 6
+    # Trained or frozen, times whether the input needs a gradient (4 on one process); under
+    # DDP, dynamo's DDP optimizer may split a block's graph at its gradient buckets.
+    assert single["graphs"] <= 4 and r0["graphs"] <= 8
+    assert sum(not bool(m[:3].all()) for m in r0["masks"]) >= 3  # blocks were frozen
+    assert _same_masks(r0, single) and torch.equal(r0["counts"], single["counts"])
+    assert _max_diff(r0, single) < 1e-5
 
 
 @pytest.mark.parametrize("rank", [0, 1])
