@@ -213,6 +213,8 @@ def train(fabric: L.Fabric, case: Case, out: str | None = None) -> dict:
             torch.compiler.set_stance("fail_on_recompile")  # warm-up over: no more graphs
         calls[0] = 0
         batches = _batches(fabric, step, case.accumulate)
+        if case.compile:  # as a DataLoader gives them: a strided view would trace apart
+            batches = [(x.contiguous(), y) for x, y in batches]
         if case.evaluate:
             with torch.no_grad():
                 model(batches[0][0])

@@ -224,9 +224,8 @@ def test_compiled_models_under_fabric_equal_one_process_without_recompiles(runs,
     r0, r1, single = runs(name, 0), runs(name, 1), one(name)
     assert _same_ranks(r0, r1) and r0["sharded"] == name.startswith("fsdp2")
     assert r0["compiled_calls"] == single["compiled_calls"] == 3 * 2 * 6
-    # Trained or frozen, times whether the input needs a gradient (4 on one process); under
-    # DDP, dynamo's DDP optimizer may split a block's graph at its gradient buckets.
-    assert single["graphs"] <= 4 and r0["graphs"] <= 8
+    # Trained or frozen, times whether the block's input needs a gradient.
+    assert r0["graphs"] == single["graphs"] <= 4
     assert sum(not bool(m[:3].all()) for m in r0["masks"]) >= 3  # blocks were frozen
     assert _same_masks(r0, single) and torch.equal(r0["counts"], single["counts"])
     assert _max_diff(r0, single) < 1e-5
