@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import lightning as L
 import torch
@@ -323,7 +323,7 @@ def launch(worker: str, runs: list[list[str]], out, timeout: int = 900) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-def planned(parser) -> list:
+def planned(parser) -> Iterator:
     """A worker's runs: its command line's, or every argument list of ``--plan FILE`` (see
     :func:`launch`), in order. A second rank started by re-running the script reads the
     same file, so both ranks run the same fits."""
@@ -332,8 +332,12 @@ def planned(parser) -> list:
 
     if sys.argv[1:2] == ["--plan"]:
         with open(sys.argv[2]) as f:
-            return [parser.parse_args(run) for run in json.load(f)]
-    return [parser.parse_args()]
+            runs = json.load(f)
+        for number, run in enumerate(runs, 1):  # which run of the plan failed, in the output
+            print(f"plan run {number}/{len(runs)}: {' '.join(run)}", file=sys.stderr, flush=True)
+            yield parser.parse_args(run)
+        return
+    yield parser.parse_args()
 
 
 def two_ranks(worker: str, out) -> list[dict]:

@@ -35,7 +35,7 @@ def test_compare_runs_every_method_and_seed_interleaved_resumes_and_writes_the_t
             "--option", "ranked.alpha_p=0.5", "--out", str(out), "--", *TINY]  # fmt: skip
     main(args)
     printed = capsys.readouterr().out
-    assert "comparison.md" in printed
+    assert "comparison.md" in printed and "(kept)" not in printed
     # Seed by seed, every method within a seed, with the run count.
     order = [line.split(": ", 1)[1] for line in printed.splitlines() if line.startswith("== run")]
     assert order[0] == "adamw, seed 42" and order[1].startswith("slsam, seed 42")

@@ -56,7 +56,7 @@ def runs(tmp_path_factory):
         ["--methods", methods, "--devices", "1"],
         ["--methods", methods, "--devices", "1", "--fp16"],
         ["--methods", ",".join(COMPILED), "--devices", "1", "--compile", "--steps", "8"],
-    ], out)  # fmt: skip
+    ], out, timeout=1500)  # fmt: skip
     launch(WORKER, [["--methods", "slsam", "--devices", "2", "--strategy", "ddp", *validate]
                     for validate in ([], ["--validate"])], out)  # fmt: skip
 
