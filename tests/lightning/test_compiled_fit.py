@@ -75,11 +75,25 @@ def _fit(model, callbacks, steps=12, data=None, ckpt_path=None, **kwargs):
     return t
 
 
-def _eager(name: str, steps: int = 12, **options) -> tuple[dict, L.Callback]:
+def _eager(name: str, steps: int = 12, precision: str = "32-true", **options):
     callback = make_callback(name, **options, layers=BLOCKS)
     model = PerSample(Stack())
-    _fit(model, [callback], steps)
+    _fit(model, [callback], steps, precision=precision)
     return _weights(model), callback
+
+
+def _compiled_blocks(name: str, precision: str = "32-true"):
+    """SL-SAM-like ``name`` on a Stack whose blocks are compiled (a fresh counting backend),
+    12 steps, recompiles failing from step 6: the model, callback, guard and backend."""
+    torch._dynamo.reset()
+    backend = Counting()
+    model = PerSample(Stack())
+    for block in model.net.blocks:
+        block.compile(backend=backend)
+    callback = make_callback(name, seed=3)
+    guard = NoRecompileAfter(6, backend)
+    _fit(model, [callback, guard], precision=precision)
+    return model, callback, guard, backend
 
 
 def _assert_equal(compiled: dict, eager: dict) -> None:
@@ -137,14 +151,7 @@ def test_a_model_compiled_whole_without_repeated_blocks_is_refused(tmp_path):
 
 @pytest.mark.parametrize("name", SAMPLING)
 def test_every_layer_sampling_method_compiles_once_and_equals_eager(name):
-    torch._dynamo.reset()
-    backend = Counting()
-    model = PerSample(Stack())
-    for block in model.net.blocks:
-        block.compile(backend=backend)
-    callback = make_callback(name, seed=3)
-    guard = NoRecompileAfter(6, backend)
-    _fit(model, [callback, guard])
+    model, callback, guard, backend = _compiled_blocks(name)
     assert callback.layer_names[:3] == [f"net.blocks.{i}" for i in range(3)]
     # Compiled graphs ran in every step after warm-up (SL-S2-SAM and LookSAM's reuse steps
     # run one pass), from a bounded set of graphs.
@@ -207,19 +214,11 @@ def test_dense_sam_on_the_trainers_compiled_module_compiles_the_forward_once():
 
 @pytest.mark.parametrize("name", ["slsam", "slsam_default"])
 def test_compiled_blocks_in_bf16_mixed_compile_once_and_follow_eager(name):
-    """Autocast traced into the blocks' graphs: the same layers as eager bf16-mixed, no
-    recompile after warm-up, and eager's weights (the backend runs eager's kernels)."""
-    torch._dynamo.reset()
-    backend = Counting()
-    model = PerSample(Stack())
-    for block in model.net.blocks:
-        block.compile(backend=backend)
-    callback = make_callback(name, seed=3)
-    guard = NoRecompileAfter(6, backend)
-    _fit(model, [callback, guard], precision="bf16-mixed")
+    """Autocast traced into the blocks' graphs: each layer drawn as often as in eager
+    bf16-mixed, no recompile after warm-up, and eager's weights (the backend runs eager's
+    kernels)."""
+    model, callback, guard, backend = _compiled_blocks(name, precision="bf16-mixed")
     assert guard.calls_after_warmup >= 3 * 6 and 3 <= backend.graphs <= 4
-    eager_cb = make_callback(name, seed=3, layers=BLOCKS)
-    eager = PerSample(Stack())
-    _fit(eager, [eager_cb], precision="bf16-mixed")
+    eager, eager_cb = _eager(name, precision="bf16-mixed", seed=3)
     assert eager_cb.engine.counts.tolist() == callback.engine.counts.tolist()
-    _assert_equal(_weights(model), _weights(eager))
+    _assert_equal(_weights(model), eager)
