@@ -1,44 +1,27 @@
 """lightning-slsam: Sparse Layer Sharpness-Aware Minimization for PyTorch Lightning.
 
 Add :class:`SAMMixin` to a LightningModule's bases and a method callback to the Trainer:
-:class:`SparseLayerSAM` (SL-SAM), or any baseline of the SL-SAM paper's comparison
+:class:`SparseLayerSAM` (SL-SAM), or any method of the SL-SAM paper's comparison
 (:class:`SAM`, :class:`RandomSLSAM`, :class:`TopSLSAM`, :class:`S2SAM`, :class:`SLS2SAM`,
-:class:`RST`, :class:`ESAM`, :class:`SSAMF`, :class:`LookSAM`; :func:`make_callback` by
-name). In a Lightning Fabric loop, :class:`FabricSAM` runs any of them over the model and
-optimizer that ``fabric.setup`` returned. The pure-PyTorch parts (:class:`LayerBandit`,
-:class:`SparseSAMEngine`, :func:`build_partition`, the method specifications of
-:mod:`lightning_slsam.methods.spec`) also work in a plain training loop:
-``import lightning_slsam`` loads only them (and torch); the Lightning layer loads when one
-of its names is first used.
+:class:`RST`, :class:`ESAM`, :class:`SSAMF`, :class:`LookSAM`) and the combinations beyond it
+(:class:`SLSAMRST`, :class:`SLSAMLookSAM`, :class:`CostAwareSLSAM`); :func:`make_callback`
+by name. In a Lightning Fabric loop, :class:`FabricSAM` runs any of them over the model and
+optimizer that ``fabric.setup`` returned; in a plain PyTorch loop, :func:`make_engine`.
+
+A method of one's own is a :class:`MethodSpec` (or :class:`LayerSubsetSpec`) subclass,
+often with a :class:`LayerSelection` rule, added by :func:`register_method` and shelled by a
+:class:`SAMCallback` subclass. Everything else is imported from its module
+(``lightning_slsam.core``, ``.selection``, ``.methods``, ``.parallel``, ``.lightning``).
+
+``import lightning_slsam`` loads only the pure-PyTorch part (and torch); the Lightning layer
+loads when one of its names is first used.
 """
 
 from typing import TYPE_CHECKING, Any
 
-from lightning_slsam.core.engine import PassOutput, SparseSAMEngine, StepResult
-from lightning_slsam.core.partition import LayerPartition, build_partition, find_new_head
-from lightning_slsam.core.perturbation import FisherMask, SAMPerturbation
-from lightning_slsam.core.schedules import (
-    EveryStep,
-    IntervalSchedule,
-    RandomSchedule,
-    SingleStepSchedule,
-)
-from lightning_slsam.methods.registry import SPECS, make_engine, method_spec, register_method
-from lightning_slsam.methods.spec import MethodSpec
-from lightning_slsam.methods.subset import PRESETS
-from lightning_slsam.parallel.ddp import release_process_group
-
-# The pure-PyTorch core, imported with the package (torch only).
-from lightning_slsam.selection.bandit import LayerBandit, kl_projection
-from lightning_slsam.selection.rules import (
-    AllLayers,
-    ExpandToAll,
-    LayerSelection,
-    TopKSelection,
-    UniformSelection,
-    WrappedSelection,
-)
-from lightning_slsam.selection.wrappers import DenseWarmup, DepthCut
+from lightning_slsam.methods.registry import make_engine, register_method
+from lightning_slsam.methods.spec import LayerSubsetSpec, MethodSpec
+from lightning_slsam.selection.rules import LayerSelection
 
 # The Lightning layer, imported on first use: importing Lightning pulls in torchmetrics, and
 # with it transformers and matplotlib when they are installed. ``import lightning_slsam``
@@ -52,7 +35,7 @@ _LIGHTNING_MODULES = (
 )
 
 if TYPE_CHECKING:
-    from lightning_slsam.lightning.callback import SAMCallback, estimated_stepping_batches
+    from lightning_slsam.lightning.callback import SAMCallback
     from lightning_slsam.lightning.callbacks import (
         ESAM,
         METHODS,
@@ -60,13 +43,15 @@ if TYPE_CHECKING:
         S2SAM,
         SAM,
         SLS2SAM,
+        SLSAMRST,
         SSAMF,
+        CostAwareSLSAM,
         LookSAM,
         RandomSLSAM,
+        SLSAMLookSAM,
         SparseLayerSAM,
         TopSLSAM,
         make_callback,
-        make_callbacks,
     )
     from lightning_slsam.lightning.fabric import FabricSAM
     from lightning_slsam.lightning.mixin import SAMMixin
@@ -90,52 +75,31 @@ def __dir__() -> list[str]:
 
 __version__ = "0.2.0"
 
+#: The user API (the module mixin, the method callbacks, the front-ends) and the documented
+#: extension points (a method's specification, its selection rule, its callback shell).
 __all__ = [
     "ESAM",
     "METHODS",
-    "PRESETS",
     "RST",
     "S2SAM",
     "SAM",
     "SLS2SAM",
-    "SPECS",
+    "SLSAMRST",
     "SSAMF",
-    "AllLayers",
-    "DenseWarmup",
-    "DepthCut",
-    "EveryStep",
-    "ExpandToAll",
+    "CostAwareSLSAM",
     "FabricSAM",
-    "FisherMask",
-    "IntervalSchedule",
-    "LayerBandit",
-    "LayerPartition",
     "LayerSelection",
+    "LayerSubsetSpec",
     "LookSAM",
     "MethodSpec",
-    "PassOutput",
     "RandomSLSAM",
-    "RandomSchedule",
     "SAMCallback",
     "SAMMixin",
-    "SAMPerturbation",
-    "SingleStepSchedule",
+    "SLSAMLookSAM",
     "SparseLayerSAM",
-    "SparseSAMEngine",
-    "StepResult",
-    "TopKSelection",
     "TopSLSAM",
-    "UniformSelection",
-    "WrappedSelection",
     "__version__",
-    "build_partition",
-    "estimated_stepping_batches",
-    "find_new_head",
-    "kl_projection",
     "make_callback",
-    "make_callbacks",
     "make_engine",
-    "method_spec",
     "register_method",
-    "release_process_group",
 ]

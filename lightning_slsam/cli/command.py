@@ -46,7 +46,6 @@ from lightning_slsam.cli.errors import OneLineParser, debugging, fail
 from lightning_slsam.cli.retired_options import drop_retired_options
 from lightning_slsam.lightning.compat import add_cli_subcommand, spawns_processes
 from lightning_slsam.lightning.driver import find_sam_callback
-from lightning_slsam.methods.subset import PRESET_WORDS
 from lightning_slsam.parallel.ddp import release_process_group
 
 __all__ = ["SLSAMCLI", "demo_config_path", "main", "release_process_group"]
@@ -148,9 +147,10 @@ def run_summary(trainer: Any, log_dir: str | None) -> list[str]:
         lines.append("  method: plain optimizer steps (no SAM callback in trainer.callbacks)")
     else:
         summary = sam.summary(trainer)
-        preset = getattr(sam, "preset", None)
+        preset = getattr(sam.spec, "preset", None)
         if preset is not None:
-            lines.append(f"  {type(sam).__name__} preset: {preset!r} ({PRESET_WORDS[preset]})")
+            words = sam.spec.PRESET_WORDS[preset]
+            lines.append(f"  {type(sam).__name__} preset: {preset!r} ({words})")
         lines.append(
             f"  {type(sam).__name__} mean active ratio: {summary['mean_active_ratio']:.3f}x"
             " over the passes (SAM: 2.0x, AdamW: 1.0x)"

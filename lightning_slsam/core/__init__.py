@@ -1,4 +1,4 @@
-"""The engine and what one step is made of, in plain PyTorch: the step contract
-(:mod:`.contract`, :mod:`.step_parts`), the step kinds, a gradient pass, the perturbation,
-per-step freezing over the layer partition, schedules, and the state a forward changes
-besides the weights. No Lightning."""
+"""One training step in plain PyTorch: the step functions (:mod:`.step`), the one pass loop
+every front-end runs (:mod:`.passes`), the engine around them (:mod:`.engine`), the
+perturbation, the layer partition and per-step freezing, what one pass may leave behind
+(:mod:`.isolation`) and compiled regions (:mod:`.regions`). No Lightning."""

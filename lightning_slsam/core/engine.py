@@ -1,32 +1,24 @@
-"""One training step of any SAM method of the plugin, in plain PyTorch.
+"""The stateful shell around the step functions: :class:`SparseSAMEngine`.
 
-:class:`SparseSAMEngine` knows nothing of Lightning. A method is three parts:
+Each step, the engine asks the method which kind of step it is, draws the layers from the
+selection, runs the step function of that kind (:mod:`lightning_slsam.core.step`) and
+counts what happened; it saves and loads everything needed to continue identically. It
+knows nothing of Lightning: a training loop hands it a
+:class:`~lightning_slsam.core.step.Loop` (``engine.step(loop)``), or a plain PyTorch loop
+calls :meth:`SparseSAMEngine.train_step`.
 
-* a **selection** (:mod:`lightning_slsam.selection.rules`): which layers the first pass
-  computes, which the second pass computes and the optimizer updates;
-* a **perturbation** (:mod:`lightning_slsam.core.perturbation`): the ascent on those layers;
-* a **schedule** (:mod:`lightning_slsam.core.schedules`): what kind each step is, run by the
-  step kinds (:mod:`lightning_slsam.core.step_kinds`: SAM, plain, single-step; a method
-  adds its own, such as LookSAM's reuse step) and preceded by the method's hooks (SSAM-F's
-  Fisher refresh).
-
-Kinds and hooks receive a :class:`~lightning_slsam.core.step_parts.StepParts`, never the
-engine. The engine is given callables and runs the step around them:
-``forward_backward`` (the :class:`~lightning_slsam.core.contract.ForwardBackward` protocol),
-``zero_grad()``, which sets every gradient to ``None``, and ``optimizer_step(skip)``, which
-steps the base optimizer (``skip=True``: every gradient is ``None`` and nothing may
-change, but per-step counters such as Lightning's ``global_step`` still advance).
-
-Layers outside the active set are frozen for the step (:mod:`lightning_slsam.core.freezing`).
-Every step synchronises with the host once, at its end: losses, a finiteness probe and the
-per-layer norms travel together; a non-finite value skips the step with the weights
-restored exactly and nothing else changed.
+Layers outside the active set are frozen for the step. Every step synchronises with the
+host once, at its end: losses, a finiteness probe and the per-layer norms travel together;
+a non-finite value skips the step with the weights restored exactly and nothing else
+changed.
 
 SL-SAM assembled from its parts in a plain loop (:func:`~lightning_slsam.make_engine`
 does the same from a method's name and options):
 
 >>> import torch
->>> from lightning_slsam import LayerBandit, SAMPerturbation, build_partition
+>>> from lightning_slsam.core.partition import build_partition
+>>> from lightning_slsam.core.perturbation import SAMPerturbation
+>>> from lightning_slsam.selection.bandit import LayerBandit
 >>> _ = torch.manual_seed(0)
 >>> net = torch.nn.Sequential(
 ...     torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
@@ -47,63 +39,46 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import functools
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_slsam.core.contract import (
-    ForwardBackward,
-    PassOutput,
-    StepCall,
-    StepContext,
-    StepResult,
-)
-from lightning_slsam.core.counters import StepCounters
-from lightning_slsam.core.freezing import LayerFreezer
-from lightning_slsam.core.gradient_pass import check_same_draw
-from lightning_slsam.core.isolation import PassIsolation
-from lightning_slsam.core.partition import LayerPartition
+from lightning_slsam.core.isolation import PassIsolation, RunningStats
+from lightning_slsam.core.partition import LayerFreezer, LayerPartition, by_position
+from lightning_slsam.core.passes import Passes, split_per_sample
 from lightning_slsam.core.perturbation import SAMPerturbation
-from lightning_slsam.core.plain_loop import PlainLoopStep
-from lightning_slsam.core.running import BN_STATS, RunningStats
-from lightning_slsam.core.schedules import EveryStep, Schedule
-from lightning_slsam.core.step_kinds import PlainStep, SAMStep, SingleStep, StepKind
-from lightning_slsam.core.step_parts import StatefulPart, StepHook, StepParts
-from lightning_slsam.core.update_scaling import UpdateScaling
-from lightning_slsam.parallel.fsdp2 import (
-    check_shardable,
-    fsdp_modules,
-    full_tensor,
-    reshard,
-    shard_of,
+from lightning_slsam.core.step import (
+    STEP_KINDS,
+    Loop,
+    MethodParts,
+    StepResult,
+    commit,
+    plain_step,
+    sam_step,
+    single_step,
 )
+from lightning_slsam.parallel.ddp import GradientAverager, check_same_draw, ddp_averager
+from lightning_slsam.parallel.shards import shards_of
 from lightning_slsam.selection.rules import LayerSelection
 
-__all__ = ["PassOutput", "SparseSAMEngine", "StepContext", "StepResult"]
+__all__ = ["SparseSAMEngine"]
 
 
-def default_kinds() -> dict[str, StepKind]:
-    """The step kinds every engine has: ``"sam"``, ``"plain"`` and ``"single"``."""
-    return {"sam": SAMStep(), "plain": PlainStep(), "single": SingleStep()}
-
-
-class SparseSAMEngine(StepCounters, PlainLoopStep):
-    """Runs SAM-method steps over a :class:`LayerPartition` (pure PyTorch).
+class SparseSAMEngine:
+    """Runs the steps of a method over a :class:`~lightning_slsam.core.partition.LayerPartition`
+    (pure PyTorch).
 
     Args:
         partition: the layers, from :func:`~lightning_slsam.core.partition.build_partition`.
-        selection: the layer-selection rule (a :class:`~lightning_slsam.LayerBandit` for
-            SL-SAM).
+        selection: the layer-selection rule (a
+            :class:`~lightning_slsam.selection.bandit.LayerBandit` for SL-SAM).
         perturbation: the ascent applied to the perturbed tensors.
-        schedule: the kind of each step (default: SAM on every step).
-        kinds: the step kinds by name, added to (or replacing) the defaults ``"sam"``
-            (:class:`~lightning_slsam.core.step_kinds.SAMStep`), ``"plain"`` and
-            ``"single"``; a method's specification supplies its own
-            (:meth:`~lightning_slsam.MethodSpec.step_kinds`: LookSAM's ``"reuse"``,
-            ESAM's and SSAM-F's SAM steps). Every kind the schedule names must be here.
-        hooks: parts run before every step's kind (SSAM-F's Fisher refresh).
+        method: what the method adds to the steps -- the kind of each step, ESAM's sample
+            choice, SSAM-F's mask, LookSAM's store (default: SAM on every step).
         module: the model, whose normalisation layers' running statistics are managed.
         bn_stats: which pass's running statistics a two-pass step keeps: ``"first"``
             (default: the unperturbed pass, as official SAM implementations do),
@@ -116,20 +91,25 @@ class SparseSAMEngine(StepCounters, PlainLoopStep):
             before the ascent (default). ``False`` perturbs every process with its own
             gradient (SAM's m-sharpness): no first-pass gradient traffic, only the
             per-layer norm vector is averaged.
-        dense_one_pass: the steps that run one pass ("plain" and "reuse" kinds) train
-            every layer instead of the selection's draw (default ``False``).
+        check_masks: under DDP, check on every step that all processes drew the same layers.
         update_scale: inverse-inclusion update scaling (beyond the paper; ``None``, the
             default, disables it). On a step whose layers the selection drew, each active
             layer's update -- the change the optimizer made to its weights -- is multiplied
             by ``min(1 / q, update_scale)``, with ``q`` the probability that the layer was
             drawn (:meth:`~lightning_slsam.selection.rules.LayerSelection.inclusion`). A layer
             active in a fraction ``q`` of the steps then moves, in expectation, as far as
-            it would if it were trained every step. Must be ``>= 1``.
+            it would if it were trained every step.
 
-    Its counters (``counts``, ``num_steps``, ``mean_active_ratio``, ``last_result``, ...)
-    are :class:`~lightning_slsam.core.counters.StepCounters`'; its plain-loop step,
-    ``train_step``, is :class:`~lightning_slsam.core.plain_loop.PlainLoopStep`'s. A runnable example
-    is in :mod:`lightning_slsam.core.engine`'s docstring.
+    The arguments are not checked here: a method's specification checks its options once.
+
+    Attributes:
+        counts: steps in which each layer was updated (int64, CPU).
+        norm_sums, norm_counts: sum and number of the first-pass gradient norms measured
+            for each layer (the selection's input; :meth:`mean_norms`).
+        num_steps: steps run, skipped ones included; ``num_skipped``: skipped ones.
+        kind_counts: steps of each kind (skipped ones excluded).
+        active_ratio_sum: sum over non-skipped steps of :attr:`StepResult.active_ratio`.
+        last_result: the latest :class:`~lightning_slsam.core.step.StepResult`.
     """
 
     def __init__(
@@ -137,53 +117,38 @@ class SparseSAMEngine(StepCounters, PlainLoopStep):
         partition: LayerPartition,
         selection: LayerSelection,
         perturbation: SAMPerturbation,
-        schedule: Schedule | None = None,
-        kinds: Mapping[str, StepKind] | None = None,
-        hooks: Sequence[StepHook] = (),
+        method: MethodParts | None = None,
         module: torch.nn.Module | None = None,
         bn_stats: str = "first",
         replay_dropout: bool = False,
         sync_first_pass: bool = True,
         check_masks: bool = False,
-        dense_one_pass: bool = False,
         update_scale: float | None = None,
     ) -> None:
-        if update_scale is not None and not (
-            isinstance(update_scale, (int, float)) and 1.0 <= update_scale < float("inf")
-        ):
+        #: The seam to the parameters' shards (FSDP2), or whole tensors.
+        self.shards = shards_of(partition.flat_params, module)
+        if self.shards.sharded and not sync_first_pass:
             raise ValueError(
-                f"`update_scale` must be None or a finite number >= 1, got {update_scale!r}."
+                "sync_first_pass=False needs each process's own first-pass gradient, but FSDP2"
+                " averages every backward pass across the processes (reduce-scatter). Leave"
+                " sync_first_pass=True with FSDP2, or use strategy='ddp'."
             )
-        if bn_stats not in BN_STATS:
-            raise ValueError(f"`bn_stats` must be one of {BN_STATS}, got {bn_stats!r}.")
-        check_shardable(partition.flat_params, bool(sync_first_pass))
         self.partition = partition  # also builds self.freezer
         self.selection = selection
         self.perturbation = perturbation
-        self.schedule = schedule if schedule is not None else EveryStep()
-        self.bn_stats = bn_stats
-        self.replay_dropout = bool(replay_dropout)
+        self.method = method if method is not None else MethodParts()
         self.sync_first_pass = bool(sync_first_pass)
         self.check_masks = bool(check_masks)
-        self.dense_one_pass = bool(dense_one_pass)
         self.update_scale = None if update_scale is None else float(update_scale)
         self._module = module
-        self._sharded_modules = (
-            fsdp_modules(module) if module is not None and self.freezer.sharded else []
-        )
         running = RunningStats(module) if module is not None else None
-        self.isolation = PassIsolation(running, bn_stats, self.replay_dropout)
-        #: The step kinds by name (the schedule names one per step) and the hooks run
-        #: before each step; they own their state, saved with the engine's.
-        self.kinds: dict[str, StepKind] = {**default_kinds(), **(kinds or {})}
-        self.hooks: list[StepHook] = list(hooks)
-        missing = [k for k in getattr(self.schedule, "kinds", ()) if k not in self.kinds]
-        if missing:
-            raise ValueError(
-                f"The schedule {type(self.schedule).__name__} runs step kinds {missing} that"
-                f" the engine lacks: pass them as `kinds` (it has {sorted(self.kinds)})."
-            )
-        self.scaling = UpdateScaling(update_scale) if update_scale is not None else None
+        #: What one pass may leave behind (``None``: no running statistics, no replay).
+        self.isolation = (
+            PassIsolation(running, bn_stats, replay_dropout) if running or replay_dropout else None
+        )
+        #: Single-step SAM's gradients of the last step each tensor was trained in.
+        self.last_grad: dict[int, Tensor] = {}
+        self._ddp: tuple[torch.nn.Module, GradientAverager] | None = None
         self.reset_counters(partition.num_layers)
 
     @property
@@ -195,100 +160,185 @@ class SparseSAMEngine(StepCounters, PlainLoopStep):
     def partition(self, partition: LayerPartition) -> None:
         self._partition = partition
         self.freezer = LayerFreezer(partition)
-
-    # -- freezing -------------------------------------------------------------------
-    def activate(self, mask: Tensor) -> list[Tensor]:
-        """Make exactly the layers in ``mask`` (plus always-active tensors) trainable.
-
-        Returns the active tensors, always-active ones first.
-        """
-        return self.freezer.activate(mask)
-
-    def release(self) -> None:
-        """Make every partition tensor trainable again (the state outside a step)."""
-        self.freezer.release()
-
-    def weight_flags(self, params: list[Tensor]) -> list[bool] | None:
-        """ASAM's per-tensor scaling flags (``None`` unless the perturbation is adaptive)."""
-        return self.freezer.weight_flags(params) if self.perturbation.adaptive else None
-
-    # -- the step ---------------------------------------------------------------------
-    def step(
-        self,
-        forward_backward: ForwardBackward,
-        zero_grad: Callable[[], None],
-        optimizer_step: Callable[[bool], None],
-        context: StepContext | None = None,
-    ) -> StepResult:
-        """Run one training step of the configured method (``context``: gradient scaling
-        and multi-process averaging, when the trainer uses them)."""
-        context = context if context is not None else StepContext()
-        # FSDP2: a forward without backward (validation) may have left the root unsharded.
-        reshard(self._sharded_modules)
-        if self.num_steps == 0 and self._module is not None:
-            self.freezer.check_owned(self._module)
-        name = self.schedule.kind(self.num_steps)
-        kind = self.kinds.get(name)
-        if kind is None:
-            raise ValueError(
-                f"The schedule named step kind {name!r}; the engine has {sorted(self.kinds)}."
-            )
-        # A kind may need every layer (single-step SAM's first step: no previous gradient
-        # yet). With dense_one_pass, the kinds that run one pass (RST's plain steps,
-        # LookSAM's reuse steps) train every layer too. The selection draws (and learns)
-        # on the other steps only.
-        forced = kind.needs_every_layer() or (self.dense_one_pass and kind.one_pass)
-        mask = self.freezer.all.clone() if forced else self.selection.sample()
-        if self.scaling is not None:
-            self.scaling.prepare(self.selection, drawn=not forced)
-        if (self.check_masks or context.check_draw) and context.averager is not None:
-            check_same_draw(mask, name, self.num_steps, context.averager)
-        result = StepResult(None, mask, self.partition.trainable_numel, name, drawn=not forced)
-        call = StepCall(result, forward_backward, zero_grad, optimizer_step, context)
-        parts = self.parts()
-        try:
-            for hook in self.hooks:
-                hook.before_step(parts, call)
-            kind.run(parts, call)
-        finally:
-            self.release()
-        self.count(result)
-        return result
+        self.trainable_numel = partition.trainable_numel
 
     @property
     def needs_per_sample(self) -> bool:
-        """Whether a step kind needs per-sample losses (ESAM's data selection)."""
-        return any(kind.needs_per_sample for kind in self.kinds.values())
+        """Whether the steps need per-sample losses (ESAM's sample choice)."""
+        return self.method.needs_per_sample
 
-    def parts(self) -> StepParts:
-        """What this step's kind and hooks work with
-        (:class:`~lightning_slsam.core.step_parts.StepParts`)."""
-        return StepParts(
-            freezer=self.freezer, selection=self.selection, perturbation=self.perturbation,
-            isolation=self.isolation, step=self.num_steps, sync_first_pass=self.sync_first_pass,
-            scaling=self.scaling, record_norms=self.record_norms,
+    # -- the step ---------------------------------------------------------------------
+    def step(self, loop: Loop) -> StepResult:
+        """Run one training step of the method with the training loop's ``loop``."""
+        # FSDP2: a forward without backward (validation) may have left the root unsharded.
+        self.shards.reshard()
+        if self.num_steps == 0 and self._module is not None:
+            self.freezer.check_owned(self._module)
+        kind = self.method.kind(self.num_steps)
+        if kind not in STEP_KINDS:
+            raise ValueError(f"The method named step kind {kind!r}; the kinds are {STEP_KINDS}.")
+        # Single-step SAM's first step has no previous gradient: a plain step on every
+        # layer, not a draw (the selection neither draws nor learns).
+        drawn = not (kind == "single" and not self.last_grad)
+        mask = self.selection.sample() if drawn else self.freezer.all.clone()
+        inclusion = self.selection.inclusion() if drawn and self.update_scale else None
+        if (self.check_masks or loop.check_draw) and loop.averager is not None:
+            check_same_draw(mask, kind, STEP_KINDS, self.num_steps, loop.averager)
+        result = StepResult(None, mask, self.trainable_numel, kind, drawn=drawn)
+        end = functools.partial(
+            commit, loop, result, self.num_steps, inclusion, layers=self.freezer,
+            selection=self.selection, update_scale=self.update_scale,
+            pool=self.perturbation.pool, shards=self.shards, record_norms=self.record_norms,
         )  # fmt: skip
+        try:
+            if self.method.before_step is not None:
+                self.method.before_step(
+                    self.num_steps, loop, result, self.freezer, self.isolation, self.shards
+                )
+            if kind == "sam":
+                sam_step(
+                    loop, result, self.freezer, selection=self.selection,
+                    perturbation=self.perturbation, method=self.method,
+                    isolation=self.isolation, shards=self.shards,
+                    sync_first_pass=self.sync_first_pass, commit=end,
+                )  # fmt: skip
+            elif kind == "single":
+                single_step(
+                    loop, result, self.freezer, perturbation=self.perturbation,
+                    last_grad=self.last_grad, shards=self.shards, commit=end,
+                )  # fmt: skip
+            else:
+                plain_step(
+                    loop, result, self.freezer, method=self.method, shards=self.shards,
+                    commit=end,
+                )  # fmt: skip
+        finally:
+            self.freezer.release()
+        self.count(result)
+        return result
 
-    def _stateful(self) -> list[StatefulPart]:
-        """The kinds and hooks, each once (a kind may serve under two names)."""
-        return list({id(p): p for p in (*self.kinds.values(), *self.hooks)}.values())
+    def train_step(
+        self,
+        compute_loss: Callable[..., Tensor],
+        optimizer: torch.optim.Optimizer,
+        batch_size: int | None = None,
+        *,
+        ddp: torch.nn.Module | None = None,
+    ) -> StepResult:
+        """One step in a plain PyTorch loop.
 
+        Args:
+            compute_loss: runs the forward pass on the current batch and returns the loss
+                (called once per pass; back-propagation is done here). Methods that
+                address single samples (ESAM's data selection, SSAM-F) call it as
+                ``compute_loss(index)`` with a tensor of sample indices, and ESAM needs it
+                to return per-sample losses (a 1-D tensor; it is averaged for the update).
+            optimizer: the base optimizer; not stepped at all when the step is skipped.
+            batch_size: samples in the batch (needed by ESAM and SSAM-F).
+            ddp: when several processes train with DDP, the ``DistributedDataParallel``
+                wrapper that ``compute_loss`` runs. Build the engine on the wrapped module
+                (``make_engine(method, ddp.module, seed=...)``), with the same ``seed`` on
+                every process. The step runs inside ``ddp.no_sync()``; the engine averages
+                the active layers' gradients itself, and its first step checks that every
+                process drew the same layers. (FSDP2 needs nothing: its parameters average.)
+        """
+
+        def loss(index: Tensor | None) -> tuple[Tensor, Tensor | None]:
+            return split_per_sample(compute_loss() if index is None else compute_loss(index))
+
+        size = None if batch_size is None else lambda _: batch_size
+        passes = Passes(
+            [None], loss, Tensor.backward, size=size, subset=lambda _, index: index,
+            needs_per_sample=self.needs_per_sample,
+        )  # fmt: skip
+        zero_grad = functools.partial(optimizer.zero_grad, set_to_none=True)
+
+        def optimizer_step(skip: bool) -> None:
+            if not skip:
+                optimizer.step()
+
+        if ddp is None:
+            return self.step(Loop(passes, zero_grad, optimizer_step))
+        first = self._ddp is None or self._ddp[0] is not ddp
+        if first:
+            self._ddp = (ddp, ddp_averager(ddp, self._module))
+        with ddp.no_sync():  # type: ignore[operator]
+            averager = self._ddp[1]  # type: ignore[index]
+            return self.step(Loop(passes, zero_grad, optimizer_step, None, averager, first))
+
+    # -- counters -----------------------------------------------------------------------
+    def reset_counters(self, num_layers: int) -> None:
+        """Start counting afresh for ``num_layers`` layers."""
+        self.counts = torch.zeros(num_layers, dtype=torch.int64)
+        self.norm_sums = torch.zeros(num_layers, dtype=torch.float64)
+        self.norm_counts = torch.zeros(num_layers, dtype=torch.int64)
+        self.num_steps = 0
+        self.num_skipped = 0
+        self.kind_counts: dict[str, int] = {}
+        self.active_ratio_sum = 0.0
+        self.last_result: StepResult | None = None
+
+    def count(self, result: StepResult) -> None:
+        """Count a finished step (and set its :attr:`~StepResult.active_ratio`)."""
+        result.active_ratio = sum(n / max(result.trainable_numel, 1) for n in result.pass_numel)
+        self.num_steps += 1
+        if result.skipped:
+            self.num_skipped += 1
+        else:
+            self.counts += result.active_mask.to(torch.int64)
+            self.active_ratio_sum += result.active_ratio
+            self.kind_counts[result.kind] = self.kind_counts.get(result.kind, 0) + 1
+        self.last_result = result
+
+    def record_norms(self, mask: Tensor, norms: Tensor) -> None:
+        """Add the first-pass norms ``norms`` of the layers in ``mask`` (float64, CPU)."""
+        self.norm_sums += torch.where(mask, norms, 0.0)
+        self.norm_counts += mask.to(torch.int64)
+
+    @property
+    def mean_active_ratio(self) -> float:
+        """Mean "Active Ratio" (summed over passes) over the non-skipped steps."""
+        done = self.num_steps - self.num_skipped
+        return self.active_ratio_sum / done if done else math.nan
+
+    def frequencies(self) -> Tensor:
+        """Fraction of non-skipped steps each layer was updated (float64)."""
+        done = max(self.num_steps - self.num_skipped, 1)
+        return self.counts.double() / done
+
+    def mean_norms(self) -> Tensor:
+        """Mean first-pass gradient norm of each layer over the steps it was measured in
+        (float64; NaN for a layer never measured)."""
+        return self.norm_sums / self.norm_counts.double()
+
+    def never_selected(self) -> int:
+        """Layers not updated in any step so far."""
+        return int((self.counts == 0).sum())
+
+    # -- state --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue identically: selection and schedule state,
-        counters, and the per-tensor stores of single-step SAM, LookSAM and SSAM-F
-        (indexed by the tensor's position in the partition)."""
+        """Everything needed to continue identically: the selection's and the method's
+        state, the counters, and single-step SAM's last gradients (per-tensor stores are
+        indexed by the tensor's position in the partition, and whole under FSDP2)."""
         index = self.freezer.tensor_index()
         state = {
             "selection": self.selection.state_dict(),
-            "schedule": self.schedule.state_dict(),
-            **self.counters_state(),
+            "schedule": {},
+            "counts": self.counts.clone(),
+            "norm_sums": self.norm_sums.clone(),
+            "norm_counts": self.norm_counts.clone(),
+            "num_steps": self.num_steps,
+            "num_skipped": self.num_skipped,
+            "kind_counts": dict(self.kind_counts),
+            "active_ratio_sum": self.active_ratio_sum,
+            "last_grad": {index[k]: v for k, v in self.last_grad.items()},
+            **self.method.state_dict(index),
         }
-        for part in self._stateful():
-            state.update(part.state_dict(index))
-        return self._per_tensor(state, full_tensor)  # FSDP2: whole tensors
+        return self._per_tensor(state, self.shards.full)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (the partition must match)."""
+        """Restore :meth:`state_dict`'s output (the partition must match); checkpoints of
+        earlier versions load too."""
         counts = state["counts"]
         if counts.numel() != self.partition.num_layers:
             raise ValueError(
@@ -296,15 +346,21 @@ class SparseSAMEngine(StepCounters, PlainLoopStep):
                 f" {self.partition.num_layers}."
             )
         self.selection.load_state_dict(state["selection"])
-        self.schedule.load_state_dict(state.get("schedule", {}))
-        self.load_counters(state)
-        state = self._per_tensor(state, shard_of)  # FSDP2: this process's shards
+        self.counts = counts.clone().to(torch.int64)
+        n = self.counts.numel()
+        self.norm_sums = state.get("norm_sums", torch.zeros(n)).clone().double()
+        self.norm_counts = state.get("norm_counts", torch.zeros(n)).clone().to(torch.int64)
+        self.num_steps = int(state["num_steps"])
+        self.num_skipped = int(state["num_skipped"])
+        self.kind_counts = dict(state.get("kind_counts", {}))
+        self.active_ratio_sum = float(state["active_ratio_sum"])
+        state = self._per_tensor(state, self.shards.shard)  # FSDP2: this process's shards
         tensors = self.freezer.tensors()
-        for part in self._stateful():
-            part.load_state_dict(state, tensors)
+        self.last_grad = by_position(state.get("last_grad", {}), tensors)
+        self.method.load_state_dict(state, tensors)
 
     def _per_tensor(self, state: dict[str, Any], convert: Callable) -> dict[str, Any]:
-        """Convert the per-tensor stores: the parts' dicts keyed by tensor position."""
+        """Convert the per-tensor stores: the dicts keyed by tensor position."""
         tensors = self.freezer.tensors()
         return {k: {i: convert(v, tensors[i]) for i, v in x.items()} if _per_tensor_store(x)
                 else x for k, x in state.items()}  # fmt: skip

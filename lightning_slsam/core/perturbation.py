@@ -18,6 +18,9 @@ the weights it would have seen without SAM. Only perturbed tensors are copied, i
 reused pool (:class:`BackupPool`).
 
 Everything stays on the tensors' device (``torch._foreach_*`` kernels, no ``.item()``).
+Under FSDP2 each process moves its own shards (``shards``, the
+:mod:`~lightning_slsam.parallel.shards` seam). The arguments are not checked here: a
+method's specification checks its options once, when it is built.
 """
 
 from __future__ import annotations
@@ -25,24 +28,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_slsam.parallel.fsdp2 import (
-    ShardLayout,
-    local,
-    shard_layout,
-    sum_over_shards,
-    top_coordinates,
-)
+from lightning_slsam.parallel.shards import WHOLE, Whole
 
-__all__ = [
-    "PERTURBATION_NORMS",
-    "FisherMask",
-    "SAMPerturbation",
-    "group_norms",
-    "is_weight_name",
-    "tensor_norms",
-]
+__all__ = ["ASAM_ETA", "PERTURBATION_NORMS", "BackupPool", "SAMPerturbation", "group_norms",
+           "is_weight_name"]  # fmt: skip
 
 PERTURBATION_NORMS = ("global", "layer")
+#: ASAM's ``eta`` in ``T_w = |w| + eta``: its reference value.
+ASAM_ETA = 0.01
 
 
 def is_weight_name(name: str) -> bool:
@@ -50,28 +43,6 @@ def is_weight_name(name: str) -> bool:
     dot) contains ``weight``, as in ASAM's reference (``"weight" in name``), which leaves
     biases and other tensors unscaled."""
     return "weight" in name.rsplit(".", 1)[-1]
-
-
-def tensor_norms(grads: list[Tensor], device: torch.device | None = None) -> Tensor:
-    """L2 norm of each tensor in ``grads`` as one float32 vector (on ``device`` if given).
-
-    Float32 whatever the gradients' dtype: the norms feed the bandit and the perturbation
-    scale, and low-precision or float64 models must not change their bookkeeping dtype.
-    A sharded tensor's norm (FSDP2) is over all its shards, the same on every process.
-    """
-    return local_norms(local(grads), shard_layout(grads), device)
-
-
-def local_norms(
-    tensors: list[Tensor], layout: ShardLayout | None, device: torch.device | None = None
-) -> Tensor:
-    """:func:`tensor_norms` of local shards whose sharding ``layout`` is known."""
-    if not tensors:
-        return torch.zeros(0, dtype=torch.float32, device=device)
-    norms = torch.stack(torch._foreach_norm(tensors)).float()
-    if layout is not None:
-        norms = sum_over_shards(norms.square(), layout).sqrt()
-    return norms if device is None else norms.to(device)
 
 
 def group_norms(norms: Tensor, slots: Tensor, num_groups: int) -> Tensor:
@@ -136,7 +107,7 @@ class SAMPerturbation:
             ``"layer"`` (one norm per layer, as Algorithm 1 of the SL-SAM paper reads).
         adaptive: ASAM's weight-scaled perturbation (default ``False``); which tensors
             are weights is given to :meth:`perturb_` (``scaled``).
-        eta: ASAM's offset in ``T_w = |w| + eta`` (>= 0; default 0.01, ASAM's reference).
+        eta: ASAM's offset in ``T_w = |w| + eta`` (>= 0; default :data:`ASAM_ETA`).
         eps: added to the norm so a zero gradient gives a zero perturbation.
 
     Example:
@@ -144,16 +115,13 @@ class SAMPerturbation:
         >>> w = [torch.zeros(3), torch.ones(2)]
         >>> g = [torch.tensor([3.0, 0.0, 4.0]), torch.zeros(2)]
         >>> ascent = SAMPerturbation(rho=0.5)
-        >>> backup = ascent.perturb_(w, g, tensor_norms(g))  # w += rho * g / ||g||
+        >>> norms = torch.stack([gi.norm() for gi in g])
+        >>> backup = ascent.perturb_(w, g, norms)  # w += rho * g / ||g||
         >>> w[0], w[1]
         (tensor([0.3000, 0.0000, 0.4000]), tensor([1., 1.]))
         >>> ascent.restore_(w, backup)  # bit for bit
         >>> w[0], w[1]
         (tensor([0., 0., 0.]), tensor([1., 1.]))
-        >>> SAMPerturbation(rho=0)
-        Traceback (most recent call last):
-        ...
-        ValueError: `rho` must be a finite number > 0 (the SAM perturbation radius), got 0. ...
     """
 
     def __init__(
@@ -162,23 +130,8 @@ class SAMPerturbation:
         norm: str = "global",
         adaptive: bool = False,
         eps: float = 1e-12,
-        eta: float = 0.01,
+        eta: float = ASAM_ETA,
     ) -> None:
-        if not (isinstance(rho, (int, float)) and rho > 0 and rho == rho and rho != float("inf")):
-            raise ValueError(
-                f"`rho` must be a finite number > 0 (the SAM perturbation radius), got {rho!r}."
-                " The SL-SAM paper uses rho=0.01 for fine-tuning."
-            )
-        if norm not in PERTURBATION_NORMS:
-            raise ValueError(
-                f"`perturbation_norm` must be one of {PERTURBATION_NORMS}, got {norm!r}."
-            )
-        if not isinstance(adaptive, bool):
-            raise ValueError(f"`adaptive` must be True or False, got {adaptive!r}.")
-        if not (isinstance(eta, (int, float)) and 0 <= eta < float("inf")):
-            raise ValueError(
-                f"`adaptive_eta` must be a finite number >= 0 (ASAM's eta), got {eta!r}."
-            )
         self.rho = float(rho)
         self.norm = norm
         self.adaptive = adaptive
@@ -197,13 +150,14 @@ class SAMPerturbation:
         inplace: bool = True,
         masks: list[Tensor] | None = None,
         scaled: list[bool] | None = None,
+        shards: Whole = WHOLE,
     ) -> list[Tensor]:
         """Move ``params`` along ``grads`` in place; return the backup for :meth:`restore_`.
 
         Args:
             params: the tensors to perturb.
             grads: their ascent directions (same order).
-            norms: per-tensor norms of ``grads``, as from :func:`tensor_norms`.
+            norms: per-tensor norms of ``grads`` (``shards.norms(grads)``).
             slots: each tensor's layer (group) index, for ``norm="layer"`` (default: every
                 tensor its own group).
             num_groups: number of groups ``slots`` indexes into.
@@ -212,11 +166,12 @@ class SAMPerturbation:
             masks: per-tensor coordinate masks (SSAM-F), applied after normalisation.
             scaled: with ``adaptive``, which tensors are weights scaled by ``|w| + eta``
                 (default: all); the others (biases) are not scaled.
+            shards: where the tensors' elements live (FSDP2: each process moves its own).
         """
         if not params:
             return []
-        layout = shard_layout(params)  # FSDP2: each process moves its own shards
-        params, grads = local(params), local(grads)
+        whole = params
+        params, grads = shards.local(params), shards.local(grads)
         backup = self.pool.copy(params)
         step = grads if inplace else torch._foreach_mul(grads, 1.0)
         weighted: list[Tensor] = []
@@ -229,7 +184,7 @@ class SAMPerturbation:
                 weights = torch._foreach_abs([params[i] for i in chosen])
                 torch._foreach_add_(weights, self.eta)
                 torch._foreach_mul_(weighted, weights)  # T_w g
-            norms = local_norms(step, layout, norms.device)
+            norms = shards.norms(step, norms.device, like=whole)
         dtype = step[0].dtype
         if self.norm == "global":
             scale = self.rho / (torch.linalg.vector_norm(norms) + self.eps)
@@ -250,68 +205,6 @@ class SAMPerturbation:
 
     @staticmethod
     @torch.no_grad()
-    def restore_(params: list[Tensor], backup: list[Tensor]) -> None:
+    def restore_(params: list[Tensor], backup: list[Tensor], shards: Whole = WHOLE) -> None:
         """Copy the pre-ascent values back, bit for bit."""
-        _copy(local(params), backup)
-
-
-class FisherMask:
-    """SSAM-F's sparse perturbation mask (Mi et al., 2022, "Make Sharpness-Aware
-    Minimization Stronger: A Sparsified Perturbation Approach").
-
-    The mask keeps the ``1 - sparsity`` fraction of all coordinates with the largest
-    empirical Fisher information, the sum of squared per-sample gradients over
-    ``fisher_samples`` training samples; it is recomputed every ``mask_interval``
-    optimizer steps (the first step included).
-
-    Args:
-        sparsity: fraction of coordinates NOT perturbed, in [0, 1) (paper: 0.5).
-        fisher_samples: per-sample gradients used for the Fisher estimate, >= 1. They are
-            taken from the current training batch (at most its size).
-        mask_interval: optimizer steps between mask refreshes, >= 1.
-
-    Example:
-        >>> import torch
-        >>> w = [torch.zeros(4)]
-        >>> mask = FisherMask(sparsity=0.5, mask_interval=10)
-        >>> mask.due(0), mask.due(3)  # refreshed at the first step, then every 10
-        (True, True)
-        >>> mask.set_fisher(w, [torch.tensor([0.1, 0.9, 0.5, 0.0])])
-        >>> mask.masks_for(w), mask.due(3), mask.due(10)
-        ([tensor([0., 1., 1., 0.])], False, True)
-    """
-
-    def __init__(self, sparsity: float = 0.5, fisher_samples: int = 16, mask_interval: int = 100):
-        if not (isinstance(sparsity, (int, float)) and 0 <= sparsity < 1):
-            raise ValueError(f"`sparsity` must be in [0, 1), got {sparsity!r}.")
-        if not (isinstance(fisher_samples, int) and fisher_samples >= 1):
-            raise ValueError(f"`fisher_samples` must be an integer >= 1, got {fisher_samples!r}.")
-        if not (isinstance(mask_interval, int) and mask_interval >= 1):
-            raise ValueError(f"`mask_interval` must be an integer >= 1, got {mask_interval!r}.")
-        self.sparsity = float(sparsity)
-        self.fisher_samples = fisher_samples
-        self.mask_interval = mask_interval
-        self.masks: dict[int, Tensor] = {}
-
-    def due(self, step: int) -> bool:
-        """Whether the mask must be recomputed before optimizer step ``step``."""
-        return not self.masks or step % self.mask_interval == 0
-
-    @torch.no_grad()
-    def set_fisher(self, params: list[Tensor], fisher: list[Tensor]) -> None:
-        """Keep the top ``1 - sparsity`` coordinates of ``fisher`` over all ``params``
-        (ties by position). Under FSDP2 ``fisher`` holds each process's local shards and
-        the top coordinates are those of the whole tensors (:func:`top_coordinates`)."""
-        keep = round(sum(p.numel() for p in params) * (1.0 - self.sparsity))
-        chosen = top_coordinates(fisher, keep, shard_layout(params))
-        self.masks = {id(p): c.to(p.dtype) for p, c in zip(params, chosen)}
-
-    def masks_for(self, params: list[Tensor]) -> list[Tensor]:
-        """The masks of ``params`` (all ones for a tensor the Fisher pass did not see)."""
-        return [self.masks.get(id(p), torch.ones_like(s)) for p, s in zip(params, local(params))]
-
-    def kept_fraction(self) -> float:
-        """Fraction of coordinates the current mask perturbs."""
-        total = sum(m.numel() for m in self.masks.values())
-        kept = sum(float(m.sum()) for m in self.masks.values())
-        return kept / total if total else 1.0
+        _copy(shards.local(params), backup)

@@ -35,9 +35,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
-from lightning_slsam.core.engine import SparseSAMEngine, StepResult
+from lightning_slsam.core.engine import SparseSAMEngine
 from lightning_slsam.core.partition import LayerPartition
 from lightning_slsam.core.perturbation import BackupPool
+from lightning_slsam.core.step import StepResult
 from lightning_slsam.lightning.compat import (
     attached_trainer,
 )
@@ -69,11 +70,11 @@ from lightning_slsam.lightning.step_logging import (
     step_metrics,
     write_record,
 )
-from lightning_slsam.methods.dense import SAMSpec
-from lightning_slsam.methods.spec import SCHEDULES, MethodSpec, default_seed
+from lightning_slsam.methods.sam import SAMSpec
+from lightning_slsam.methods.spec import MethodSpec, default_seed
 from lightning_slsam.selection.rules import LayerSelection
 
-__all__ = ["SCHEDULES", "SAMCallback", "callback_for", "estimated_stepping_batches"]
+__all__ = ["SAMCallback", "callback_for", "estimated_stepping_batches"]
 
 
 def _quiet(message: str) -> None:
@@ -112,10 +113,6 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
 
     #: Short name of the method (registry key, logs).
     method: ClassVar[str] = "sam"
-    #: The method's own schedule (SL-SAM's default one).
-    default_schedule: ClassVar[str] = "every_step"
-    #: Whether the schedule is not an option (every method but SL-SAM runs its own).
-    schedule_fixed: ClassVar[bool] = True
 
     _options_root: ClassVar[bool] = True  # where accepted_options stops looking
     #: The method's specification class (its options and how it builds its engine).
@@ -125,9 +122,6 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
         super().__init_subclass__(**kwargs)
         # The spec's class-level facts, readable on the callback class too.
         cls.method = cls.spec_class.name
-        schedule = cls.spec_class.__dataclass_fields__["schedule"]
-        cls.default_schedule = schedule.default or "every_step"  # SL-SAM's None: every step
-        cls.schedule_fixed = not schedule.init
         _CALLBACKS.setdefault(cls.spec_class, cls)
         if "__init__" not in cls.__dict__:
             cls.__init__ = shell_init(cls, SAMCallback.__init__, LIGHTNING_OPTIONS)  # type: ignore[method-assign]
@@ -213,9 +207,6 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         check_one_optimizer(self, trainer)
-        if self.spec.needs_total_steps():
-            total = estimated_stepping_batches(trainer)
-            self.spec.total_steps = int(total) if math.isfinite(total) else None
         prepare_compiled(
             type(self).__name__, pl_module, self.spec.samples_layers, rank_zero_info, rank_zero_warn
         )
@@ -224,7 +215,7 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
         if self.engine is not None and old is not None and old.signature() == partition.signature():
             self.engine.partition = partition  # a second fit() continues the same state
         else:
-            self.engine = self._build_engine(partition, pl_module, self.spec.total_steps)
+            self.engine = self._build_engine(partition, pl_module)
         self.partition = partition
         check_engine(self, trainer, pl_module, self.engine)
         if self._pending_state is not None:
@@ -232,9 +223,7 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
             self._apply_state(state)
         self._logged = self.engine.last_result  # a second fit() logs its own steps only
 
-    def _build_engine(
-        self, partition: LayerPartition, module: torch.nn.Module, total_steps: int | None
-    ) -> SparseSAMEngine:
+    def _build_engine(self, partition: LayerPartition, module: torch.nn.Module) -> SparseSAMEngine:
         seed = self.spec.seed if self.spec.seed is not None else default_seed()
         trainer = attached_trainer(module)
         if trainer is not None and trainer.world_size > 1:
@@ -242,9 +231,8 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
             seed = trainer.strategy.broadcast(seed)
         try:
             return self.spec.build_engine(
-                module, total_steps=total_steps, seed=seed, partition=partition,
-                warn=rank_zero_warn,
-            )  # fmt: skip
+                module, seed=seed, partition=partition, warn=rank_zero_warn
+            )
         except ValueError as err:  # options that do not fit this model or run
             raise MisconfigurationException(str(err)) from None
 

@@ -8,11 +8,12 @@ training step, so their metrics are directly comparable. Options common to all (
 callback.
 
 ========================  ==========================  ====================================
-name (``make_callback``)  class                       paper defaults
+name (``make_callback``)  class                       defaults
 ========================  ==========================  ====================================
 ``adamw``                 (no callback)               --
-``sam`` / ``adasam``      :class:`SAM`                rho 0.01
-``slsam``                 :class:`SparseLayerSAM`     layer_ratio 0.2, p_min = alpha_p = 1e-3
+``sam``                   :class:`SAM`                rho 0.01
+``slsam``                 :class:`SparseLayerSAM`     layer_ratio 0.2, preset "default"
+``slsam_paper``           :class:`SparseLayerSAM`     preset "paper": the paper's method
 ``random_slsam``          :class:`RandomSLSAM`        layer_ratio 0.2
 ``top_slsam``             :class:`TopSLSAM`           layer_ratio 0.2
 ``s2sam``                 :class:`S2SAM`              --
@@ -21,11 +22,10 @@ name (``make_callback``)  class                       paper defaults
 ``esam``                  :class:`ESAM`               weight_ratio 0.5, data_ratio 0.5
 ``ssamf``                 :class:`SSAMF`              sparsity 0.5
 ``looksam``               :class:`LookSAM`            interval 5, alpha 0.7
-``slsam_rst``             SL-SAM + RST's coin         both axes of sparsity
-``slsam_looksam``         SL-SAM + LookSAM interval   both axes of sparsity
-``slsam_depth``           cost-aware SL-SAM           backprop_depth 0.5 (opt-in)
-``slsam_robust``          SL-SAM, robust preset       short-fine-tune remedies (opt-in)
-``slsam_default``         SL-SAM, default preset      ``SparseLayerSAM()``: compute budget
+``slsam_rst``             :class:`SLSAMRST`           SL-SAM on RST's coin
+``slsam_looksam``         :class:`SLSAMLookSAM`       SL-SAM on LookSAM's interval
+``slsam_depth``           :class:`CostAwareSLSAM`     depth 0.5 (beyond the paper)
+``slsam_ablation``        :class:`SLSAMAblation`      each preset setting alone (results)
 ========================  ==========================  ====================================
 """
 
@@ -35,10 +35,24 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from lightning_slsam.lightning.callback import SAMCallback, callback_for
-from lightning_slsam.methods import dense, subset
+from lightning_slsam.methods import (
+    esam,
+    looksam,
+    random_slsam,
+    rst,
+    s2sam,
+    sam,
+    sl_s2sam,
+    slsam,
+    slsam_ablation,
+    slsam_depth,
+    slsam_looksam,
+    slsam_rst,
+    ssamf,
+    top_slsam,
+)
 from lightning_slsam.methods.registry import SPECS, lookup
-from lightning_slsam.methods.subset import BANDIT_LOSSES, PRESETS
-from lightning_slsam.selection.wrappers import DenseWarmup, DepthCut
+from lightning_slsam.selection.rules import WrappedSelection
 
 
 class SAM(SAMCallback):
@@ -47,15 +61,15 @@ class SAM(SAMCallback):
     the SL-SAM paper's "AdaSAM" baseline. Two passes on every layer: Active Ratio 2.0x.
 
     Example:
-        >>> SAM().rho, SAM(adaptive=True).rho  # the paper's radius; ASAM's reference one
-        (0.01, 0.5)
+        >>> SAM().rho, SAM(adaptive=True, rho=0.5).adaptive  # ASAM at its reference radius
+        (0.01, True)
         >>> SAM(rho=-1)
         Traceback (most recent call last):
         ...
         ValueError: SAM: `rho` must be a finite number > 0 (the SAM radius; ...), got -1.
     """
 
-    spec_class = dense.SAMSpec
+    spec_class = sam.SAMSpec
 
 
 class SparseLayerSAM(SAMCallback):
@@ -66,45 +80,41 @@ class SparseLayerSAM(SAMCallback):
     steps the optimizer on the second-pass gradients and feeds the first-pass per-layer
     gradient norms back to the EXP3 bandit (the SL-SAM paper's Algorithms 1 and 2).
 
-    The default (``preset="default"``) goes beyond the paper, chosen on the multi-seed
-    comparisons of ``docs/results.md``: the bandit's budget counts parameters rather than
-    layers (``budget="compute"``: a vocabulary embedding costs its size, a LayerNorm bias
-    almost nothing), with a scale-free bandit loss (``bandit_loss="rank"``), the fresh task
-    head trained every step (``head_always_active``) and each drawn layer's update scaled
-    by ``1 / q`` up to 3 (``scale_updates``, ``max_update_scale``). ``preset="paper"`` is the
-    paper's exact method; ``preset="robust"`` the remedies under the paper's count budget.
-    Also available: a dense warm-up (``dense_warmup``), the 1-D tensors trained every step
-    (``vectors_always_active``) and a floor on each layer's updates (``min_updates``)
-    (:data:`PRESETS`).
+    ``preset`` chooses between two configurations, one argument apart:
 
-    SL-SAM is the one method whose step schedule is an option: ``schedule="random"`` adds
-    RST's coin (``sam_probability``), ``"interval"`` LookSAM's interval (``sam_interval``,
-    ``looksam_alpha``), sparse along both axes (``dense_one_pass`` trains every layer on the
-    one-pass steps). Every other method runs its own schedule.
+    * ``"default"`` (``SparseLayerSAM()``; beyond the paper, chosen on the multi-seed
+      comparisons of ``docs/results.md``): the bandit's budget counts parameters rather than
+      layers (a vocabulary embedding costs its size, a LayerNorm bias almost nothing), with
+      a scale-free bandit loss, the fresh task head trained every step and each drawn
+      layer's update scaled by ``1 / q`` up to 3;
+    * ``"paper"``: the SL-SAM paper's exact method (``make_callback("slsam_paper")``).
+
+    SL-SAM on RST's coin, on LookSAM's interval, and cost-aware SL-SAM are classes of their
+    own: :class:`SLSAMRST`, :class:`SLSAMLookSAM`, :class:`CostAwareSLSAM`.
 
     Example:
         ``trainer = L.Trainer(callbacks=[SparseLayerSAM(rho=0.01, layer_ratio=0.2)])``
         (a whole run: :mod:`lightning_slsam.lightning.mixin`).
 
         >>> default = SparseLayerSAM()
-        >>> default.preset, default.budget, default.bandit_loss, default.max_update_scale
-        ('default', 'compute', 'rank', 3.0)
+        >>> default.preset, default.spec.setting("budget"), default.spec.update_scale
+        ('default', 'compute', 3.0)
         >>> paper = SparseLayerSAM(preset="paper")  # the paper's exact method
-        >>> paper.budget, paper.bandit_loss, paper.head_always_active, paper.scale_updates
-        ('count', 'shifted', False, False)
+        >>> paper.spec.setting("budget"), paper.spec.setting("bandit_loss")
+        ('count', 'shifted')
         >>> SparseLayerSAM(layer_ratio=1.5)
         Traceback (most recent call last):
         ...
         ValueError: SparseLayerSAM: `layer_ratio` must be in (0, 1], got 1.5.
     """
 
-    spec_class = subset.SLSAMSpec
+    spec_class = slsam.SLSAMSpec
 
     @property
     def bandit(self) -> Any:
         """The layer-selection bandit (available after setup)."""
         selection = self.selection
-        while isinstance(selection, (DepthCut, DenseWarmup)):
+        while isinstance(selection, WrappedSelection):
             selection = selection.inner
         return selection
 
@@ -120,12 +130,15 @@ class RandomSLSAM(SAMCallback):
     """Random-SL-SAM, the SL-SAM paper's ablation: layers sampled uniformly, each with
     probability ``layer_ratio`` every step, no bandit (then SAM on them, as SL-SAM).
 
+    ``preset="default"`` adds what ``SparseLayerSAM()`` does beyond the bandit: the fresh
+    task head trained every step and each drawn layer's update scaled up to 3x.
+
     Example:
-        >>> RandomSLSAM().layer_ratio, RandomSLSAM().method
-        (0.2, 'random_slsam')
+        >>> RandomSLSAM().layer_ratio, RandomSLSAM().method, RandomSLSAM().preset
+        (0.2, 'random_slsam', 'paper')
     """
 
-    spec_class = subset.RandomSLSAMSpec
+    spec_class = random_slsam.RandomSLSAMSpec
 
 
 class TopSLSAM(SAMCallback):
@@ -140,7 +153,7 @@ class TopSLSAM(SAMCallback):
         0.3
     """
 
-    spec_class = subset.TopSLSAMSpec
+    spec_class = top_slsam.TopSLSAMSpec
 
 
 class S2SAM(SAM):
@@ -150,15 +163,13 @@ class S2SAM(SAM):
     step. One pass per step (Active Ratio 1.0x); the first step is a plain step.
 
     Example:
-        >>> S2SAM().schedule
-        'single'
         >>> S2SAM(schedule="random")
         Traceback (most recent call last):
         ...
-        TypeError: S2SAM has no option 'schedule'; S2SAM runs its own step schedule. ...
+        TypeError: S2SAM has no option 'schedule'; SL-SAM with RST's coin is SLSAMRST ...
     """
 
-    spec_class = dense.S2SAMSpec
+    spec_class = s2sam.S2SAMSpec
 
 
 class SLS2SAM(SparseLayerSAM):
@@ -167,12 +178,14 @@ class SLS2SAM(SparseLayerSAM):
     learns from the norms of the step's (perturbed) gradients. The first step is a plain
     step on every layer, which records every layer's first gradient.
 
+    It keeps the paper's configuration by default (``preset="paper"``).
+
     Example:
-        >>> SLS2SAM(layer_ratio=0.3).schedule, SLS2SAM(layer_ratio=0.3).layer_ratio
-        ('single', 0.3)
+        >>> SLS2SAM(layer_ratio=0.3).preset, SLS2SAM(layer_ratio=0.3).layer_ratio
+        ('paper', 0.3)
     """
 
-    spec_class = subset.SLS2SAMSpec
+    spec_class = sl_s2sam.SLS2SAMSpec
 
 
 class RST(SAM):
@@ -181,11 +194,11 @@ class RST(SAM):
     generator (Active Ratio ``1 + probability``: 1.5x at the paper's 0.5).
 
     Example:
-        >>> RST().probability, RST().schedule
-        (0.5, 'random')
+        >>> RST().probability
+        0.5
     """
 
-    spec_class = dense.RSTSpec
+    spec_class = rst.RSTSpec
 
 
 class LookSAM(SAM):
@@ -200,7 +213,7 @@ class LookSAM(SAM):
         (5, 0.7)
     """
 
-    spec_class = dense.LookSAMSpec
+    spec_class = looksam.LookSAMSpec
 
 
 class ESAM(SAMCallback):
@@ -224,7 +237,7 @@ class ESAM(SAMCallback):
         (0.5, 0.5)
     """
 
-    spec_class = dense.ESAMSpec
+    spec_class = esam.ESAMSpec
 
 
 class SSAMF(SAMCallback):
@@ -248,7 +261,59 @@ class SSAMF(SAMCallback):
         ValueError: SSAMF: `sparsity` must be in [0, 1), got 1.0.
     """
 
-    spec_class = dense.SSAMFSpec
+    spec_class = ssamf.SSAMFSpec
+
+
+class SLSAMRST(SparseLayerSAM):
+    """SL-SAM on RST's coin: sparse along both axes. Each step is SL-SAM's SAM step on the
+    drawn layers with probability ``probability``, otherwise a plain step on them.
+
+    Example:
+        >>> SLSAMRST(probability=0.3).probability, SLSAMRST().method
+        (0.3, 'slsam_rst')
+    """
+
+    spec_class = slsam_rst.SLSAMRSTSpec
+
+
+class SLSAMLookSAM(SparseLayerSAM):
+    """SL-SAM on LookSAM's interval: sparse along both axes. A SAM step on the drawn layers
+    every ``interval`` steps; in between, one pass that reuses the stored orthogonal
+    component of the SAM gradient with weight ``alpha``.
+
+    Example:
+        >>> SLSAMLookSAM().interval, SLSAMLookSAM().alpha
+        (5, 0.7)
+    """
+
+    spec_class = slsam_looksam.SLSAMLookSAMSpec
+
+
+class CostAwareSLSAM(SparseLayerSAM):
+    """Cost-aware SL-SAM (beyond the paper): each step freezes every layer below a random
+    cut along the model's layer order, so back-propagation stops there and reaches a
+    ``depth`` fraction of the layers on average; the bandit samples above the cut.
+
+    Example:
+        >>> CostAwareSLSAM().depth, CostAwareSLSAM().method
+        (0.5, 'slsam_depth')
+    """
+
+    spec_class = slsam_depth.CostAwareSLSAMSpec
+
+
+class SLSAMAblation(SparseLayerSAM):
+    """SL-SAM with each setting of its presets given alone (``None``: the preset's): the
+    budget, the bandit's loss and step size, the head rule and the update-scaling cap. What
+    the results scripts use to measure each part of the default, and what reruns a config
+    saved by an earlier version; users choose a ``preset`` of :class:`SparseLayerSAM`.
+
+    Example:
+        >>> SLSAMAblation(preset="paper", bandit_loss="rank").spec.setting("alpha_p")
+        0.03
+    """
+
+    spec_class = slsam_ablation.SLSAMAblationSpec
 
 
 class _Methods(Mapping):
@@ -271,8 +336,7 @@ class _Methods(Mapping):
 
 
 #: Method name -> (callback class or ``None`` for plain AdamW, the options the name
-#: implies). The SL-SAM methods name ``preset="paper"``: comparisons and the paper's recipes
-#: run the paper's SL-SAM whatever the class's default.
+#: implies): ``"slsam"`` is ``SparseLayerSAM()``, ``"slsam_paper"`` the paper's method.
 METHODS: Mapping[str, tuple[type[SAMCallback] | None, dict[str, Any]]] = _Methods()
 
 
@@ -284,7 +348,7 @@ def make_callback(name: str, **kwargs: Any) -> SAMCallback:
     :func:`make_callbacks` gives a list that is empty for it.
 
     Example:
-        >>> callback = make_callback("slsam", layer_ratio=0.3)
+        >>> callback = make_callback("slsam_paper", layer_ratio=0.3)
         >>> type(callback).__name__, callback.layer_ratio, callback.preset
         ('SparseLayerSAM', 0.3, 'paper')
         >>> make_callback("adamw")
@@ -317,12 +381,11 @@ def make_callbacks(name: str, **kwargs: Any) -> list[SAMCallback]:
     return [make_callback(name, **kwargs)]
 
 
-__all__ = [  # the method classes: the ones registered above
-    "BANDIT_LOSSES",
+__all__ = [  # the method classes: the ones declared above
     "METHODS",
-    "PRESETS",
     "make_callback",
     "make_callbacks",
     *(cls.__name__ for cls in (SAM, SparseLayerSAM, RandomSLSAM, TopSLSAM, S2SAM, SLS2SAM)),
-    *(cls.__name__ for cls in (RST, LookSAM, ESAM, SSAMF)),
+    *(cls.__name__ for cls in (RST, LookSAM, ESAM, SSAMF, SLSAMRST, SLSAMLookSAM)),
+    *(cls.__name__ for cls in (CostAwareSLSAM, SLSAMAblation)),
 ]

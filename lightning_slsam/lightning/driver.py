@@ -19,20 +19,16 @@ It reads the SAM callback's public options (``engine``, ``accumulate_grad_batche
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
-import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
-from lightning_slsam.core.contract import (
-    PER_SAMPLE_NEEDED,
-    PassOutput,
-    StepContext,
-    split_per_sample,
-)
+from lightning_slsam.core.passes import Passes, skip_with_scaler, split_per_sample
+from lightning_slsam.core.step import Loop
 from lightning_slsam.lightning.compat import (
     attached_trainer,
     automatic_scheduler_configs,
@@ -81,7 +77,7 @@ def loss_of(output: Any) -> tuple[Tensor, Tensor | None]:
     """The scalar loss of a ``training_step`` output and its per-sample losses, if given.
 
     A 1-D tensor is a vector of per-sample losses (averaged for the update:
-    :func:`~lightning_slsam.core.contract.split_per_sample`); a dict may carry
+    :func:`~lightning_slsam.core.passes.split_per_sample`); a dict may carry
     ``"per_sample_loss"`` next to ``"loss"``.
     """
     per_sample = output.get("per_sample_loss") if isinstance(output, Mapping) else None
@@ -99,72 +95,6 @@ def loss_of(output: Any) -> tuple[Tensor, Tensor | None]:
     return loss.reshape(()), (per_sample.detach().reshape(-1) if per_sample is not None else None)
 
 
-class _Passes:
-    """The ``forward_backward`` callable of one training step (the engine's protocol).
-
-    ``subsets[i]`` restricts micro-batch ``i`` to those sample indices (an empty tensor
-    skips it); ``backward=False`` runs the forward only; ``loss_scale`` multiplies the
-    loss before the backward pass. The first full backward pass is
-    pass 1 for ``SAMMixin.sam_pass``; every other call (second pass, ESAM's selection
-    forward, SSAM-F's per-sample passes) is pass 2, whose logging is dropped.
-    """
-
-    def __init__(
-        self,
-        module: Any,
-        user_step,
-        micro_batches: list[Call],
-        scale: float,
-        needs_per_sample: bool = False,
-    ) -> None:
-        self.module, self.user_step = module, user_step
-        self.micro_batches, self.scale = micro_batches, scale
-        self.needs_per_sample = needs_per_sample
-        self.first_output: Any = None
-        self._full_passes = 0
-
-    @property
-    def batch_sizes(self) -> list[int]:
-        return [self.module.sam_batch_size(args[0]) for args, _ in self.micro_batches]
-
-    def __call__(
-        self, subsets: list[Tensor] | None = None, backward: bool = True, loss_scale: float = 1.0
-    ) -> Any:
-        module = self.module
-        first = subsets is None and backward and self._full_passes == 0
-        self._full_passes += int(subsets is None and backward)
-        module._slsam_pass = 1 if first else 2
-        try:
-            total: Tensor | None = None
-            per_sample: list[Tensor | None] = []
-            for i, (args, kwargs) in enumerate(self.micro_batches):
-                index = subsets[i] if subsets is not None else None
-                if index is not None and index.numel() == 0:
-                    per_sample.append(None)
-                    continue
-                if index is not None:
-                    size = module.sam_batch_size(args[0])
-                    args = (module.sam_subset_batch(args[0], index, size), *args[1:])
-                output = self.user_step(module, *args, **kwargs)
-                loss, samples = loss_of(output)
-                if samples is None and self.needs_per_sample:
-                    raise MisconfigurationException(PER_SAMPLE_NEEDED)  # before any backward
-                if first and self.first_output is None:
-                    self.first_output = output
-                per_sample.append(samples)
-                if self.scale * loss_scale != 1.0:
-                    loss = loss * (self.scale * loss_scale)
-                # No active tensor reached the loss: nothing to back-propagate (norm 0).
-                if backward and loss.requires_grad:
-                    module.manual_backward(loss)
-                loss = loss.detach()
-                total = loss if total is None else total + loss
-            assert total is not None, "every micro-batch of a pass was skipped"
-            return PassOutput(total, per_sample)
-        finally:
-            module._slsam_pass = 0
-
-
 class StepDriver:
     """Runs the SAM training steps of one module during one fit.
 
@@ -178,6 +108,7 @@ class StepDriver:
         self.module, self.controller, self.trainer = module, controller, trainer
         self.optimizer = module.optimizers()
         self.scaler = gradient_scaler(trainer)
+        self.grad_scale = loss_scale_reader(self.scaler)
         #: Averages the active layers' gradients across processes (DDP); ``None`` on one.
         self.averager = GradientAverager() if trainer.world_size > 1 else None
         #: The LR scheduler configs as automatic optimization builds them (``monitor``,
@@ -185,10 +116,15 @@ class StepDriver:
         self.schedulers = automatic_scheduler_configs(
             getattr(module, "_slsam_optim_conf", None), list(trainer.lr_scheduler_configs)
         )
+        self._zero_grad = functools.partial(self.optimizer.zero_grad, set_to_none=True)
         self._buffer: list[Call] = []
         self._clip_now = False
         #: Plateau schedulers due after the last batch, stepped at the next training step.
         self._pending_plateau: list[tuple[str, int]] = []
+        #: The running step's passes, the user's training_step and its first output.
+        self._passes: Passes | None = None
+        self._user_step: Callable[..., Any] | None = None
+        self._first_output: Any = None
 
     def serves(self, controller: SAMController) -> bool:
         """Whether this driver belongs to the module's current fit with ``controller``."""
@@ -211,20 +147,46 @@ class StepDriver:
         engine = self.controller.engine
         if engine is None:
             raise RuntimeError(f"{type(self.controller).__name__} ran a step before on_fit_start.")
-        passes = _Passes(
-            self.module, user_step, micro_batches, 1.0 / self.controller.accumulate_grad_batches,
-            needs_per_sample=engine.needs_per_sample,
+        module = self.module
+        self._user_step, self._first_output = user_step, None
+        self._passes = Passes(
+            micro_batches, self._loss, module.manual_backward,
+            scale=1.0 / self.controller.accumulate_grad_batches, size=self._size,
+            subset=self._subset, needs_per_sample=engine.needs_per_sample,
+            error=MisconfigurationException,
         )  # fmt: skip
-        context = StepContext(grad_scale=loss_scale_reader(self.scaler), averager=self.averager)
+        loop = Loop(self._passes, self._zero_grad, self._optimizer_step, self.grad_scale,
+                    self.averager)  # fmt: skip
         trainer = self.trainer
-        # Under DDP the engine averages the active layers' gradients itself.
-        with trainer.strategy.block_backward_sync() if trainer.world_size > 1 else nullcontext():
-            engine.step(passes, self._zero_grad, self._optimizer_step, context)
+        try:
+            # Under DDP the engine averages the active layers' gradients itself.
+            with trainer.strategy.block_backward_sync() if self.averager else nullcontext():
+                engine.step(loop)
+        finally:
+            module._slsam_pass, self._passes = 0, None
         self.step_schedulers(batch_idx)
-        output = passes.first_output
+        output = self._first_output
         if isinstance(output, Mapping):
             return {**output, "loss": loss_of(output)[0].detach()}
         return loss_of(output)[0].detach() if isinstance(output, Tensor) else output
+
+    def _loss(self, call: Call) -> tuple[Tensor, Tensor | None]:
+        """One micro-batch's loss: the user's ``training_step``, run as pass 1 (at the
+        current weights) or 2 (``SAMMixin.sam_pass``)."""
+        module, number = self.module, self._passes.number  # type: ignore[union-attr]
+        module._slsam_pass = number
+        output = self._user_step(module, *call[0], **call[1])  # type: ignore[misc]
+        if number == 1 and self._first_output is None:
+            self._first_output = output
+        return loss_of(output)
+
+    def _size(self, call: Call) -> int:
+        return self.module.sam_batch_size(call[0][0])
+
+    def _subset(self, call: Call, index: Tensor) -> Call:
+        args, kwargs = call
+        batch = self.module.sam_subset_batch(args[0], index, self._size(call))
+        return (batch, *args[1:]), kwargs
 
     def _accumulate(self, args: tuple, kwargs: dict) -> list[Call] | None:
         self._buffer.append((args, kwargs))
@@ -234,15 +196,9 @@ class StepDriver:
         group, self._buffer = self._buffer, []
         return group
 
-    def _zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
     def _optimizer_step(self, skip: bool) -> None:
         if skip and self.scaler is not None:
-            # A skipped step must still make the gradient scaler back off: hand it an
-            # infinite gradient, so it skips the optimizer and lowers its scale.
-            param = next(p for g in self.optimizer.param_groups for p in g["params"])
-            param.grad = torch.full_like(param, float("inf"))
+            skip_with_scaler(self.optimizer)
         self._clip_now = True
         try:
             self.optimizer.step()

@@ -27,17 +27,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_slsam.core.contract import (
-    PER_SAMPLE_NEEDED,
-    PassOutput,
-    StepContext,
-    StepResult,
-    split_per_sample,
-)
 from lightning_slsam.core.engine import SparseSAMEngine
+from lightning_slsam.core.passes import (
+    Passes,
+    first_tensor,
+    skip_with_scaler,
+    split_per_sample,
+    subset_batch,
+)
 from lightning_slsam.core.regions import compile_blocks_instead, compiled_whole
+from lightning_slsam.core.step import Loop, StepResult
 from lightning_slsam.lightning.compat import loss_scale_reader
-from lightning_slsam.lightning.mixin import _first_tensor, _subset
 from lightning_slsam.lightning.setup_checks import (
     apply_method_state,
     check_compiled_sampling,
@@ -64,50 +64,13 @@ def _names(obj: Any) -> set[str]:
     return {cls.__name__ for cls in type(obj).__mro__}
 
 
-class _FabricPasses:
-    """The engine's ``forward_backward`` over a step's micro-batches, back-propagating
-    through ``fabric.backward``; each micro-batch's loss counts ``1/len(batches)``."""
+def _size(batch: Any) -> int:
+    first = first_tensor(batch)
+    return int(first.shape[0]) if first is not None and first.dim() else 1
 
-    def __init__(
-        self, fabric: Any, loss_fn: Callable[[Any], Tensor], batches: list[Any],
-        needs_per_sample: bool,
-    ) -> None:  # fmt: skip
-        self.fabric, self.loss_fn, self.batches = fabric, loss_fn, batches
-        self.needs_per_sample = needs_per_sample
 
-    @property
-    def batch_sizes(self) -> list[int]:
-        sizes = []
-        for batch in self.batches:
-            first = _first_tensor(batch)
-            sizes.append(int(first.shape[0]) if first is not None and first.dim() else 1)
-        return sizes
-
-    def __call__(
-        self, subsets: list[Tensor] | None = None, backward: bool = True, loss_scale: float = 1.0
-    ) -> PassOutput:
-        scale = loss_scale / len(self.batches)
-        total: Tensor | None = None
-        per_sample: list[Tensor | None] = []
-        for i, batch in enumerate(self.batches):
-            index = subsets[i] if subsets is not None else None
-            if index is not None and index.numel() == 0:
-                per_sample.append(None)
-                continue
-            if index is not None:
-                batch = _subset(batch, index, self.batch_sizes[i])
-            with torch.set_grad_enabled(backward and torch.is_grad_enabled()):
-                loss, samples = split_per_sample(self.loss_fn(batch))
-            if samples is None and self.needs_per_sample:
-                raise ValueError(PER_SAMPLE_NEEDED)  # before any backward
-            per_sample.append(samples)
-            loss = loss * scale if scale != 1.0 else loss
-            if backward and loss.requires_grad:  # False when no active layer reaches it
-                self.fabric.backward(loss)
-            loss = loss.detach()
-            total = loss if total is None else total + loss
-        assert total is not None, "every micro-batch of a pass was skipped"
-        return PassOutput(total, per_sample)
+def _subset(batch: Any, index: Tensor) -> Any:
+    return subset_batch(batch, index, _size(batch))
 
 
 class FabricSAM:
@@ -122,13 +85,12 @@ class FabricSAM:
             is: ``model = fabric.setup_module(model)`` (the strategy's ``parallelize_fn``
             applies ``fully_shard``), then the optimizer over ``model.parameters()``, then
             ``optimizer = fabric.setup_optimizers(optimizer)``.
-        method: a method name of :data:`~lightning_slsam.METHODS` (``"slsam"`` is the
-            paper's SL-SAM, ``"slsam_default"`` the plugin's default, ``"sam"``, ...) or a
-            :class:`~lightning_slsam.methods.spec.MethodSpec`.
+        method: a method name of :data:`~lightning_slsam.METHODS` (``"slsam"`` is what
+            ``SparseLayerSAM()`` runs, ``"slsam_paper"`` the paper's SL-SAM, ``"sam"``, ...)
+            or a :class:`~lightning_slsam.methods.spec.MethodSpec`.
         gradient_clip_val: clip the update gradient with ``fabric.clip_gradients``
             (``None`` or 0: no clipping).
         gradient_clip_algorithm: ``"norm"`` (``max_norm``) or ``"value"`` (``clip_val``).
-        total_steps: the run's optimizer steps, for options given as a fraction of the run.
         **options: the method's options (``layer_ratio``, ``rho``, ``seed``, ...).
 
     Example::
@@ -178,7 +140,6 @@ class FabricSAM:
         *,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str = "norm",
-        total_steps: int | None = None,
         **options: Any,
     ) -> None:
         from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
@@ -228,7 +189,7 @@ class FabricSAM:
             compile_blocks_instead(model._forward_module)
         self.partition = self.spec.partition(module)
         self.engine: SparseSAMEngine = self.spec.build_engine(
-            module, total_steps=total_steps, seed=seed, partition=self.partition
+            module, seed=seed, partition=self.partition
         )
         self._check_parameters(module)
         if self.spec.samples_layers:
@@ -242,7 +203,7 @@ class FabricSAM:
             check_compiled_sampling(self.name, module, self.engine)
         self.ddp = fabric.world_size > 1 and "DDPStrategy" in _names(strategy)
         sharded = "ModelParallelStrategy" in _names(strategy)
-        if sharded and fabric.world_size > 1 and not self.engine.freezer.sharded:
+        if sharded and fabric.world_size > 1 and not self.engine.shards.sharded:
             raise ValueError(
                 "FabricSAM under ModelParallelStrategy needs the model sharded with FSDP2,"
                 " but no parameter is a sharded DTensor: apply fully_shard in the strategy's"
@@ -283,19 +244,20 @@ class FabricSAM:
         """
         if not batches:
             raise ValueError("FabricSAM.step needs at least one batch: `sam.step(loss_fn, batch)`.")
-        passes = _FabricPasses(self.fabric, loss_fn, list(batches), self.engine.needs_per_sample)
+        passes = Passes(
+            batches, lambda batch: split_per_sample(loss_fn(batch)), self.fabric.backward,
+            scale=1.0 / len(batches), size=_size, subset=_subset,
+            needs_per_sample=self.engine.needs_per_sample,
+        )  # fmt: skip
         scaler = getattr(self.fabric.strategy.precision, "scaler", None)
-        context = StepContext(
-            grad_scale=loss_scale_reader(scaler),
-            averager=self.averager,
+        loop = Loop(
+            passes, self._zero_grad, lambda skip: self._optimizer_step(skip, scaler),
+            loss_scale_reader(scaler), self.averager,
             check_draw=self.averager is not None and not self._checked_draw,
-        )
+        )  # fmt: skip
         self._checked_draw = True
-        no_sync = self.fabric.no_backward_sync(self.model) if self.ddp else nullcontext()
-        with no_sync:
-            return self.engine.step(
-                passes, self._zero_grad, lambda skip: self._optimizer_step(skip, scaler), context
-            )
+        with self.fabric.no_backward_sync(self.model) if self.ddp else nullcontext():
+            return self.engine.step(loop)
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -303,10 +265,7 @@ class FabricSAM:
     def _optimizer_step(self, skip: bool, scaler: Any) -> None:
         if skip:
             if scaler is not None:
-                # The gradient scaler must still back off: hand it an infinite gradient so
-                # that it skips the optimizer and lowers its scale.
-                param = next(p for g in self.optimizer.param_groups for p in g["params"])
-                param.grad = torch.full_like(param, float("inf"))
+                skip_with_scaler(self.optimizer)
                 self.optimizer.step()
             return
         clip = self.gradient_clip_val

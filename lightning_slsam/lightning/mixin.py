@@ -16,13 +16,13 @@ automatic optimization), and steps LR schedulers honouring ``interval`` and
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
-from lightning_slsam.core.contract import split_per_sample
+from lightning_slsam.core.passes import first_tensor, split_per_sample, subset_batch
 from lightning_slsam.lightning.compat import attached_trainer, carry_step_progress
 from lightning_slsam.lightning.driver import SAMController, StepDriver, driver_of, find_sam_callback
 
@@ -63,34 +63,6 @@ def _wrap_configure_optimizers(user_configure: Callable[..., Any]) -> Callable[.
 
     configure_optimizers._slsam_wrapped = True  # type: ignore[attr-defined]
     return configure_optimizers
-
-
-def _first_tensor(batch: Any) -> Tensor | None:
-    if isinstance(batch, Tensor):
-        return batch
-    values = batch.values() if isinstance(batch, Mapping) else batch
-    if isinstance(values, (list, tuple)) or isinstance(batch, Mapping):
-        for value in values:
-            found = _first_tensor(value)
-            if found is not None:
-                return found
-    return None
-
-
-def _subset(batch: Any, index: Tensor, size: int) -> Any:
-    if isinstance(batch, Tensor):
-        return batch[index.to(batch.device)] if batch.dim() and batch.shape[0] == size else batch
-    if isinstance(batch, Mapping):
-        items = {k: _subset(v, index, size) for k, v in batch.items()}
-        try:
-            return type(batch)(items)
-        except TypeError:
-            return items
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-        return type(batch)(*(_subset(v, index, size) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_subset(v, index, size) for v in batch)
-    return batch
 
 
 class SAMMixin:
@@ -187,7 +159,7 @@ class SAMMixin:
         Used by methods that address single samples (ESAM's data selection, SSAM-F's
         Fisher). Override it for a batch whose first tensor is not batch-major.
         """
-        tensor = _first_tensor(batch)
+        tensor = first_tensor(batch)
         if tensor is None or tensor.dim() == 0:
             raise MisconfigurationException(
                 f"Cannot tell the batch size of a {type(batch).__name__} batch: override"
@@ -202,7 +174,7 @@ class SAMMixin:
         dicts (Hugging Face batches included), lists, tuples and namedtuples; everything
         else is kept as is. Override it for other batch types.
         """
-        return _subset(batch, index, batch_size)
+        return subset_batch(batch, index, batch_size)
 
     def log(self, *args: Any, **kwargs: Any) -> None:
         """``LightningModule.log``, except that calls from SAM's second pass are dropped."""

@@ -19,9 +19,9 @@ from lightning_slsam.core.regions import (
     repeated_blocks,
     torch_guards_requires_grad,
 )
-from lightning_slsam.core.validation import check_choice, check_flag, check_int
 from lightning_slsam.lightning.driver import SAMController
 from lightning_slsam.lightning.mixin import SAMMixin
+from lightning_slsam.methods.options import check_choice, check_flag, check_int
 
 __all__ = [
     "LIGHTNING_OPTIONS",
@@ -138,7 +138,7 @@ def check_engine(callback: Any, trainer: Any, pl_module: Any, engine: Any) -> No
     """At fit start, with the engine built: a method whose set of trainable layers varies
     refuses a compiled module; ModelParallelStrategy needs the parameters sharded."""
     fsdp2 = _strategy_names(trainer.strategy) & _FSDP2_STRATEGIES
-    if fsdp2 and trainer.world_size > 1 and not engine.freezer.sharded:
+    if fsdp2 and trainer.world_size > 1 and not engine.shards.sharded:
         raise MisconfigurationException(
             f"{type(callback).__name__} under ModelParallelStrategy needs the model sharded"
             " with FSDP2, but no parameter is a sharded DTensor: apply fully_shard in"

@@ -15,7 +15,7 @@ import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from lightning_slsam.core.validation import unknown_option
+from lightning_slsam.methods.options import unknown_option
 from lightning_slsam.methods.spec import option_hint
 
 __all__ = [
@@ -52,7 +52,7 @@ def accepted_options(cls: type) -> list[str]:
 def check_options(cls: type, options: dict[str, Any]) -> None:
     """Raise a ``TypeError`` naming ``cls`` and the unknown option, with the name it has
     for this method or where it belongs (the spec's ``option_hint``), else the closest
-    valid one (:func:`~lightning_slsam.core.validation.unknown_option`)."""
+    valid one (:func:`~lightning_slsam.methods.options.unknown_option`)."""
     accepted = accepted_options(cls)
     spec = getattr(cls, "spec_class", None)
     for key in options:

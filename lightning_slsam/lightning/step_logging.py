@@ -22,9 +22,9 @@ from lightning_slsam.lightning.metrics import (
 )
 
 if TYPE_CHECKING:
-    from lightning_slsam.core.contract import StepResult
     from lightning_slsam.core.engine import SparseSAMEngine
     from lightning_slsam.core.partition import LayerPartition
+    from lightning_slsam.core.step import StepResult
 
 __all__ = [
     "PROGRESS_BAR",

@@ -1,4 +1,4 @@
-"""Every method as a pure-PyTorch specification: the base (:mod:`.spec`), the methods that
-train every layer (:mod:`.dense`), those that train a subset (:mod:`.subset`), the parts a
-method brings to the step (LookSAM's :mod:`.looksam`, ESAM's :mod:`.esam`, SSAM-F's
-:mod:`.ssamf`) and the registry by name (:mod:`.registry`). No Lightning."""
+"""Every method as a pure-PyTorch specification, one module per method: its options, the
+parts it brings to the step and its selection rule. The base classes are in :mod:`.spec`,
+the option checks in :mod:`.options`, the registry by name in :mod:`.registry`. No
+Lightning."""

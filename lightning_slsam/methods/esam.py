@@ -1,33 +1,112 @@
-"""ESAM's sharpness-sensitive data selection (Du et al., 2022): the samples the second pass
-runs on.
+"""ESAM (Du et al., 2022, "Efficient Sharpness-aware Minimization for Improved Training of
+Neural Networks").
+
+* Stochastic weight perturbation: the first pass computes the gradient of a random
+  ``weight_ratio`` of the layers (each independently), and only they are perturbed
+  (:class:`ExpandToAll` over a uniform draw).
+* Sharpness-sensitive data selection: a forward pass at the perturbed point (no gradient)
+  measures each sample's loss increase; the second pass runs on the ``data_ratio`` fraction
+  of the batch whose loss rose most (:class:`SharpestSamples`). It updates every layer.
+
+Active Ratio ``weight_ratio + 1`` (1.5x at the paper's 0.5). The data selection needs
+per-sample losses: the loss is a 1-D tensor of them (averaged for the update).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
 import torch
 from torch import Tensor
 
-from lightning_slsam.core.contract import PER_SAMPLE_NEEDED, ForwardBackward, PassOutput, as_output
+from lightning_slsam.core.passes import PER_SAMPLE_NEEDED, Passes, PassOutput
+from lightning_slsam.core.step import MethodParts
+from lightning_slsam.methods.options import RATIO
+from lightning_slsam.methods.spec import MethodSpec, option
+from lightning_slsam.selection.rules import LayerSelection, UniformSelection, WrappedSelection
 
-__all__ = ["SharpestSamples"]
+__all__ = ["ESAMSpec", "ExpandToAll", "SharpestSamples"]
 
 
-class SharpestSamples:
+class ExpandToAll(WrappedSelection):
+    """First pass on ``first``'s sample, then every layer (ESAM's stochastic weight
+    perturbation with a dense update). ``first`` (the wrapped rule, ``inner``) does not learn.
+
+    Example:
+        >>> import torch
+        >>> first_pass = UniformSelection(4, 0.25, generator=torch.Generator().manual_seed(0))
+        >>> rule = ExpandToAll(first_pass)
+        >>> first = rule.sample()
+        >>> first.tolist(), rule.refine(first, None).tolist()
+        ([False, False, True, False], [True, True, True, True])
+    """
+
+    refines = True
+
+    def __init__(self, first: LayerSelection) -> None:
+        super().__init__(first)
+
+    def sample(self) -> Tensor:
+        return self.inner.sample()
+
+    def refine(self, active: Tensor, norms: Tensor | None) -> Tensor:
+        return torch.ones(self.num_layers, dtype=torch.bool)
+
+    def update(self, active: Tensor, norms: Tensor, inclusion: Tensor | None = None) -> bool:
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+
+class SharpestSamples(MethodParts):
     """ESAM's sharpness-sensitive data selection: the second pass runs on the fraction
     ``data_ratio`` of each micro-batch whose loss rose most under the perturbation."""
+
+    needs_per_sample = True
 
     def __init__(self, data_ratio: float) -> None:
         self.data_ratio = float(data_ratio)
 
-    def select(self, first: PassOutput, forward_backward: ForwardBackward) -> list[Tensor]:
+    def choose_samples(self, first: PassOutput, forward_backward: Passes) -> list[Tensor]:
         before = first.per_sample
         if not before or any(b is None for b in before):
             raise ValueError(PER_SAMPLE_NEEDED)  # a loop that does not check it earlier
         with torch.no_grad():
-            after = as_output(forward_backward(backward=False)).per_sample
+            after = forward_backward(backward=False).per_sample
         subsets = []
         for b, a in zip(before, after or []):
-            k = max(1, round(self.data_ratio * b.numel()))
-            sharpness = a.to(b.device).float() - b.float()
+            k = max(1, round(self.data_ratio * b.numel()))  # type: ignore[union-attr]
+            sharpness = a.to(b.device).float() - b.float()  # type: ignore[union-attr]
             subsets.append(torch.topk(sharpness, k, sorted=False).indices.sort().values)
         return subsets
+
+
+@dataclass(kw_only=True, eq=False)
+class ESAMSpec(MethodSpec):
+    """ESAM: stochastic weight perturbation (a random ``weight_ratio`` of the layers is
+    perturbed) and sharpness-sensitive data selection (the second pass runs on the
+    ``data_ratio`` of each batch whose loss rose most).
+
+    Args:
+        weight_ratio: fraction of layers perturbed, in (0, 1]. Paper: 0.5.
+        data_ratio: fraction of each batch in the second pass, in (0, 1]; 1.0 turns the
+            selection off. Paper: 0.5.
+    """
+
+    name: ClassVar[str] = "esam"
+    label: ClassVar[str] = "ESAM"
+    samples_layers: ClassVar[bool] = True
+
+    weight_ratio: float = option(0.5, RATIO)
+    data_ratio: float = option(0.5, RATIO)
+
+    def selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
+        return ExpandToAll(UniformSelection(num_layers, self.weight_ratio, generator))
+
+    def parts(self, generator: torch.Generator) -> MethodParts:
+        return SharpestSamples(self.data_ratio) if self.data_ratio < 1 else MethodParts()

@@ -1,15 +1,19 @@
 """Every method by name: its specification class and the options the name implies.
 
+A method is one module of :mod:`lightning_slsam.methods` and one line of :data:`SPECS`.
+``"slsam"`` is what ``SparseLayerSAM()`` runs; ``"slsam_paper"`` is the SL-SAM paper's exact
+method.
+
 >>> spec = method_spec("slsam", layer_ratio=0.3)
->>> type(spec).__name__, spec.layer_ratio, spec.bandit_loss
-('SLSAMSpec', 0.3, 'shifted')
+>>> type(spec).__name__, spec.layer_ratio, spec.preset
+('SLSAMSpec', 0.3, 'default')
 
 Each method's specification builds an engine that runs in a plain loop (what the Lightning
 callbacks run too). ``steps`` below trains a two-layer net for a few steps and lists each
 step's kind, the layers the optimizer updated, and the parameters each backward pass
 computed (58 is all of them):
 
->>> import warnings, torch
+>>> import torch
 >>> from lightning_slsam import make_engine
 >>> def steps(name, n=4, **options):
 ...     torch.manual_seed(0)
@@ -23,7 +27,7 @@ computed (58 is all of them):
 ...         r = engine.train_step(loss, opt, batch_size=16)
 ...         print(r.kind, r.active_mask.int().tolist(), r.pass_numel)
 
-The methods that train every layer (:mod:`lightning_slsam.methods.dense`):
+The methods that train every layer:
 
 >>> steps("sam", 2)  # two passes on every layer
 sam [1, 1, 1, 1] [58, 58]
@@ -46,9 +50,9 @@ sam [1, 1, 1, 1] [58, 58]
 sam [1, 1, 1, 1] [58, 58]
 plain [1, 1, 1, 1] [58]
 
-The methods that train a subset of layers (:mod:`lightning_slsam.methods.subset`):
+The methods that train a subset of layers:
 
->>> steps("slsam", 3, layer_ratio=0.5)  # both passes on the sampled layers only
+>>> steps("slsam_paper", 3, layer_ratio=0.5)  # both passes on the sampled layers only
 sam [0, 0, 1, 0] [16, 16]
 sam [0, 0, 1, 1] [18, 18]
 sam [0, 1, 1, 1] [26, 26]
@@ -59,14 +63,6 @@ sam [0, 0, 1, 1] [58, 18]
 plain [1, 1, 1, 1] [58]
 single [0, 0, 1, 0] [16]
 single [0, 0, 1, 1] [18]
->>> with warnings.catch_warnings():  # (a Sequential has no fresh head: it warns so)
-...     warnings.simplefilter("ignore")  # the robust preset with a warm-up: dense first
-...     steps("slsam", 5, preset="robust", dense_warmup=0.3, layer_ratio=0.5, total_steps=10)
-sam [1, 1, 1, 1] [58, 58]
-sam [0, 1, 1, 1] [26, 26]
-sam [0, 1, 1, 1] [26, 26]
-sam [1, 0, 1, 1] [50, 50]
-sam [1, 1, 0, 0] [40, 40]
 """
 
 from __future__ import annotations
@@ -74,45 +70,56 @@ from __future__ import annotations
 import difflib
 from typing import TYPE_CHECKING, Any
 
-from lightning_slsam.methods.dense import (
-    ESAMSpec,
-    LookSAMSpec,
-    RSTSpec,
-    S2SAMSpec,
-    SAMSpec,
-    SSAMFSpec,
-)
+from lightning_slsam.methods.esam import ESAMSpec
+from lightning_slsam.methods.looksam import LookSAMSpec
+from lightning_slsam.methods.random_slsam import RandomSLSAMSpec
+from lightning_slsam.methods.rst import RSTSpec
+from lightning_slsam.methods.s2sam import S2SAMSpec
+from lightning_slsam.methods.sam import SAMSpec
+from lightning_slsam.methods.sl_s2sam import SLS2SAMSpec
+from lightning_slsam.methods.slsam import SLSAMSpec
+from lightning_slsam.methods.slsam_ablation import SLSAMAblationSpec
+from lightning_slsam.methods.slsam_depth import CostAwareSLSAMSpec
+from lightning_slsam.methods.slsam_looksam import SLSAMLookSAMSpec
+from lightning_slsam.methods.slsam_rst import SLSAMRSTSpec
 from lightning_slsam.methods.spec import MethodSpec
-from lightning_slsam.methods.subset import RandomSLSAMSpec, SLS2SAMSpec, SLSAMSpec, TopSLSAMSpec
+from lightning_slsam.methods.ssamf import SSAMFSpec
+from lightning_slsam.methods.top_slsam import TopSLSAMSpec
 
 if TYPE_CHECKING:
     import torch
 
     from lightning_slsam.core.engine import SparseSAMEngine
 
-__all__ = ["SPECS", "make_engine", "method_spec", "register_method"]
+__all__ = ["RENAMED", "SPECS", "lookup", "make_engine", "method_spec", "register_method"]
 
 #: Method name -> (specification class or ``None`` for plain AdamW, the options the name
-#: implies). The SL-SAM methods name ``preset="paper"``: comparisons and the paper's
-#: recipes run the paper's SL-SAM whatever the class's default.
+#: implies). One name per configuration: ``"slsam"`` is ``SparseLayerSAM()``.
 SPECS: dict[str, tuple[type[MethodSpec] | None, dict[str, Any]]] = {
     "adamw": (None, {}),
     "sam": (SAMSpec, {}),
-    "adasam": (SAMSpec, {}),
-    "slsam": (SLSAMSpec, {"preset": "paper"}),
+    "slsam": (SLSAMSpec, {}),
+    "slsam_paper": (SLSAMSpec, {"preset": "paper"}),
     "random_slsam": (RandomSLSAMSpec, {}),
     "top_slsam": (TopSLSAMSpec, {}),
     "s2sam": (S2SAMSpec, {}),
-    "sl_s2sam": (SLS2SAMSpec, {"preset": "paper"}),
+    "sl_s2sam": (SLS2SAMSpec, {}),
     "rst": (RSTSpec, {}),
     "esam": (ESAMSpec, {}),
     "ssamf": (SSAMFSpec, {}),
     "looksam": (LookSAMSpec, {}),
-    "slsam_rst": (SLSAMSpec, {"preset": "paper", "schedule": "random"}),
-    "slsam_looksam": (SLSAMSpec, {"preset": "paper", "schedule": "interval"}),
-    "slsam_depth": (SLSAMSpec, {"preset": "paper", "backprop_depth": 0.5}),
-    "slsam_robust": (SLSAMSpec, {"preset": "robust"}),
-    "slsam_default": (SLSAMSpec, {"preset": "default"}),
+    "slsam_rst": (SLSAMRSTSpec, {}),
+    "slsam_looksam": (SLSAMLookSAMSpec, {}),
+    "slsam_depth": (CostAwareSLSAMSpec, {}),
+    "slsam_ablation": (SLSAMAblationSpec, {}),
+}
+
+#: Names of earlier versions and what each is now.
+RENAMED = {
+    "slsam_default": "'slsam' (what SparseLayerSAM() runs)",
+    "adasam": "'sam' (AdaSAM is SAM with AdamW as the optimizer)",
+    "slsam_robust": "'slsam_ablation' with budget='count', bandit_loss='rank',"
+    " head_always_active=True, max_update_scale=1/layer_ratio (the preset was retired)",
 }
 
 
@@ -120,6 +127,8 @@ def lookup(name: str) -> tuple[type[MethodSpec] | None, dict[str, Any]]:
     """The entry of method ``name`` (case and ``-``/``_`` insensitive), or a ValueError
     with the closest name."""
     key = name.lower().replace("-", "_")
+    if key in RENAMED and key not in SPECS:
+        raise ValueError(f"Method {name!r} is called {RENAMED[key]} since 0.3.")
     if key not in SPECS:
         close = difflib.get_close_matches(key, SPECS, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -132,8 +141,8 @@ def method_spec(name: str, **options: Any) -> MethodSpec:
 
     Example:
         >>> spec = method_spec("rst", probability=0.25)
-        >>> type(spec).__name__, spec.schedule, spec.probability
-        ('RSTSpec', 'random', 0.25)
+        >>> type(spec).__name__, spec.probability
+        ('RSTSpec', 0.25)
         >>> method_spec("rst", probability=2)
         Traceback (most recent call last):
         ...
@@ -148,13 +157,10 @@ def method_spec(name: str, **options: Any) -> MethodSpec:
     return cls(**{**implied, **options})
 
 
-def make_engine(
-    name: str, module: torch.nn.Module, total_steps: int | None = None, **options: Any
-) -> SparseSAMEngine:
+def make_engine(name: str, module: torch.nn.Module, **options: Any) -> SparseSAMEngine:
     """The engine of method ``name`` (``"slsam"``, ``"sam"``, ...; see :data:`SPECS`) for
     ``module``, with ``options`` overriding the method's defaults: what the method's
-    callback builds at fit start, for a plain PyTorch loop. ``total_steps``: the run's
-    optimizer steps, needed by options given as a fraction of the run.
+    callback builds at fit start, for a plain PyTorch loop.
 
     Example:
         >>> import torch
@@ -166,7 +172,7 @@ def make_engine(
         >>> engine.train_step(loss, opt).kind
         'sam'
     """
-    return method_spec(name, **options).build_engine(module, total_steps=total_steps)
+    return method_spec(name, **options).build_engine(module)
 
 
 def register_method(spec_class: type[MethodSpec], **implied: Any) -> type[MethodSpec]:
@@ -174,9 +180,9 @@ def register_method(spec_class: type[MethodSpec], **implied: Any) -> type[Method
     :func:`~lightning_slsam.make_callback` and :data:`~lightning_slsam.METHODS` then know it.
     ``implied``: options the name sets. Returns ``spec_class`` (usable as a decorator).
 
-    The spec is a :class:`~lightning_slsam.methods.spec.MethodSpec` subclass that overrides what
-    differs, e.g. :meth:`~lightning_slsam.methods.spec.MethodSpec.selection`; see the "Write your
-    own method" page of the docs.
+    The spec is a :class:`~lightning_slsam.methods.spec.MethodSpec` subclass that overrides
+    what differs, e.g. :meth:`~lightning_slsam.methods.spec.MethodSpec.selection`; see the
+    "Write your own method" page of the docs.
 
     Example:
         SAM on a uniformly drawn half of the layers, by name:

@@ -1,2 +1,3 @@
 """Multi-process training: gradient averaging on the active tensors (:mod:`.ddp`) and the
-engine's arithmetic on FSDP2 shards (:mod:`.fsdp2`). No Lightning."""
+one seam to sharded parameters (:mod:`.shards`: FSDP2, or whole tensors). No Lightning, and
+nothing else of the package."""

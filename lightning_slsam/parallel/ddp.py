@@ -15,7 +15,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["GradientAverager", "ddp_averager", "release_process_group"]
+__all__ = [
+    "GradientAverager",
+    "average_grads",
+    "check_same_draw",
+    "ddp_averager",
+    "release_process_group",
+]
 
 
 class GradientAverager:
@@ -77,6 +83,61 @@ class GradientAverager:
                 last.append(tensor)
                 size += nbytes
         return buckets
+
+
+@torch.no_grad()
+def average_grads(active: list[Tensor], averager: GradientAverager) -> int:
+    """Average the active tensors' gradients across processes; the bytes sent.
+
+    Every process sends every active tensor (the sets are equal on all ranks), a zero
+    gradient standing in for a missing one; a presence flag per tensor travels in the
+    same collective, so a tensor no process used keeps ``grad=None``, as on one process.
+    """
+    if not active:
+        return 0
+    present = torch.tensor(
+        [p.grad is not None for p in active], dtype=active[0].dtype, device=active[0].device
+    )
+    grads = []
+    for param in active:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        grads.append(param.grad)
+    sent = averager.average_([*grads, present])
+    for param, flag in zip(active, present.tolist()):
+        if flag == 0:
+            param.grad = None
+    return sent
+
+
+def check_same_draw(
+    mask: Tensor, kind: str, kinds: Sequence[str], step: int, averager: GradientAverager
+) -> None:
+    """Debug mode under DDP: every process must draw the same layers and step kind (one of
+    ``kinds``).
+
+    Two checksums of the mask and the kind are gathered from every process (one small
+    collective); on a mismatch every process raises the same error before touching a
+    weight, instead of hanging in a gradient all-reduce of different tensors.
+    """
+    index = torch.arange(1, mask.numel() + 1, dtype=torch.int64, device=mask.device)
+    bits = mask.to(torch.int64)
+    code = kinds.index(kind) if kind in kinds else len(kinds)
+    value = torch.stack([(bits * index).sum(), (bits * (index * index % 1_000_003)).sum(),
+                         bits.sum() * 8 + code])  # fmt: skip
+    seen = averager.gather(value).cpu()
+    differ = [rank for rank in range(len(seen)) if not torch.equal(seen[rank], seen[0])]
+    if differ:
+        counts = seen[:, 2] // 8
+        raise RuntimeError(
+            f"check_masks: at step {step} process(es) {differ} drew other layers"
+            f" or another step kind than process 0 (active layers per process:"
+            f" {counts.tolist()}). The processes' selection generators have diverged:"
+            " keep the seed the same on every process (the callback's `seed`, whose"
+            " default None takes the `seed_everything` seed of rank 0; in a plain loop,"
+            " `make_engine(..., seed=...)`) and do not draw from the engine's generators"
+            " yourself."
+        )
 
 
 def ddp_averager(ddp: torch.nn.Module, module: torch.nn.Module | None) -> GradientAverager:

@@ -27,8 +27,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.classification import Accuracy
 
-from lightning_slsam.core.validation import check_int, check_number
 from lightning_slsam.lightning.mixin import SAMMixin
+from lightning_slsam.methods.options import check_int, check_number
 from lightning_slsam.tasks.common import check_training, require, with_schedule
 
 __all__ = ["CIFARDataModule", "TimmClassifier", "read_cifar"]

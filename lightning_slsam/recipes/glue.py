@@ -32,8 +32,8 @@ from torchmetrics import Metric
 from torchmetrics.classification import Accuracy, BinaryF1Score, BinaryMatthewsCorrCoef
 from torchmetrics.regression import PearsonCorrCoef
 
-from lightning_slsam.core.validation import check_choice, check_int, check_number, check_path
 from lightning_slsam.lightning.mixin import SAMMixin
+from lightning_slsam.methods.options import check_choice, check_int, check_number, check_path
 from lightning_slsam.recipes.common import load_hub_dataset, read_jsonl
 from lightning_slsam.tasks.common import (
     PaddingCollator,

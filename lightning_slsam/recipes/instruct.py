@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_slsam.core.validation import check_int, check_number, check_path
 from lightning_slsam.lightning.mixin import SAMMixin
+from lightning_slsam.methods.options import check_int, check_number, check_path
 from lightning_slsam.recipes.common import load_hub_dataset, read_jsonl
 from lightning_slsam.recipes.fsdp import full_state_dict, fully_shard_blocks
 from lightning_slsam.tasks.common import (

@@ -10,16 +10,12 @@ norms. The rules:
 * :class:`UniformSelection` -- every layer independently with the same probability
   (Random-SL-SAM; ESAM's stochastic weight perturbation);
 * :class:`AllLayers` -- every layer (SAM and the dense baselines);
-* :class:`TopKSelection` -- first pass on every layer, then the ``k`` layers with the
-  largest gradient norms (Top-SL-SAM);
-* :class:`ExpandToAll` -- wraps a rule for the first pass and trains every layer after
-  it (ESAM: sparse perturbation, dense update);
-* :class:`~lightning_slsam.selection.wrappers.DepthCut` -- wraps a rule and freezes
-  every layer below a random cut along the model's layer order each step, so
-  back-propagation stops at the cut (cost-aware SL-SAM, beyond the paper);
-* :class:`~lightning_slsam.selection.wrappers.DenseWarmup` -- wraps a rule and adds every
-  layer with a probability that anneals from 1 to 0 over the first steps, so the layer
-  ratio falls from 1 to the rule's own (beyond the paper).
+* :class:`WrappedSelection` -- the base of a rule that reshapes another's draw.
+
+A method may bring a rule of its own, in its own module: Top-SL-SAM's
+(:class:`~lightning_slsam.methods.top_slsam.TopKSelection`), ESAM's
+(:class:`~lightning_slsam.methods.esam.ExpandToAll`), cost-aware SL-SAM's
+(:class:`~lightning_slsam.methods.slsam_depth.DepthCut`).
 
 A wrapper changes how likely each layer is to be drawn. A learning rule (the bandit)
 weights what it learns by the inverse of that *true* inclusion probability
@@ -35,17 +31,45 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_slsam.core.seeding import Seeded, seeded_generator
-from lightning_slsam.core.validation import check_ratio
-
 __all__ = [
     "AllLayers",
-    "ExpandToAll",
     "LayerSelection",
-    "TopKSelection",
+    "Seeded",
     "UniformSelection",
     "WrappedSelection",
+    "seeded_generator",
 ]
+
+
+def seeded_generator(generator: torch.Generator | None, offset: int = 0) -> torch.Generator:
+    """``generator``, or a new CPU generator seeded with ``torch.initial_seed() + offset``."""
+    if generator is None:
+        generator = torch.Generator()
+        generator.manual_seed(torch.initial_seed() + offset)
+    return generator
+
+
+class Seeded:
+    """A part that draws from its own generator ``_gen`` and saves it with its state, so
+    a resumed run draws what the uninterrupted one would have.
+
+    >>> part = Seeded()
+    >>> part._gen = seeded_generator(None)
+    >>> state = part.generator_state()
+    >>> first = torch.rand(1, generator=part._gen)
+    >>> part.load_generator_state(state)
+    >>> torch.equal(torch.rand(1, generator=part._gen), first)
+    True
+    """
+
+    _gen: torch.Generator
+
+    def generator_state(self) -> dict[str, Any]:
+        return {"generator": self._gen.get_state()}
+
+    def load_generator_state(self, state: dict[str, Any]) -> None:
+        if "generator" in state:
+            self._gen.set_state(state["generator"])
 
 
 class LayerSelection:
@@ -75,7 +99,9 @@ class LayerSelection:
     """
 
     num_layers: int
-    #: Whether :meth:`refine` reads the norms (then they are copied to the host mid-step).
+    #: Whether :meth:`refine` may change the draw after the first pass (else it is not
+    #: called) and whether it reads the norms (then they are copied to the host mid-step).
+    refines: bool = False
     refine_uses_norms: bool = False
 
     @property
@@ -95,7 +121,7 @@ class LayerSelection:
     def refine(self, active: Tensor, norms: Tensor | None) -> Tensor:
         """Layers of the second pass and of the update, given the first pass's norms
         (float64 ``[N]``, 0 for layers without gradient; ``None`` unless
-        :attr:`refine_uses_norms`). Default: unchanged."""
+        :attr:`refine_uses_norms`). Called only when :attr:`refines`. Default: unchanged."""
         return active
 
     def inclusion(self) -> Tensor:
@@ -174,7 +200,8 @@ class UniformSelection(LayerSelection, Seeded):
 
     Args:
         num_layers: number of layers.
-        ratio: probability of each layer, in (0, 1].
+        ratio: probability of each layer, in (0, 1] (not checked here: a method's
+            specification checks its options).
         generator: the rule's own CPU generator (default: seeded with
             ``torch.initial_seed()``).
 
@@ -192,7 +219,7 @@ class UniformSelection(LayerSelection, Seeded):
         self, num_layers: int, ratio: float, generator: torch.Generator | None = None
     ) -> None:
         self.num_layers = int(num_layers)
-        self.ratio = check_ratio("layer_ratio", ratio)
+        self.ratio = float(ratio)
         self._gen = seeded_generator(generator)
 
     @property
@@ -215,76 +242,3 @@ class UniformSelection(LayerSelection, Seeded):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.load_generator_state(state)
-
-
-class TopKSelection(LayerSelection):
-    """Greedy: the first pass computes every layer, then the ``k`` largest norms are kept.
-
-    This is the paper's Top-SL-SAM ablation. It has no exploration: a layer whose gradient
-    is small for a while is never trained again, which the paper reports stalls training
-    (137 of 200 DeiT-Small layers never selected in an epoch).
-
-    Args:
-        num_layers: number of layers.
-        k: layers kept for the second pass and the update, ``1 <= k <= num_layers``.
-
-    Example:
-        >>> import torch
-        >>> rule = TopKSelection(4, k=2)
-        >>> first = rule.sample()  # every layer
-        >>> norms = torch.tensor([0.1, 3.0, 0.2, 1.0], dtype=torch.float64)
-        >>> first.tolist(), rule.refine(first, norms).tolist()
-        ([True, True, True, True], [False, True, False, True])
-    """
-
-    def __init__(self, num_layers: int, k: int) -> None:
-        self.num_layers = int(num_layers)
-        if not (isinstance(k, int) and 1 <= k <= self.num_layers):
-            raise ValueError(f"Top-k selection needs 1 <= k <= {self.num_layers}, got k={k!r}.")
-        self.k = k
-
-    refine_uses_norms = True
-
-    @property
-    def always_all(self) -> bool:
-        return self.k >= self.num_layers
-
-    def refine(self, active: Tensor, norms: Tensor | None) -> Tensor:
-        assert norms is not None
-        # Ties broken by model order (stable sort): deterministic for equal norms.
-        order = torch.sort(norms.double(), descending=True, stable=True).indices[: self.k]
-        mask = torch.zeros(self.num_layers, dtype=torch.bool)
-        mask[order] = True
-        return mask
-
-
-class ExpandToAll(WrappedSelection):
-    """First pass on ``first``'s sample, then every layer (ESAM's SWP with a dense update).
-    ``first`` (the wrapped rule, ``inner``) does not learn.
-
-    Example:
-        >>> import torch
-        >>> first_pass = UniformSelection(4, 0.25, generator=torch.Generator().manual_seed(0))
-        >>> rule = ExpandToAll(first_pass)
-        >>> first = rule.sample()
-        >>> first.tolist(), rule.refine(first, None).tolist()
-        ([False, False, True, False], [True, True, True, True])
-    """
-
-    def __init__(self, first: LayerSelection) -> None:
-        super().__init__(first)
-
-    def sample(self) -> Tensor:
-        return self.inner.sample()
-
-    def refine(self, active: Tensor, norms: Tensor | None) -> Tensor:
-        return torch.ones(self.num_layers, dtype=torch.bool)
-
-    def update(self, active: Tensor, norms: Tensor, inclusion: Tensor | None = None) -> bool:
-        return False
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)

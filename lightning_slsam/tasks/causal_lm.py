@@ -27,8 +27,8 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 from torchmetrics.classification import Accuracy
 
-from lightning_slsam.core.validation import check_choice, check_flag, check_number
 from lightning_slsam.lightning.mixin import SAMMixin
+from lightning_slsam.methods.options import check_choice, check_flag, check_number
 from lightning_slsam.tasks.common import check_training, require, with_schedule
 from lightning_slsam.tasks.text import (
     RottenTomatoesDataModule,

@@ -1,5 +1,5 @@
 """What the offline tasks and the paper recipes share: per-batch padding and learning-rate
-schedules (their argument checks are :mod:`lightning_slsam.core.validation`')."""
+schedules (their argument checks are :mod:`lightning_slsam.methods.options`')."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_slsam.core.validation import check_choice, check_number
 from lightning_slsam.lightning.callback import estimated_stepping_batches
+from lightning_slsam.methods.options import check_choice, check_number
 
 __all__ = ["SCHEDULES", "PaddingCollator", "check_training", "require", "with_schedule"]
 

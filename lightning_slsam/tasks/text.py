@@ -25,8 +25,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler
 from torchmetrics.classification import Accuracy
 
-from lightning_slsam.core.validation import check_int, check_number
 from lightning_slsam.lightning.mixin import SAMMixin
+from lightning_slsam.methods.options import check_int, check_number
 from lightning_slsam.tasks.common import PaddingCollator, check_training, require, with_schedule
 
 __all__ = ["RottenTomatoesDataModule", "TextClassifier", "default_csv_path", "default_model_path"]

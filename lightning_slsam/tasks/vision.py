@@ -18,8 +18,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import Accuracy
 
-from lightning_slsam.core.validation import check_int, check_number
 from lightning_slsam.lightning.mixin import SAMMixin
+from lightning_slsam.methods.options import check_int, check_number
 from lightning_slsam.tasks.common import require
 
 __all__ = ["DigitsDataModule", "ImageClassifier", "efficientnet_lite0"]

@@ -1,23 +1,34 @@
-"""Selection rules that reshape another rule's draw: where back-propagation stops
-(:class:`DepthCut`, cost-aware SL-SAM) and how many layers the first steps train
-(:class:`DenseWarmup`, the short-run warm-up). Both are beyond the SL-SAM paper.
+"""Cost-aware SL-SAM (beyond the paper): SL-SAM whose draw is cut at a random depth each step
+(:class:`DepthCut`), so that back-propagation stops at the cut.
 
-Each wraps an ``inner`` rule (the bandit, for SL-SAM) and passes the layers' true
-inclusion probabilities down to it, so a learning rule's importance weights stay exact.
+With independent per-layer sampling some layer near the input is almost always active, so
+back-propagation runs through the whole network even when few layers are trained. Freezing
+every layer below a random cut saves the activation-gradient work below it.
+
+>>> spec = CostAwareSLSAMSpec()
+>>> spec.depth, spec.preset
+(0.5, 'default')
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from lightning_slsam.core.seeding import Seeded, seeded_generator
-from lightning_slsam.core.validation import check_ratio
-from lightning_slsam.selection.rules import LayerSelection, WrappedSelection
+from lightning_slsam.methods.options import RATIO
+from lightning_slsam.methods.slsam import SLSAMSpec
+from lightning_slsam.methods.spec import option
+from lightning_slsam.selection.rules import (
+    LayerSelection,
+    Seeded,
+    WrappedSelection,
+    seeded_generator,
+)
 
-__all__ = ["DenseWarmup", "DepthCut"]
+__all__ = ["CostAwareSLSAMSpec", "DepthCut"]
 
 
 class DepthCut(WrappedSelection, Seeded):
@@ -57,7 +68,7 @@ class DepthCut(WrappedSelection, Seeded):
         self, inner: LayerSelection, depth: float, generator: torch.Generator | None = None
     ) -> None:
         super().__init__(inner)
-        self.depth = check_ratio("backprop_depth", depth)
+        self.depth = float(depth)
         self._gen = seeded_generator(generator)
         n = self.num_layers
         if self.depth >= 0.5:
@@ -106,87 +117,25 @@ class DepthCut(WrappedSelection, Seeded):
         self.load_generator_state(state)
 
 
-class DenseWarmup(WrappedSelection, Seeded):
-    """Anneal the layer ratio from 1 to ``inner``'s over the first ``steps`` steps.
-
-    Short fine-tunes lose accuracy to sparse updates: a layer active in a fifth of the
-    steps gets a fifth of the updates, and the first steps, where a fine-tune moves
-    furthest, are where that hurts most. At step ``t < steps`` this rule adds each layer
-    that ``inner`` did not draw with probability ``w_t = 1 - t / steps`` (a linear
-    anneal), so a layer is active with probability ``q = p + (1 - p) * w_t``: every layer at
-    the first step, ``inner``'s own ratio from step ``steps`` on. The expected extra work is
-    ``(1 - ratio) / 2`` of a dense step per warm-up step.
-
-    ``inner`` keeps learning throughout, with importance weights ``1 / q`` (its loss still
-    compares the norms against its own probabilities).
+@dataclass(kw_only=True, eq=False)
+class CostAwareSLSAMSpec(SLSAMSpec):
+    """Cost-aware SL-SAM: the bandit samples above a random cut, so back-propagation reaches
+    a ``depth`` fraction of the layers on average.
 
     Args:
-        inner: the rule drawing the sparse set (the bandit for SL-SAM).
-        steps: warm-up length in steps, ``>= 0`` (0 disables the warm-up).
-        generator: the warm-up coins' own CPU generator.
-
-    Example:
-        >>> import torch
-        >>> from lightning_slsam.selection.rules import UniformSelection
-        >>> sparse = UniformSelection(5, 0.2, generator=torch.Generator().manual_seed(0))
-        >>> rule = DenseWarmup(sparse, steps=4, generator=torch.Generator().manual_seed(1))
-        >>> [rule.weight(t) for t in range(5)]
-        [1.0, 0.75, 0.5, 0.25, 0.0]
-        >>> for _ in range(5):  # each layer's chance falls from 1 to the inner ratio
-        ...     _ = rule.sample()
-        ...     print(round(float(rule.inclusion()[0]), 2))
-        1.0
-        0.8
-        0.6
-        0.4
-        0.2
+        depth: mean fraction of the layers back-propagation reaches, in (0, 1]; 1 is
+            SL-SAM. Default 0.5.
     """
 
-    def __init__(
-        self, inner: LayerSelection, steps: int, generator: torch.Generator | None = None
-    ) -> None:
-        if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0):
-            raise ValueError(f"`steps` must be an integer >= 0, got {steps!r}.")
-        super().__init__(inner)
-        self.steps = steps
-        self._gen = seeded_generator(generator)
-        self.num_sampled = 0
-        self._weight = 0.0
+    name: ClassVar[str] = "slsam_depth"
+    label: ClassVar[str] = "CostAwareSLSAM"
+    renamed: ClassVar[dict[str, str]] = {"backprop_depth": "depth"}
 
-    @property
-    def refine_uses_norms(self) -> bool:  # type: ignore[override]
-        return self.inner.refine_uses_norms
+    depth: float = option(0.5, RATIO)
 
-    def weight(self, step: int) -> float:
-        """Probability with which an undrawn layer is added at ``step``."""
-        return max(0.0, 1.0 - step / self.steps) if self.steps else 0.0
-
-    def sample(self) -> Tensor:
-        self._weight = self.weight(self.num_sampled)
-        self.num_sampled += 1
-        mask = self.inner.sample()
-        if self._weight > 0.0:
-            coins = torch.rand(self.num_layers, generator=self._gen, dtype=torch.float64)
-            mask = mask | (coins < self._weight)
-        return mask
-
-    def inclusion(self) -> Tensor:
-        q = self.inner.inclusion()
-        return q + (1.0 - q) * self._weight
-
-    def refine(self, active: Tensor, norms: Tensor | None) -> Tensor:
-        return self.inner.refine(active, norms)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "inner": self.inner.state_dict(),
-            **self.generator_state(),
-            "num_sampled": self.num_sampled,
-            "weight": self._weight,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state.get("inner", {}))
-        self.load_generator_state(state)
-        self.num_sampled = int(state.get("num_sampled", 0))
-        self._weight = float(state.get("weight", 0.0))
+    def selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
+        bandit = super().selection(num_layers, generator)
+        if self.depth >= 1.0:
+            return bandit
+        cut = torch.Generator().manual_seed(int(generator.initial_seed()) + 2)
+        return DepthCut(bandit, self.depth, cut)

@@ -1,0 +1,214 @@
+"""The one pass loop: a forward/backward pass over a step's micro-batches (:class:`Passes`).
+
+Every front-end -- the Lightning mixin, :class:`~lightning_slsam.FabricSAM`, the plain loop
+of :meth:`~lightning_slsam.core.engine.SparseSAMEngine.train_step` -- runs its passes
+through this loop and differs only in what it hands over: how one micro-batch's loss is
+computed, how a loss is back-propagated, and how a batch is cut to some of its samples.
+
+A pass computes each micro-batch's loss (restricted to some sample indices when a method
+addresses single samples: ESAM's second pass, SSAM-F's Fisher), scales it by the
+accumulation factor, back-propagates it when the pass asks for gradients and anything
+trainable reached it, and returns the summed loss with the per-sample losses
+(:class:`PassOutput`).
+
+>>> import torch
+>>> w = torch.nn.Parameter(torch.tensor(2.0))
+>>> x = [torch.tensor([1.0, 3.0]), torch.tensor([5.0])]  # two micro-batches
+>>> def loss(batch):  # per-sample losses: a 1-D tensor
+...     return split_per_sample(w * batch)
+>>> passes = Passes(x, loss, torch.Tensor.backward, scale=0.5)
+>>> out = passes()
+>>> out.loss, w.grad  # (mean of [2, 6] + 10) / 2; d/dw (2 + 5) / 2
+(tensor(9.), tensor(3.5000))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "PER_SAMPLE_NEEDED",
+    "PassOutput",
+    "Passes",
+    "first_tensor",
+    "skip_with_scaler",
+    "split_per_sample",
+    "subset_batch",
+]
+
+
+#: The error for a loss without per-sample losses where ESAM's data selection needs them,
+#: raised at the first pass of the first step, before its backward pass: nothing has
+#: changed yet.
+PER_SAMPLE_NEEDED = (
+    "ESAM's data selection (data_ratio < 1) needs per-sample losses, but the loss is a"
+    " scalar: return them from training_step (or compute_loss) as a 1-D tensor, e.g."
+    " F.cross_entropy(logits, y, reduction='none') (it is averaged for the update), or as"
+    " {'loss': ..., 'per_sample_loss': ...}; or set data_ratio=1.0 to turn the selection off."
+)
+
+
+def split_per_sample(loss: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The one rule for a loss tensor, in every loop: a 1-D tensor holds per-sample losses,
+    whose mean is the loss of the update; any other tensor is the loss itself.
+
+    Returns the loss and the detached per-sample losses (``None`` when not given).
+
+    >>> split_per_sample(torch.tensor([1.0, 3.0]))
+    (tensor(2.), tensor([1., 3.]))
+    >>> split_per_sample(torch.tensor(2.0))
+    (tensor(2.), None)
+    """
+    if loss.dim() == 1:
+        return loss.mean(), loss.detach()
+    return loss, None
+
+
+@dataclass
+class PassOutput:
+    """What one pass returns.
+
+    Attributes:
+        loss: the detached loss of the pass, summed over the micro-batches (each scaled by
+            the accumulation factor).
+        per_sample: detached per-sample losses, one tensor per micro-batch (``None`` for a
+            micro-batch that gave none or was skipped).
+    """
+
+    loss: Tensor
+    per_sample: list[Tensor | None]
+
+
+class Passes:
+    """Forward/backward passes over one step's micro-batches.
+
+    Args:
+        micro_batches: the step's micro-batches (one without accumulation).
+        loss: ``loss(batch)`` runs the model on one micro-batch and returns the loss and
+            its per-sample losses (``None`` when not given; :func:`split_per_sample`).
+        backward: back-propagates a loss (``Tensor.backward``, Lightning's
+            ``manual_backward``, ``fabric.backward``).
+        scale: each micro-batch's loss is multiplied by it (``1 / k`` for ``k``
+            accumulated micro-batches).
+        size: samples in a micro-batch (needed by methods that address single samples).
+        subset: ``subset(batch, index)``: the micro-batch cut to the samples ``index``.
+        needs_per_sample: a loss without per-sample losses raises ``error`` (ESAM).
+        error: the exception class of that error.
+
+    Calling it runs one pass: ``subsets[i]`` restricts micro-batch ``i`` to those sample
+    indices (an empty index skips it), ``backward=False`` runs the forwards only, and
+    ``loss_scale`` multiplies every loss before its backward pass (SSAM-F under FSDP2).
+    :attr:`number` is the pass running: 1 for the first pass with gradients over the whole
+    batch, 2 for any other (at perturbed weights, or an extra forward), 0 between passes.
+    """
+
+    def __init__(
+        self,
+        micro_batches: Sequence[Any],
+        loss: Callable[[Any], tuple[Tensor, Tensor | None]],
+        backward: Callable[[Tensor], Any],
+        *,
+        scale: float = 1.0,
+        size: Callable[[Any], int] | None = None,
+        subset: Callable[[Any, Tensor], Any] | None = None,
+        needs_per_sample: bool = False,
+        error: type[Exception] = ValueError,
+    ) -> None:
+        self.micro_batches = list(micro_batches)
+        self.loss, self.backward, self.scale = loss, backward, float(scale)
+        self.size, self.subset = size, subset
+        self.needs_per_sample, self.error = needs_per_sample, error
+        self.number = 0
+        self._full_passes = 0
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """Samples in each micro-batch."""
+        if self.size is None:
+            raise ValueError(
+                "This method addresses single samples and needs the batch size: pass it"
+                " (train_step(..., batch_size=...))."
+            )
+        return [self.size(batch) for batch in self.micro_batches]
+
+    def __call__(
+        self, subsets: list[Tensor] | None = None, backward: bool = True, loss_scale: float = 1.0
+    ) -> PassOutput:
+        full = subsets is None and backward
+        self.number = 1 if full and self._full_passes == 0 else 2
+        self._full_passes += full
+        scale = self.scale * loss_scale
+        total: Tensor | None = None
+        per_sample: list[Tensor | None] = []
+        try:
+            for i, batch in enumerate(self.micro_batches):
+                if subsets is not None:
+                    index = subsets[i]
+                    if index.numel() == 0:
+                        per_sample.append(None)
+                        continue
+                    batch = self.subset(batch, index)  # type: ignore[misc]
+                with torch.set_grad_enabled(backward and torch.is_grad_enabled()):
+                    loss, samples = self.loss(batch)
+                if samples is None and self.needs_per_sample:
+                    raise self.error(PER_SAMPLE_NEEDED)  # before any backward pass
+                per_sample.append(samples)
+                if scale != 1.0:
+                    loss = loss * scale
+                # No trainable tensor reached the loss: nothing to back-propagate (norm 0).
+                if backward and loss.requires_grad:
+                    self.backward(loss)
+                loss = loss.detach()
+                total = loss if total is None else total + loss
+        finally:
+            self.number = 0
+        return PassOutput(total if total is not None else torch.zeros(()), per_sample)
+
+
+def skip_with_scaler(optimizer: Any) -> None:
+    """Make a gradient scaler back off on a skipped step: hand it an infinite gradient, so
+    that the optimizer step it wraps skips the update and lowers the scale."""
+    param = next(p for g in optimizer.param_groups for p in g["params"])
+    param.grad = torch.full_like(param, float("inf"))
+
+
+def first_tensor(batch: Any) -> Tensor | None:
+    """The first tensor of ``batch`` (inside dicts, lists and tuples), or ``None``."""
+    if isinstance(batch, Tensor):
+        return batch
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    if isinstance(values, (list, tuple)) or isinstance(batch, Mapping):
+        for value in values:
+            found = first_tensor(value)
+            if found is not None:
+                return found
+    return None
+
+
+def subset_batch(batch: Any, index: Tensor, size: int) -> Any:
+    """``batch`` restricted to the samples ``index``: every tensor whose first dimension is
+    ``size`` is indexed along it, inside dicts, lists, tuples and namedtuples; everything
+    else is kept as is.
+
+    >>> subset_batch({"x": torch.arange(6).view(3, 2), "n": 7}, torch.tensor([2, 0]), 3)
+    {'x': tensor([[4, 5],
+            [0, 1]]), 'n': 7}
+    """
+    if isinstance(batch, Tensor):
+        return batch[index.to(batch.device)] if batch.dim() and batch.shape[0] == size else batch
+    if isinstance(batch, Mapping):
+        items = {k: subset_batch(v, index, size) for k, v in batch.items()}
+        try:
+            return type(batch)(items)
+        except TypeError:
+            return items
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(subset_batch(v, index, size) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(subset_batch(v, index, size) for v in batch)
+    return batch

@@ -1,0 +1,435 @@
+"""One training step of every method, as functions over explicit arguments.
+
+Three kinds of step make every method of the plugin:
+
+* :func:`sam_step` -- SAM's two passes (Foret et al., 2021): the gradient on the drawn
+  layers, the ascent ``w + rho * g / ||g||``, the gradient at the perturbed weights, the
+  exact restore, the update with that second gradient;
+* :func:`plain_step` -- one pass and the update (RST's plain steps; LookSAM's steps in
+  between, which add a stored component to the gradient);
+* :func:`single_step` -- single-step SAM (S2-SAM): one pass at weights perturbed along each
+  layer's gradient from the last step it was trained in.
+
+Each ends with ``commit`` (:func:`commit`, bound by the engine): one host transfer of the
+losses, a finiteness probe of each pass and the per-layer gradient norms, then the
+optimizer's update or a skip with the weights restored exactly and nothing else changed.
+
+They work on explicit arguments: the training loop's callables (:class:`Loop`), the step's
+record (:class:`StepResult`), the layers (a :class:`~lightning_slsam.core.partition.LayerFreezer`),
+the selection, the perturbation, and the method's optional hooks (:class:`MethodParts`:
+ESAM's sample choice, SSAM-F's ascent mask, LookSAM's stored component). The stateful
+shell around them -- drawing the layers, counting, saving -- is
+:class:`~lightning_slsam.core.engine.SparseSAMEngine`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_slsam.core.isolation import PassIsolation
+from lightning_slsam.core.partition import LayerFreezer
+from lightning_slsam.core.passes import Passes, PassOutput
+from lightning_slsam.core.perturbation import BackupPool, SAMPerturbation
+from lightning_slsam.parallel.ddp import GradientAverager, average_grads
+from lightning_slsam.parallel.shards import Whole
+from lightning_slsam.selection.rules import LayerSelection
+
+__all__ = [
+    "STEP_KINDS",
+    "Loop",
+    "MethodParts",
+    "StepResult",
+    "commit",
+    "gradient_pass",
+    "plain_step",
+    "sam_step",
+    "single_step",
+]
+
+#: The kinds a step can be: SAM's two passes, one plain pass, LookSAM's reuse (a plain pass
+#: plus the stored component), a single-step SAM pass.
+STEP_KINDS = ("sam", "plain", "reuse", "single")
+
+#: Ends a step: ``commit(first, second, layer_norms, update_mask)`` with each pass's scalars
+#: (loss, gradient-norm probe), the first pass's per-layer norms and the layers updated;
+#: whether the update was made.
+Commit = Callable[[list[Tensor], list[Tensor], Tensor, Tensor], bool]
+
+
+@dataclass
+class Loop:
+    """What the training loop hands a step.
+
+    Attributes:
+        forward_backward: runs one pass over the step's batch (:class:`~lightning_slsam.
+            core.passes.Passes`).
+        zero_grad: sets every gradient to ``None``.
+        optimizer_step: ``optimizer_step(skip)`` steps the base optimizer; ``skip=True``:
+            every gradient is ``None`` and nothing may change, but per-step counters such as
+            Lightning's ``global_step`` still advance.
+        grad_scale: returns a gradient scaler's current loss scale (a tensor on the
+            gradients' device), when one is in use: the per-layer norms the selection learns
+            from are divided by it. Everything else SAM computes is scale-free.
+        averager: averages gradients across processes (DDP); ``None`` on one process.
+        check_draw: check on this step that every process drew the same layers.
+    """
+
+    forward_backward: Passes
+    zero_grad: Callable[[], None]
+    optimizer_step: Callable[[bool], None]
+    grad_scale: Callable[[], Tensor] | None = None
+    averager: GradientAverager | None = None
+    check_draw: bool = False
+
+
+@dataclass
+class StepResult:
+    """What happened in one step.
+
+    Attributes:
+        loss: first-pass loss, detached.
+        active_mask: bool ``[num_layers]`` CPU mask of the layers the optimizer updated.
+        trainable_numel: parameters that could take part (the ratios' denominator).
+        kind: ``"sam"``, ``"plain"``, ``"reuse"`` or ``"single"``.
+        pass_numel: parameters with a gradient in each training backward pass.
+        extra_backward: backward passes outside the training passes (SSAM-F's Fisher).
+        allreduce_bytes: bytes this process all-reduced across processes this step.
+        skipped: whether the update was skipped; ``skip_reason`` says why.
+        drawn: whether the selection drew the active set. A forced dense step (the plain
+            first step of single-step SAM) is not a draw, and the selection does not learn
+            from it.
+        active_ratio: the SL-SAM paper's "Active Ratio": the fraction of trainable
+            parameters with a gradient, summed over the training passes (plain AdamW 1.0,
+            SAM 2.0); set when the step ends.
+    """
+
+    loss: Tensor | None
+    active_mask: Tensor
+    trainable_numel: int
+    kind: str
+    pass_numel: list[int] = field(default_factory=list)
+    extra_backward: int = 0
+    allreduce_bytes: int = 0
+    skipped: bool = False
+    skip_reason: str | None = None
+    drawn: bool = True
+    active_ratio: float = 0.0
+
+    @property
+    def num_backward(self) -> int:
+        """Backward passes run, extra ones included."""
+        return len(self.pass_numel) + self.extra_backward
+
+    @property
+    def active_ratio_per_pass(self) -> list[float]:
+        """Fraction of trainable parameters with a gradient, per training pass."""
+        return [n / max(self.trainable_numel, 1) for n in self.pass_numel]
+
+
+class MethodParts:
+    """What a method adds to the shared steps (this base adds nothing: SAM on every step).
+
+    A method's specification builds its parts (:meth:`~lightning_slsam.methods.spec.
+    MethodSpec.parts`); the engine runs the step kind :meth:`kind` names and passes the
+    parts to it. Each hook is ``None`` unless the method defines it:
+
+    * ``before_step(step, loop, result, layers, isolation, shards)`` -- before the step's
+      kind runs (SSAM-F's Fisher refresh);
+    * ``choose_samples(first, forward_backward) -> subsets`` -- the second pass's samples,
+      one index tensor per micro-batch (ESAM);
+    * ``ascent_masks(params, shards) -> masks`` -- coordinate masks on the ascent (SSAM-F);
+    * ``after_sam_step(params, first_grads, params2, grads2, shards)`` -- with the
+      perturbed tensors, their first-pass gradients (kept when :attr:`keeps_first_grads`)
+      and the second pass's tensors and gradients (LookSAM's store);
+    * ``adjust_grads(params, grads, shards)`` -- on a ``"reuse"`` step, before the update
+      (LookSAM).
+
+    ``shards`` is the :mod:`~lightning_slsam.parallel.shards` seam (whole tensors, or FSDP2
+    shards).
+
+    State the parts own is saved with the engine's: :meth:`state_dict` returns plain values
+    and per-tensor stores (dicts keyed by the tensor's position in the partition, gathered
+    whole under FSDP2), :meth:`load_state_dict` gets them back with the tensors by position.
+    """
+
+    #: Whether the steps' losses must carry per-sample losses (ESAM's sample choice).
+    needs_per_sample: bool = False
+    #: Whether the SAM step keeps the first pass's gradients for ``after_sam_step``.
+    keeps_first_grads: bool = False
+    before_step: Callable[..., None] | None = None
+    choose_samples: Callable[[PassOutput, Passes], list[Tensor]] | None = None
+    ascent_masks: Callable[[list[Tensor], Whole], list[Tensor]] | None = None
+    after_sam_step: Callable[..., None] | None = None
+    adjust_grads: Callable[[list[Tensor], list[Tensor], Whole], None] | None = None
+
+    def kind(self, step: int) -> str:
+        """The kind of step ``step`` (0-based count of optimizer steps): one of
+        :data:`STEP_KINDS`."""
+        return "sam"
+
+    def state_dict(self, index: dict[int, int]) -> dict[str, Any]:
+        """The parts' state; ``index`` maps ``id(tensor)`` to its position."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any], tensors: list[Tensor]) -> None:
+        """Restore :meth:`state_dict`'s output (``tensors``: the partition's, by position)."""
+
+
+@dataclass
+class _Pass:
+    """One gradient pass's results (all on the device)."""
+
+    output: PassOutput
+    active: list[Tensor]
+    params: list[Tensor]  # active tensors that received a gradient
+    grads: list[Tensor]
+    slots: Tensor  # each tensor's normalisation group
+    norms: Tensor  # per-tensor gradient norms
+    layer_norms: Tensor  # per-layer gradient norms
+
+
+def gradient_pass(
+    loop: Loop,
+    result: StepResult,
+    layers: LayerFreezer,
+    shards: Whole,
+    active: list[Tensor],
+    mask: Tensor,
+    subsets: list[Tensor] | None = None,
+    sync: bool = True,
+) -> _Pass:
+    """One forward/backward on the ``active`` tensors; gradients and norms kept on device.
+
+    Under DDP the gradients are averaged across processes first (``sync``); otherwise the
+    per-layer norms alone are. FSDP2 has averaged its sharded gradients already.
+    """
+    loop.zero_grad()
+    fb = loop.forward_backward
+    output = fb(subsets=subsets) if subsets else fb()
+    if result.loss is None:
+        result.loss = output.loss
+    result.pass_numel.append(layers.numel(mask))
+    averager = None if shards.sharded else loop.averager
+    if averager is not None and sync:
+        result.allreduce_bytes += average_grads(active, averager)
+    params = [p for p in active if p.grad is not None]  # a tensor the forward skipped: norm 0
+    grads = [p.grad for p in params]
+    slots = layers.slots(params)
+    norms = shards.norms(grads, output.loss.device)  # type: ignore[arg-type]
+    layer_norms = layers.layer_norms(norms, slots)
+    if averager is not None and not sync:
+        result.allreduce_bytes += averager.average_([layer_norms])
+    return _Pass(output, active, params, grads, slots, norms, layer_norms)  # type: ignore[arg-type]
+
+
+def sam_step(
+    loop: Loop,
+    result: StepResult,
+    layers: LayerFreezer,
+    *,
+    selection: LayerSelection,
+    perturbation: SAMPerturbation,
+    method: MethodParts,
+    isolation: PassIsolation | None,
+    shards: Whole,
+    sync_first_pass: bool,
+    commit: Commit,
+) -> None:
+    """SAM's two passes on the layers in ``result.active_mask``, then ``commit``."""
+    mask1 = result.active_mask
+    iso = isolation.begin() if isolation is not None else None
+    # 1. The gradient at the current weights, on the drawn layers.
+    first = gradient_pass(
+        loop, result, layers, shards, layers.activate(mask1), mask1, sync=sync_first_pass
+    )
+    # 2. The layers the second pass trains (a selection may narrow or widen the draw).
+    mask2, active2 = mask1, first.active
+    if selection.refines:
+        norms = first.layer_norms.double().cpu() if selection.refine_uses_norms else None
+        mask2 = selection.refine(mask1, norms)
+        active2 = layers.activate(mask2)
+    result.active_mask = mask2
+    keep = {id(p) for p in active2}
+    chosen = [i for i, p in enumerate(first.params) if id(p) in keep]
+    pp = [first.params[i] for i in chosen]
+    pg = [first.grads[i] for i in chosen]
+    # 3. The ascent. A non-finite first pass is only detected at the end of the step
+    # (checking here would cost a second host sync every step); the exact restore undoes
+    # whatever a NaN perturbation did.
+    keep_first = method.keeps_first_grads
+    backup = perturbation.perturb_(
+        pp, pg, first.norms[chosen], first.slots[chosen], layers.num_groups,
+        inplace=not keep_first,
+        masks=method.ascent_masks(pp, shards) if method.ascent_masks is not None else None,
+        scaled=layers.weight_flags(pp) if perturbation.adaptive else None,
+        shards=shards,
+    )  # fmt: skip
+    # Free the first-pass gradients before the next forward (unless kept).
+    first.grads.clear()
+    if not keep_first:
+        pg = []
+    loop.zero_grad()
+    if iso is not None:
+        iso.first_pass_done()
+    # 4. The gradient at the perturbed weights, then the exact restore.
+    try:
+        subsets = None
+        if method.choose_samples is not None:
+            with iso.extra_forward() if iso is not None else nullcontext():
+                subsets = method.choose_samples(first.output, loop.forward_backward)
+        if iso is not None:
+            iso.second_pass_starts()
+        second = gradient_pass(loop, result, layers, shards, active2, mask2, subsets=subsets)
+    finally:
+        perturbation.restore_(pp, backup, shards)
+        if iso is not None:
+            iso.step_done()
+    del backup
+    if method.after_sam_step is not None:
+        method.after_sam_step(pp, pg, second.params, second.grads, shards)
+    # 5. The update with the second pass's gradients (or a skip).
+    commit(
+        [first.output.loss, first.norms.sum()], [second.output.loss, second.norms.sum()],
+        first.layer_norms, mask1,
+    )  # fmt: skip
+
+
+def plain_step(
+    loop: Loop, result: StepResult, layers: LayerFreezer, *, method: MethodParts, shards: Whole,
+    commit: Commit,
+) -> None:  # fmt: skip
+    """One pass on the layers in ``result.active_mask`` and the update; a ``"reuse"`` step
+    lets the method adjust the gradients first (LookSAM)."""
+    mask = result.active_mask
+    out = gradient_pass(loop, result, layers, shards, layers.activate(mask), mask)
+    if result.kind == "reuse" and method.adjust_grads is not None:
+        method.adjust_grads(out.params, out.grads, shards)
+    commit([out.output.loss, out.norms.sum()], [], out.layer_norms, mask)
+
+
+def single_step(
+    loop: Loop,
+    result: StepResult,
+    layers: LayerFreezer,
+    *,
+    perturbation: SAMPerturbation,
+    last_grad: dict[int, Tensor],
+    shards: Whole,
+    commit: Commit,
+) -> None:
+    """Single-step SAM: one pass at weights perturbed along each active tensor's gradient
+    from the last step it was trained in (``last_grad``, by ``id`` of the tensor, updated
+    here once the step is committed). Without any, the step is a plain one."""
+    if not last_grad:
+        result.kind = "plain"
+    mask = result.active_mask
+    active = layers.activate(mask)
+    pp = [p for p in active if id(p) in last_grad]
+    pg = [last_grad[id(p)] for p in pp]
+    device = pp[0].device if pp else None
+    # Stored as local shards (FSDP2): the params tell the layout.
+    norms = shards.norms(pg, device, like=pp)
+    backup = perturbation.perturb_(
+        pp, pg, norms, layers.slots(pp), layers.num_groups, inplace=False,
+        scaled=layers.weight_flags(pp) if perturbation.adaptive else None, shards=shards,
+    )  # fmt: skip
+    try:
+        out = gradient_pass(loop, result, layers, shards, active, mask)
+    finally:
+        perturbation.restore_(pp, backup, shards)
+    del backup
+    if commit([out.output.loss, out.norms.sum()], [], out.layer_norms, mask):
+        # The gradient tensors themselves (after the optimizer's unscaling/clipping):
+        # zero_grad(set_to_none=True) detaches them from .grad, no copy is made.
+        for param, grad in zip(out.params, shards.local(out.grads)):
+            last_grad[id(param)] = grad
+
+
+def commit(
+    loop: Loop,
+    result: StepResult,
+    step: int,
+    inclusion: Tensor | None,
+    first: list[Tensor],
+    second: list[Tensor],
+    layer_norms: Tensor,
+    update_mask: Tensor,
+    *,
+    layers: LayerFreezer,
+    selection: LayerSelection,
+    update_scale: float | None,
+    pool: BackupPool,
+    shards: Whole,
+    record_norms: Callable[[Tensor, Tensor], None],
+) -> bool:
+    """End step ``step``: one host transfer, then the update -- the optimizer's step, the
+    update scaling, the norms fed to the counters and, when it drew the step, to the
+    selection -- or a skip. Whether the update was made.
+
+    ``first`` / ``second``: scalars (loss, gradient-norm probe) of each pass;
+    ``layer_norms``: the first pass's per-layer norms, which the selection learns from;
+    ``inclusion``: each layer's probability of having been drawn, for the update scaling
+    (``None``: no scaling this step). Every process takes the same decision: one
+    non-finite value anywhere makes the averaged scalars non-finite everywhere.
+    """
+    device = layer_norms.device
+    scalars = torch.stack([s.detach().float().reshape(()).to(device) for s in (*first, *second)])
+    if loop.averager is not None:
+        result.allreduce_bytes += loop.averager.average_([scalars])
+    if loop.grad_scale is not None:
+        # The selection learns from true gradient norms, not loss-scaled ones.
+        layer_norms = layer_norms / loop.grad_scale().to(device).float()
+    host = torch.cat([scalars, layer_norms.float()]).cpu()
+    finite = torch.isfinite(host)
+    k1, k = len(first), len(scalars)
+    where = " in the first pass" if second else ""
+    if not bool(finite[:k1].all()) or not bool(finite[k:].all()):
+        reason = f"non-finite loss or gradient{where}"
+    elif not bool(finite[k1:k].all()):
+        reason = "non-finite loss or gradient in the second pass"
+    else:
+        # Update scaling (beyond the paper): a layer drawn with probability q moves
+        # min(1/q, update_scale) times the optimizer's change. The weights before the
+        # update go to the perturbation's pool, free once its backup was restored.
+        scaled: list[Tensor] = []
+        extra: list[float] = []
+        if inclusion is not None and update_scale is not None:
+            factors = (1.0 / inclusion.clamp(min=1e-300)).clamp(max=update_scale)
+            for on, factor, group in zip(
+                result.active_mask.tolist(), factors.tolist(), layers.partition.params
+            ):
+                if on and factor > 1.0:
+                    scaled.extend(group)
+                    extra.extend([factor - 1.0] * len(group))
+        if scaled:
+            scaled = shards.local(scaled)  # FSDP2: each process scales its own shards
+            before = pool.copy(scaled)
+        loop.optimizer_step(False)
+        if scaled:
+            with torch.no_grad():  # w <- w + (f - 1) * (w - w_before)
+                torch._foreach_sub_(before, scaled)
+                torch._foreach_mul_(before, extra)
+                torch._foreach_sub_(scaled, before)
+        norms = host[k:].double()
+        record_norms(update_mask, norms)
+        if result.drawn:
+            selection.update(update_mask, norms)
+        return True
+    result.skipped = True
+    result.skip_reason = reason
+    loop.zero_grad()
+    warnings.warn(
+        f"SL-SAM skipped step {step}: {reason}. Weights, optimizer state and"
+        " layer selection are unchanged.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    loop.optimizer_step(True)
+    return False

@@ -1,0 +1,51 @@
+"""Random-SL-SAM, the SL-SAM paper's ablation: layers drawn uniformly, each with probability
+``layer_ratio`` every step, no bandit (then SAM on them, as SL-SAM). ``preset="default"``
+adds the default SL-SAM's remedies that do not depend on the bandit: the fresh task head
+trained every step and each drawn layer's update scaled by ``1 / layer_ratio`` up to 3.
+
+>>> RandomSLSAMSpec().preset, RandomSLSAMSpec(preset="default").update_scale
+('paper', 3.0)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from lightning_slsam.methods.options import one_of
+from lightning_slsam.methods.spec import LayerSubsetSpec, option
+from lightning_slsam.selection.rules import LayerSelection, UniformSelection
+
+__all__ = ["RandomSLSAMSpec"]
+
+#: What each preset sets (see :meth:`~lightning_slsam.methods.spec.MethodSpec.setting`).
+PRESETS: dict[str, dict[str, Any]] = {
+    "paper": {"head_always_active": False, "max_update_scale": 1.0},
+    "default": {"head_always_active": True, "max_update_scale": 3.0},
+}
+
+
+@dataclass(kw_only=True, eq=False)
+class RandomSLSAMSpec(LayerSubsetSpec):
+    """Random-SL-SAM: layers drawn uniformly with probability ``layer_ratio`` each.
+
+    Args:
+        preset: ``"paper"`` (default: the paper's ablation) or ``"default"`` (the fresh
+            task head trained every step, each drawn layer's update scaled by
+            ``1 / layer_ratio`` up to 3, as ``SparseLayerSAM()``).
+    """
+
+    name: ClassVar[str] = "random_slsam"
+    label: ClassVar[str] = "RandomSLSAM"
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = PRESETS
+    PRESET_WORDS: ClassVar[dict[str, str]] = {
+        "paper": "the SL-SAM paper's ablation",
+        "default": "head every step, updates scaled up to 3x",
+    }
+
+    preset: str = option("paper", one_of(tuple(PRESETS)))
+
+    def selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
+        return UniformSelection(num_layers, self.layer_ratio, generator)

@@ -1,0 +1,39 @@
+"""S2-SAM (Ji et al., 2024, "Single-step SAM"; Algorithm 3 of the SL-SAM paper): each step
+perturbs every layer along the gradient of the previous step and runs one forward/backward
+there; that gradient updates the weights and is kept for the next step. One pass per step
+(Active Ratio 1.0x); the first step, with no previous gradient, is a plain step.
+
+>>> from lightning_slsam.core.step import MethodParts
+>>> [SingleStepParts().kind(t) for t in range(3)]
+['single', 'single', 'single']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from lightning_slsam.core.step import MethodParts
+from lightning_slsam.methods.spec import MethodSpec
+
+__all__ = ["S2SAMSpec", "SingleStepParts"]
+
+
+class SingleStepParts(MethodParts):
+    """Every step a single-step SAM step (the engine makes the first one plain)."""
+
+    def kind(self, step: int) -> str:
+        return "single"
+
+
+@dataclass(kw_only=True, eq=False)
+class S2SAMSpec(MethodSpec):
+    """S2-SAM: one pass per step at weights perturbed along the previous step's gradient."""
+
+    name: ClassVar[str] = "s2sam"
+    label: ClassVar[str] = "S2SAM"
+
+    def parts(self, generator: torch.Generator) -> MethodParts:
+        return SingleStepParts()

@@ -1,0 +1,36 @@
+"""SL-S2-SAM (Algorithm 4 of the SL-SAM paper): single-step SAM on bandit-sampled layers.
+Each active layer perturbs along its own last computed gradient; the bandit learns from the
+norms of the step's (perturbed) gradients. The first step is a plain step on every layer,
+which records every layer's first gradient. It keeps the paper's method by default.
+
+>>> SLS2SAMSpec().preset, SLS2SAMSpec(layer_ratio=0.3).layer_ratio
+('paper', 0.3)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from lightning_slsam.core.step import MethodParts
+from lightning_slsam.methods.options import one_of
+from lightning_slsam.methods.s2sam import SingleStepParts
+from lightning_slsam.methods.slsam import _PRESET_HINT, PRESETS, SLSAMSpec
+from lightning_slsam.methods.spec import option
+
+__all__ = ["SLS2SAMSpec"]
+
+
+@dataclass(kw_only=True, eq=False)
+class SLS2SAMSpec(SLSAMSpec):
+    """SL-S2-SAM: single-step SAM on bandit-sampled layers (``preset="paper"`` by default)."""
+
+    name: ClassVar[str] = "sl_s2sam"
+    label: ClassVar[str] = "SLS2SAM"
+
+    preset: str = option("paper", one_of(tuple(PRESETS), _PRESET_HINT))
+
+    def parts(self, generator: torch.Generator) -> MethodParts:
+        return SingleStepParts()

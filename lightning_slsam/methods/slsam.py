@@ -1,0 +1,189 @@
+"""SL-SAM: SAM on a bandit-sampled subset of layers each step (the SL-SAM paper's
+Algorithms 1 and 2), ``SparseLayerSAM``.
+
+Each step the bandit (:class:`~lightning_slsam.selection.bandit.LayerBandit`) draws the
+active layers, SAM's two passes run on them alone, and the first pass's per-layer gradient
+norms update the bandit's distribution.
+
+Two presets, one argument apart:
+
+* ``"default"`` (``SparseLayerSAM()``, beyond the paper, chosen on the multi-seed
+  comparisons of ``docs/results.md``): the bandit's budget counts parameters rather than
+  layers (a vocabulary embedding costs its size, a LayerNorm bias almost nothing), with a
+  scale-free rank loss (step size 0.03), the fresh task head trained every step and each
+  drawn layer's update scaled by ``1 / q`` up to 3;
+* ``"paper"`` (``slsam_paper``): the paper's exact method -- a budget of layers, the
+  released code's loss (step size 1e-3), every layer sampled, no update scaling.
+
+>>> spec = SLSAMSpec()
+>>> spec.preset, spec.setting("budget"), spec.setting("bandit_loss"), spec.update_scale
+('default', 'compute', 'rank', 3.0)
+>>> paper = SLSAMSpec(preset="paper")
+>>> paper.setting("budget"), paper.setting("bandit_loss"), paper.update_scale
+('count', 'shifted', None)
+>>> SLSAMSpec(layer_ratio=0.01, p_min=0.05)
+Traceback (most recent call last):
+...
+ValueError: SparseLayerSAM: `p_min` must be at most layer_ratio=0.01 (the floors alone ...
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from lightning_slsam.methods.options import invalid, number, one_of
+from lightning_slsam.methods.spec import LayerSubsetSpec, Warn, option
+from lightning_slsam.selection.bandit import (
+    REL_TOL,
+    LayerBandit,
+    kl_projection,
+    weighted_kl_projection,
+)
+from lightning_slsam.selection.rules import LayerSelection
+
+__all__ = ["PRESETS", "PRESET_WORDS", "SLSAMSpec"]
+
+#: What each SL-SAM preset sets. ``budget``: what the bandit's budget counts, drawn layers
+#: (``"count"``, the paper's) or their parameters (``"compute"``); ``bandit_loss`` and
+#: ``alpha_p``: the bandit's loss and step size; ``head_always_active``: the fresh task
+#: head trained every step; ``max_update_scale``: the cap on each drawn layer's update
+#: factor ``1 / q`` (1: no scaling).
+PRESETS: dict[str, dict[str, Any]] = {
+    "default": {
+        "budget": "compute",
+        "bandit_loss": "rank",
+        "alpha_p": 0.03,
+        "head_always_active": True,
+        "max_update_scale": 3.0,
+    },
+    "paper": {
+        "budget": "count",
+        "bandit_loss": "shifted",
+        "alpha_p": 1e-3,
+        "head_always_active": False,
+        "max_update_scale": 1.0,
+    },
+}
+
+#: Each preset in words (the run summary and the option's help print it).
+PRESET_WORDS = {
+    "default": "parameter budget, rank bandit, head every step, updates scaled up to 3x;"
+    " preset='paper' is the paper's method",
+    "paper": "the SL-SAM paper's exact method",
+}
+
+_PRESET_HINT = (
+    ": 'default' budgets parameters, with the rank bandit, the fresh head trained every step"
+    " and updates scaled up to 3x; 'paper' is the SL-SAM paper's exact method"
+)
+
+
+@dataclass(kw_only=True, eq=False)
+class SLSAMSpec(LayerSubsetSpec):
+    """SL-SAM: SAM on a bandit-sampled subset of layers.
+
+    Args:
+        p_min: lower bound of every layer's probability, in (0, 1), at most
+            ``layer_ratio``. Paper: 1e-3.
+        preset: ``"default"`` (beyond the paper: the bandit budgets parameters, with the
+            scale-free rank loss, the fresh task head trained every step and each drawn
+            layer's update scaled by ``1 / q`` up to 3) or ``"paper"`` (the paper's exact
+            method: a budget of layers, the released code's loss, no head rule, no
+            scaling); see :data:`PRESETS`.
+    """
+
+    name: ClassVar[str] = "slsam"
+    label: ClassVar[str] = "SparseLayerSAM"
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = PRESETS
+    PRESET_WORDS: ClassVar[dict[str, str]] = PRESET_WORDS
+
+    p_min: float = option(1e-3, number(0, 1, low_open=True, high_open=True, note=", e.g. 1e-3"))
+    preset: str = option("default", one_of(tuple(PRESETS), _PRESET_HINT))
+
+    def check_combined(self) -> None:
+        super().check_combined()
+        # The floors alone must fit the budget: p_min * N <= layer_ratio * N for every N.
+        if self.p_min > self.layer_ratio * (1.0 + REL_TOL):
+            raise invalid("p_min", self.p_min, f"at most layer_ratio={self.layer_ratio:g} (the"
+                          " floors alone would exceed the layer budget)")  # fmt: skip
+
+    def layer_costs(self, num_layers: int) -> torch.Tensor | None:
+        """The bandit's per-layer costs: ``None`` under the count budget, else each layer's
+        parameter count (known once :meth:`build_engine` has partitioned the model)."""
+        if self.setting("budget") == "count":
+            return None
+        numel = getattr(self, "layer_numel", None)
+        if numel is None or len(numel) != num_layers:
+            raise ValueError(
+                f"{self.label}(budget='compute') needs each layer's parameter count: build the"
+                " engine with build_engine (or make_engine), which partitions the model."
+            )
+        return torch.tensor(numel, dtype=torch.float64)
+
+    def selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
+        return LayerBandit(
+            num_layers, self.layer_ratio, self.p_min, self.setting("alpha_p"),
+            self.setting("bandit_loss"), generator, costs=self.layer_costs(num_layers),
+        )  # fmt: skip
+
+    def adopt_selection_state(self, saved: dict[str, Any], current: dict[str, Any],
+                              warn: Warn) -> dict[str, Any]:  # fmt: skip
+        """The current bandit options win over the checkpoint's.
+
+        The learned distribution carries over; when ``layer_ratio``, ``p_min`` or the
+        budget changed it is KL-projected onto the new constraint set, exactly as an update
+        would be. A wrapper added or removed since the checkpoint (a depth cut, an earlier
+        version's dense warm-up) starts afresh.
+        """
+        bandit = _innermost(saved)
+        costs = self.layer_costs(bandit["probs"].numel())
+        wanted = {
+            "layer_ratio": self.layer_ratio,
+            "p_min": self.p_min,
+            "alpha_p": self.setting("alpha_p"),
+            "loss": self.setting("bandit_loss"),
+        }
+        changed = {k: (bandit[k], v) for k, v in wanted.items() if bandit.get(k) != v}
+        saved_costs = bandit.get("costs")
+        if (saved_costs is None) != (costs is None) or (
+            costs is not None and not torch.equal(torch.as_tensor(saved_costs).double(), costs)
+        ):
+            changed["budget"] = ("count" if saved_costs is None else "compute",
+                                 self.setting("budget"))  # fmt: skip
+        if changed:
+            warn(
+                "Resuming SL-SAM with options that differ from the checkpoint's: "
+                + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+                + ". The new options apply from now on; the learned layer distribution is kept"
+                " (projected onto the new budget where needed)."
+            )
+            probs = bandit["probs"].double()
+            ratio, log_p = wanted["layer_ratio"], probs.log()
+            if costs is None:
+                probs = kl_projection(log_p, ratio * probs.numel(), self.p_min)
+            else:
+                probs = weighted_kl_projection(log_p, costs, ratio * float(costs.sum()), self.p_min)
+            bandit = {**bandit, **wanted, "costs": costs, "probs": probs}
+        if _depth(current) == _depth(saved):
+            return _replace_innermost(saved, bandit)
+        return _replace_innermost(current, bandit)
+
+
+def _innermost(state: dict[str, Any]) -> dict[str, Any]:
+    """The bandit's state inside wrapper states (``{"inner": ...}``)."""
+    while "probs" not in state and "inner" in state:
+        state = state["inner"]
+    return state
+
+
+def _depth(state: dict[str, Any]) -> int:
+    return 0 if "probs" in state or "inner" not in state else 1 + _depth(state["inner"])
+
+
+def _replace_innermost(state: dict[str, Any], bandit: dict[str, Any]) -> dict[str, Any]:
+    if "probs" in state or "inner" not in state:
+        return bandit
+    return {**state, "inner": _replace_innermost(state["inner"], bandit)}

@@ -1,0 +1,322 @@
+"""The one seam between the step and sharded parameters: :class:`Whole` tensors (one device,
+DDP) or :class:`FSDP2Shards` (``fully_shard``).
+
+The step is written as single-device code and asks the seam for what depends on where a
+tensor's elements live: the tensors to change in place (:meth:`Whole.local`), gradient norms
+(:meth:`Whole.norms`), sums over a tensor's elements (:meth:`Whole.sums`), the largest
+coordinates of a set of tensors (:meth:`Whole.top`), and per-tensor state as whole tensors
+for a checkpoint (:meth:`Whole.full`, :meth:`Whole.shard`).
+
+Under FSDP2 every parameter, and its gradient, is a ``DTensor`` whose rows are split across
+the data-parallel processes. SAM's ascent, its exact restore, LookSAM's stored component and
+the update scaling are elementwise, so each process applies them to its own shard. What
+needs the whole tensor is a sum over its elements -- a gradient norm, LookSAM's inner
+product -- and the FSDP2 seam completes the local sums of all tensors at once with one
+all-reduce, so the perturbation norm and the per-layer norms the bandit learns from are the
+global ones, identical on every process.
+
+>>> import torch
+>>> seam = shards_of([torch.zeros(2)], None)
+>>> type(seam).__name__, seam.sharded
+('Whole', False)
+>>> seam.norms([torch.tensor([3.0, 4.0]), torch.ones(4)]).tolist()
+[5.0, 2.0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = [
+    "WHOLE",
+    "FSDP2Shards",
+    "Whole",
+    "fsdp_modules",
+    "reshard",
+    "shards_of",
+    "top_coordinates",
+]
+
+
+def _dtensor_type() -> type | None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def fsdp_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The FSDP2 modules (``fully_shard`` applied) in ``module``, root first; ``[]``
+    without an initialised process group, where nothing can be sharded."""
+    if _dtensor_type() is None:
+        return []
+    from torch.distributed.fsdp import FSDPModule
+
+    return [sub for sub in module.modules() if isinstance(sub, FSDPModule)]
+
+
+def reshard(modules: Sequence[torch.nn.Module]) -> None:
+    """Register the sharded parameters again on FSDP2 ``modules`` (:func:`fsdp_modules`)
+    that a forward without backward left unsharded.
+
+    FSDP2 keeps the root module's parameters unsharded after its forward (the backward
+    would gather them again at once); after a forward with no backward -- a validation
+    loop, an evaluation under ``torch.no_grad`` -- they stay so, and ``module.parameters()``
+    holds other tensors than the sharded ones the engine trains, which per-step freezing
+    would not reach (FSDP2 copies ``requires_grad`` to the unsharded tensors only when it
+    gathers them). A no-op for modules already sharded.
+    """
+    for sub in modules:
+        sub.reshard()  # type: ignore[operator]
+
+
+def _stacked_norms(tensors: Sequence[Tensor], device: torch.device | None) -> Tensor:
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float32, device=device)
+    norms = torch.stack(torch._foreach_norm(list(tensors))).float()
+    return norms if device is None else norms.to(device)
+
+
+class Whole:
+    """Whole tensors on every process (one device, DDP): the seam does nothing of its own.
+
+    Norms are float32 whatever the gradients' dtype: they feed the bandit and the
+    perturbation scale, and low-precision or float64 models must not change their
+    bookkeeping dtype.
+    """
+
+    #: Whether parameters are FSDP2 shards (their gradients arrive averaged).
+    sharded = False
+
+    def local(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """The tensors to change in place (here: the tensors themselves)."""
+        return list(tensors)
+
+    def norms(
+        self, tensors: Sequence[Tensor], device: torch.device | None = None, like: Any = None
+    ) -> Tensor:
+        """L2 norm of each tensor, one float32 vector (on ``device`` if given). ``like``:
+        the parameters whose sharding ``tensors`` (local shards kept as state) follow."""
+        return _stacked_norms(tensors, device)
+
+    def sums(self, values: Tensor, tensors: Sequence[Tensor]) -> Tensor:
+        """Complete per-tensor sums over each tensor's elements (here: already complete);
+        ``values[i]`` (a number or a row) belongs to ``tensors[i]``."""
+        return values
+
+    def top(self, values: Sequence[Tensor], keep: int, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """Bool masks of the ``keep`` largest coordinates of ``values`` (see
+        :func:`top_coordinates`), ``values[i]`` shaped as ``tensors[i]``'s local part."""
+        return top_coordinates(values, keep, None)
+
+    def group(self, tensors: Sequence[Tensor]) -> Any:
+        """The process group of ``tensors``' shards (``None``: whole tensors)."""
+        return None
+
+    def full(self, value: Tensor, param: Tensor) -> Tensor:
+        """The whole tensor of per-tensor state ``value`` kept for ``param``."""
+        return value
+
+    def shard(self, value: Tensor, param: Tensor) -> Tensor:
+        """This process's part of the whole tensor ``value`` kept for ``param``."""
+        return value
+
+    def reshard(self) -> None:
+        """Put the sharded parameters back in place after a forward without backward."""
+
+
+#: The seam of whole tensors (it holds no state: one serves every engine).
+WHOLE = Whole()
+
+
+class _Layout:
+    """Which of a list of tensors are sharded, and the process group of their shards."""
+
+    def __init__(self, flags: list[bool], group: Any) -> None:
+        self.flags = flags
+        self.group = group
+        self._mask: dict[torch.device, Tensor] = {}
+
+    def mask(self, device: torch.device) -> Tensor:
+        if device not in self._mask:
+            self._mask[device] = torch.tensor(self.flags, dtype=torch.bool, device=device)
+        return self._mask[device]
+
+
+def _layout(tensors: Sequence[Tensor]) -> _Layout | None:
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return None
+    flags: list[bool] = []
+    group = None
+    for tensor in tensors:
+        sharded = isinstance(tensor, dtensor) and any(p.is_shard() for p in tensor.placements)
+        if sharded:
+            mesh = tensor.device_mesh
+            if mesh.ndim != 1:
+                raise ValueError(
+                    f"A parameter is sharded over a {mesh.ndim}-D device mesh {mesh}: SAM"
+                    " methods support FSDP2 (fully_shard over the data-parallel mesh) with"
+                    " tensor_parallel_size=1 only."
+                )
+            group = mesh.get_group()
+        flags.append(sharded)
+    return _Layout(flags, group) if group is not None else None
+
+
+def _sum_over_shards(values: Tensor, layout: _Layout | None) -> Tensor:
+    if layout is None or values.numel() == 0:
+        return values
+    mask = layout.mask(values.device).view(-1, *[1] * (values.dim() - 1))
+    partial = torch.where(mask, values, torch.zeros_like(values))
+    dist.all_reduce(partial, group=layout.group)
+    return torch.where(mask, partial, values)
+
+
+class FSDP2Shards(Whole):
+    """Parameters sharded by FSDP2's ``fully_shard``: each process changes its own shards,
+    and sums over a tensor's elements are completed across the shards.
+
+    Args:
+        modules: the FSDP2 modules of the model (:func:`fsdp_modules`).
+    """
+
+    sharded = True
+
+    def __init__(self, modules: Sequence[torch.nn.Module]) -> None:
+        self.modules = list(modules)
+
+    def local(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        # The shard shares storage with the parameter or gradient: in-place arithmetic on
+        # it changes the DTensor.
+        dtensor = _dtensor_type()
+        if dtensor is None:
+            return list(tensors)
+        with torch.no_grad():  # the shard itself, not an autograd view of it
+            return [t.to_local() if isinstance(t, dtensor) else t for t in tensors]
+
+    def norms(
+        self, tensors: Sequence[Tensor], device: torch.device | None = None, like: Any = None
+    ) -> Tensor:
+        layout = _layout(tensors if like is None else like)
+        local = self.local(tensors) if like is None else list(tensors)
+        if not local:
+            return torch.zeros(0, dtype=torch.float32, device=device)
+        norms = torch.stack(torch._foreach_norm(local)).float()
+        if layout is not None:
+            norms = _sum_over_shards(norms.square(), layout).sqrt()
+        return norms if device is None else norms.to(device)
+
+    def sums(self, values: Tensor, tensors: Sequence[Tensor]) -> Tensor:
+        return _sum_over_shards(values, _layout(tensors))
+
+    def top(self, values: Sequence[Tensor], keep: int, tensors: Sequence[Tensor]) -> list[Tensor]:
+        return top_coordinates(values, keep, _layout(tensors))
+
+    def group(self, tensors: Sequence[Tensor]) -> Any:
+        layout = _layout(tensors)
+        return layout.group if layout is not None else None
+
+    def full(self, value: Tensor, param: Tensor) -> Tensor:
+        dtensor = _dtensor_type()
+        if dtensor is None or not isinstance(param, dtensor):
+            return value
+        shard = value.to_local() if isinstance(value, dtensor) else value
+        whole = dtensor.from_local(
+            shard, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+        )
+        return whole.full_tensor()
+
+    def shard(self, value: Tensor, param: Tensor) -> Tensor:
+        dtensor = _dtensor_type()
+        if dtensor is None or not isinstance(param, dtensor):
+            return value
+        from torch.distributed.tensor import distribute_tensor
+
+        placed = distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+        return placed.to_local()
+
+    def reshard(self) -> None:
+        reshard(self.modules)
+
+
+def shards_of(params: Sequence[Tensor], module: torch.nn.Module | None) -> Whole:
+    """The seam for ``params`` (a model's trainable tensors): :class:`FSDP2Shards` when any
+    of them is an FSDP2 shard, else :class:`Whole`.
+
+    Raises:
+        ValueError: for a tensor sharded over a multi-dimensional mesh (tensor parallelism
+            combined with FSDP), which the engine does not support.
+    """
+    if _layout(params) is None:
+        return WHOLE
+    return FSDP2Shards(fsdp_modules(module) if module is not None else [])
+
+
+def top_coordinates(values: Sequence[Tensor], keep: int, layout: _Layout | None) -> list[Tensor]:
+    """Bool masks of the ``keep`` largest coordinates of ``values`` (magnitudes compared),
+    over all tensors and, for sharded ones, all their shards.
+
+    Ties are broken by position in the flattened concatenation of the whole tensors
+    (earlier tensor, then lower process's shard, then lower index), so the choice is the
+    same on one process and on any number of shards. The threshold is found by a radix
+    search over the float32 bit patterns (8 all-reduces of 16 counts) and the ties are
+    shared out with one small all-gather: nothing of the size of the model is gathered.
+
+    Example:
+        >>> values = [torch.tensor([0.1, 0.9, 0.5]), torch.tensor([0.5, 0.0])]
+        >>> masks = top_coordinates(values, 3, None)
+        >>> [m.tolist() for m in masks]  # 0.9, then the first 0.5, then the second
+        [[False, True, True], [True, False]]
+    """
+    device = values[0].device if values else torch.device("cpu")
+    world = dist.get_world_size(layout.group) if layout is not None else 1
+    rank = dist.get_rank(layout.group) if layout is not None else 0
+    flags = layout.flags if layout is not None else [False] * len(values)
+    # Non-negative float32 compare like their int32 bit patterns (NaN counts as largest).
+    bits = [v.detach().float().abs().nan_to_num(nan=float("inf")).reshape(-1).view(torch.int32)
+            for v in values]  # fmt: skip
+    # A tensor every process holds whole is counted once (process 0's copy).
+    counted = [b for b, sharded in zip(bits, flags) if sharded or rank == 0]
+    flat = torch.cat(counted) if counted else torch.zeros(0, dtype=torch.int32, device=device)
+
+    def reduce(counts: Tensor) -> Tensor:
+        if layout is not None:
+            dist.all_reduce(counts, group=layout.group)
+        return counts
+
+    # The largest threshold t with at least `keep` coordinates >= t, 4 bits at a time.
+    low = 0
+    for shift, width in ((27, 4), (23, 4), (19, 4), (15, 4), (11, 4), (7, 4), (3, 4), (0, 3)):
+        steps = torch.arange(1, 2**width, dtype=torch.int64, device=device)
+        bounds = (low + (steps << shift)).clamp(max=2**31 - 1).to(torch.int32)
+        below = torch.bucketize(flat, bounds, right=True)  # bounds <= value
+        at_least = reduce(torch.bincount(below, minlength=2**width).flip(0).cumsum(0).flip(0))
+        reached = (at_least[1:] >= keep).nonzero()
+        if len(reached):
+            low = int(bounds[int(reached[-1])])
+    # Above the threshold everything is kept; the ties fill up to `keep` in position order.
+    ties = [b == low for b in bits]
+    mine = torch.tensor([int(t.sum()) if f or rank == 0 else 0 for t, f in zip(ties, flags)]
+                         + [int((flat > low).sum())], dtype=torch.int64, device=device)  # fmt: skip
+    if layout is not None:
+        gathered = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine, group=layout.group)
+        table = torch.stack(gathered)  # [process, tensor + 1]
+    else:
+        table = mine[None]
+    need = keep - int(table[:, -1].sum())
+    blocks = table[:, :-1].t().reshape(-1)  # position order: tensor, then process
+    before = blocks.cumsum(0) - blocks
+    quota = (need - before).clamp(min=0).minimum(blocks).view(len(values), world)
+    masks = []
+    for i, (b, tie) in enumerate(zip(bits, ties)):
+        take = int(quota[i, rank if flags[i] else 0])
+        masks.append(((b > low) | (tie & (tie.cumsum(0) <= take))).view_as(values[i]))
+    return masks
