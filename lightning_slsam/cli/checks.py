@@ -1,7 +1,6 @@
 """What the ``lightning-slsam`` command checks before it builds anything: a run to train,
-every SAM callback's options (with where each came from), the Trainer options that clash
-with a SAM callback, and -- for ``--print_config`` -- the values the SAM callbacks'
-``None`` options take.
+every SAM callback's options (with where each came from), and the Trainer options that
+clash with a SAM callback.
 
 Each check returns one line naming the problem and the fix (``None`` when all is well);
 the command prints it and exits with code 2.
@@ -11,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import re
 from typing import Any
 
 import yaml
@@ -22,7 +20,6 @@ from lightning_slsam.lightning.callback import SAMCallback
 __all__ = [
     "CONFIG_FLAGS",
     "SUBCOMMANDS",
-    "annotate_print_config",
     "asks_help",
     "check_callback_options",
     "check_sam_trainer",
@@ -156,8 +153,8 @@ def check_sam_trainer(trainer: Any) -> str | None:
         names = ", ".join(f"[{k}] {cls.__name__}" for k, cls in sam)
         return (
             f"trainer.callbacks has {len(sam)} SAM callbacks ({names}); keep exactly one:"
-            " a method is one callback (a SAM variant is an option of it, e.g."
-            " SparseLayerSAM's preset or schedule)."
+            " a method is one callback (a variant is an option of it, e.g."
+            " SparseLayerSAM's preset, or a class of its own, e.g. SLSAMRST)."
         )
     if not sam:
         return None
@@ -185,62 +182,3 @@ def check_sam_trainer(trainer: Any) -> str | None:
             " callback's --trainer.callbacks+= flag."
         )
     return None
-
-
-def annotate_print_config(text: str) -> str:
-    r"""``--print_config``'s YAML with a comment on each SAM callback option left ``null``
-    that takes a value (from ``preset``, ``adaptive`` or the method's defaults), e.g.
-    ``bandit_loss: null  # takes effect: rank``. The config itself is unchanged: ``null``
-    still means "decided by the preset".
-
-    Example:
-        >>> text = (
-        ...     "trainer:\n  callbacks:\n  - class_path: lightning_slsam.SparseLayerSAM\n"
-        ...     "    init_args:\n      preset: robust\n      bandit_loss: null\n"
-        ...     "      seed: null\n")
-        >>> print(annotate_print_config(text), end="")
-        trainer:
-          callbacks:
-          - class_path: lightning_slsam.SparseLayerSAM
-            init_args:
-              preset: robust
-              bandit_loss: null  # takes effect: rank
-              seed: null
-    """
-    try:
-        loaded = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-    trainer = loaded.get("trainer") if isinstance(loaded, dict) else None
-    listed = _get(trainer, "callbacks") or []
-    listed = listed if isinstance(listed, list) else [listed]
-    resolved: list[dict[str, Any]] = []  # per "- class_path:" line of a SAM callback
-    for entry in listed:
-        cls = resolve_callback(_get(entry, "class_path"))
-        if cls is None:
-            continue
-        given = dict(_get(entry, "init_args") or {})
-        try:
-            spec = cls(**given).spec
-        except (TypeError, ValueError, MisconfigurationException):
-            resolved.append({})
-            continue
-        resolved.append({k: getattr(spec, k) for k, v in given.items()
-                         if v is None and getattr(spec, k, None) is not None})  # fmt: skip
-    lines, current, indent = text.splitlines(keepends=True), None, -1
-    for i, line in enumerate(lines):
-        depth = len(line) - len(line.lstrip())
-        if match := re.match(r"^(\s*)- class_path: (\S+)\s*$", line):
-            sam = resolve_callback(match.group(2)) is not None and resolved
-            current, indent = (resolved.pop(0) if sam else None), len(match.group(1))
-            continue
-        if current is None or (line.strip() and depth <= indent):
-            current = None if line.strip() and depth <= indent else current
-            continue
-        if match := re.match(r"^(\s+)(\w+): null$", line.rstrip("\n")):
-            key = match.group(2)
-            if key in current:
-                shown = yaml.safe_dump(current[key], default_flow_style=True).strip()
-                shown = shown.removesuffix("...").strip()
-                lines[i] = f"{line.rstrip()}  # takes effect: {shown}\n"
-    return "".join(lines)

@@ -20,11 +20,9 @@ method's mean active ratio and per-layer chart, and the log folder.
 
 from __future__ import annotations
 
-import io
 import os
 import sys
 from collections.abc import Sequence
-from contextlib import redirect_stdout
 from importlib import resources
 from typing import Any
 
@@ -36,14 +34,13 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_slsam.cli.checks import (
     SUBCOMMANDS,
-    annotate_print_config,
     asks_help,
     check_callback_options,
     check_sam_trainer,
     missing_run,
 )
 from lightning_slsam.cli.errors import OneLineParser, debugging, fail
-from lightning_slsam.cli.retired_options import drop_retired_options
+from lightning_slsam.cli.saved_configs import UnsupportedConfig, upgrade_configs
 from lightning_slsam.lightning.compat import add_cli_subcommand, spawns_processes
 from lightning_slsam.lightning.driver import find_sam_callback
 from lightning_slsam.parallel.ddp import release_process_group
@@ -88,11 +85,14 @@ class SLSAMCLI(LightningCLI):
         # Parsed here rather than by the parent, which warns when `args` and sys.argv are
         # both set: with the demo config added, `args` is always set.
         argv = _with_demo_config(list(sys.argv[1:] if args is None else args))
-        argv = drop_retired_options(argv)  # configs saved by 0.2 and earlier
+        try:
+            argv = upgrade_configs(argv)  # configs saved by earlier versions
+        except UnsupportedConfig as err:
+            fail(str(err))
         problem = None if asks_help(argv) else missing_run(argv) or check_callback_options(argv)
         if problem:
             fail(problem)
-        self.config = _parse(parser, argv)
+        self.config = parser.parse_args(argv)
         subcommand = self.config.get("subcommand")
         trainer = self.config.get(f"{subcommand}.trainer") if subcommand else None
         problem = check_sam_trainer(trainer) if trainer is not None else None
@@ -173,20 +173,6 @@ def _validation_metrics(trainer: Any) -> dict[str, float]:
     ]
     names += sorted(k for k in found if k.startswith("val") and k not in names)
     return {name: float(found[name]) for name in names if found[name].numel() == 1}
-
-
-def _parse(parser: LightningArgumentParser, argv: list[str]) -> Namespace:
-    """``parser.parse_args(argv)``; for ``--print_config``, the printed YAML says which value
-    each SAM callback option left ``null`` takes."""
-    if "--print_config" not in {a.split("=")[0] for a in argv}:
-        return parser.parse_args(argv)
-    printed = io.StringIO()
-    try:
-        with redirect_stdout(printed):
-            return parser.parse_args(argv)
-    finally:
-        sys.stdout.write(annotate_print_config(printed.getvalue()))
-        sys.stdout.flush()
 
 
 def demo_config_path() -> str:

@@ -18,8 +18,8 @@ trainable reached it, and returns the summed loss with the per-sample losses
 ...     return split_per_sample(w * batch)
 >>> passes = Passes(x, loss, torch.Tensor.backward, scale=0.5)
 >>> out = passes()
->>> out.loss, w.grad  # (mean of [2, 6] + 10) / 2; d/dw (2 + 5) / 2
-(tensor(9.), tensor(3.5000))
+>>> out.loss, w.grad  # (mean([2, 6]) + 10) / 2; its gradient (2 + 5) / 2
+(tensor(7.), tensor(3.5000))
 """
 
 from __future__ import annotations
