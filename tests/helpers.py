@@ -13,10 +13,6 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_slsam import SAMMixin
 
-#: Options the tests add to a method: "slsam_robust" runs every short-fine-tune remedy at
-#: once, the dense warm-up included (the preset leaves it off), so DDP, FSDP2 and every
-#: precision keep covering the warm-up.
-EXTRA_OPTIONS: dict[str, dict] = {"slsam_robust": {"dense_warmup": 0.3}}
 
 
 def make_data(n: int = 64, dim: int = 8, classes: int = 3, seed: int = 0) -> TensorDataset:

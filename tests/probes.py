@@ -14,7 +14,10 @@ from helpers import loader, make_data, make_mlp
 from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 
-from lightning_slsam import LayerSelection, SAMPerturbation, SparseSAMEngine, build_partition
+from lightning_slsam.core.engine import SparseSAMEngine
+from lightning_slsam.core.partition import build_partition
+from lightning_slsam.core.perturbation import SAMPerturbation
+from lightning_slsam.selection.rules import LayerSelection
 
 RHO = 0.05
 

@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from lightning_slsam.cli.checks import CONFIG_FLAGS
+from lightning_slsam.methods.options import RETIRED
 from lightning_slsam.selection.bandit import DEFAULT_ALPHA
 
 __all__ = ["UnsupportedConfig", "upgrade_configs", "upgrade_entry"]
@@ -115,8 +116,9 @@ def upgrade_entry(entry: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     name = _class_name(entry.get("class_path"))
     args = dict(entry.get("init_args") or {})
     old = dict(args)
-    if name is None:
-        return entry, []
+    earlier = set(args) & set(RETIRED) or args.get("preset") == "robust"
+    if name is None or not (earlier or ("rho" in args and args["rho"] is None)):
+        return entry, []  # another class, or a config of today
     schedule = args.pop("schedule", None) or "every_step"
     probability = args.pop("sam_probability", 0.5)
     interval, alpha = args.pop("sam_interval", 5), args.pop("looksam_alpha", 0.7)

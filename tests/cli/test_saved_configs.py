@@ -1,0 +1,149 @@
+"""Configs saved by earlier versions (LightningCLI writes every option into a run's
+``config.yaml``) keep training what they trained, or are refused naming the option.
+
+``tests/fixtures/saved_configs.pt`` holds, for each distinct SAM callback entry of the
+committed configs, what the code that saved it trained on a small MLP
+(``tests/fixtures/make_saved_config_runs.py``, made with commit f94ff83). Today's command
+upgrades each entry; the upgraded entry must train to the same weights, bit for bit.
+"""
+
+from __future__ import annotations
+
+import glob
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import yaml
+from helpers import loader, make_data
+
+from lightning_slsam.cli.command import main
+from lightning_slsam.cli.saved_configs import UnsupportedConfig, upgrade_configs, upgrade_entry
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
+
+from make_saved_config_runs import FIXTURE, key, normalized, train  # noqa: E402
+
+RUNS = torch.load(FIXTURE, weights_only=False)
+#: The entries today's options cannot express, with the option the refusal names.
+REFUSED = {
+    "dense_warmup": 0.3,
+    "min_updates": 50,
+    "dense_one_pass": True,
+    "max_update_scale": None,  # Random-SL-SAM's update cap of 1/layer_ratio, or 2
+}
+
+
+def _refused_option(entry: dict) -> str | None:
+    args = entry["init_args"]
+    for option in ("dense_warmup", "min_updates"):
+        if args.get(option) not in (None, 0):
+            return option
+    if args.get("dense_one_pass") and args.get("schedule") in ("random", "interval"):
+        return "dense_one_pass"
+    if entry["class_path"].endswith("RandomSLSAM") and args.get("scale_updates"):
+        if args.get("max_update_scale") != 3.0 or not args.get("head_always_active"):
+            return "max_update_scale"
+    return None
+
+
+def test_the_fixture_covers_every_committed_result_config():
+    paths = glob.glob(str(ROOT / "docs/results/**/config.yaml"), recursive=True)
+    assert len(paths) > 300
+    for path in paths:
+        callbacks = yaml.safe_load(Path(path).read_text())["trainer"]["callbacks"]
+        for entry in callbacks:
+            if entry["class_path"].startswith("lightning_slsam.") and not entry[
+                "class_path"
+            ].endswith("RunRecorder"):
+                assert key(normalized(entry)) in RUNS, path
+
+
+@pytest.mark.parametrize("name", sorted(RUNS), ids=lambda k: RUNS[k]["file"])
+def test_a_saved_entry_trains_what_it_trained_or_is_refused(name):
+    run = RUNS[name]
+    refused = _refused_option(run["entry"])
+    if refused is not None:
+        with pytest.raises(UnsupportedConfig, match=f"\\({refused}="):
+            upgrade_entry(run["entry"])
+        return
+    upgraded, _ = upgrade_entry(run["entry"])
+    got = train(upgraded)
+    for n, value in run["weights"].items():
+        assert torch.equal(got["weights"][n], value), (run["file"], n)
+    assert torch.equal(got["probs"], run["probs"])
+    assert torch.equal(got["counts"], run["counts"])
+
+
+def test_most_saved_entries_train_today():
+    refused = [k for k, run in RUNS.items() if _refused_option(run["entry"]) is not None]
+    assert len(RUNS) == 50 and len(refused) == 10
+
+
+def test_the_upgrade_names_what_changed():
+    entry = {"class_path": "lightning_slsam.SparseLayerSAM", "init_args": {
+        "rho": None, "preset": "paper", "bandit_loss": "rank", "head_always_active": True,
+        "scale_updates": True, "max_update_scale": None, "layer_ratio": 0.2,
+        "dense_warmup": None, "schedule": None, "sam_probability": 0.5}}  # fmt: skip
+    new, notes = upgrade_entry(entry)
+    assert new["class_path"] == "lightning_slsam.lightning.callbacks.SLSAMAblation"
+    assert new["init_args"] == {
+        "rho": 0.01, "preset": "paper", "layer_ratio": 0.2, "bandit_loss": "rank",
+        "alpha_p": 0.03, "head_always_active": True, "max_update_scale": 5.0,
+    }  # fmt: skip
+    assert notes[0] == "class SparseLayerSAM -> SLSAMAblation"
+    assert "dense_warmup=None" in notes and "rho: None -> 0.01" in notes
+    today = {"class_path": "lightning_slsam.SparseLayerSAM", "init_args": {"rho": 0.05}}
+    assert upgrade_entry(today) == (today, [])  # a config of today is left as it is
+
+
+class TinyData(L.LightningDataModule):
+    def train_dataloader(self):
+        return loader(make_data(64), 16)
+
+
+def _config(tmp_path: Path, init_args: dict) -> str:
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "max_steps": 2, "logger": False, "enable_checkpointing": False,
+            "enable_progress_bar": False, "default_root_dir": str(tmp_path),
+            "callbacks": [{"class_path": "lightning_slsam.SparseLayerSAM",
+                           "init_args": {**init_args, "plot": False}}],
+        },
+        "model": {"class_path": "helpers.LitModel",
+                  "init_args": {"net": {"class_path": "torch.nn.Linear",
+                                        "init_args": {"in_features": 8, "out_features": 3}}}},
+        "data": {"class_path": f"{__name__}.TinyData"},
+    }  # fmt: skip
+    path = tmp_path / "saved.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def test_the_command_trains_an_upgraded_config_and_says_so(tmp_path, capsys):
+    saved = {"preset": "paper", "schedule": "random", "sam_probability": 0.25,
+             "dense_warmup": None, "bandit_loss": None}  # fmt: skip
+    path = _config(tmp_path, saved)
+    args = upgrade_configs(["fit", "--config", path])
+    upgraded = yaml.safe_load(Path(args[2]).read_text())["trainer"]["callbacks"][0]
+    assert upgraded["class_path"] == "lightning_slsam.SLSAMRST"
+    assert upgraded["init_args"]["probability"] == 0.25
+    err = capsys.readouterr().err
+    assert "was saved by an earlier version" in err and "SparseLayerSAM -> SLSAMRST" in err
+    main(["fit", "--config", path])
+    out = capsys.readouterr().out
+    assert "Run summary (SLSAMRST, 2 steps)" in out
+
+
+def test_the_command_refuses_a_config_today_cannot_train(tmp_path, capsys):
+    path = _config(tmp_path, {"preset": "paper", "dense_warmup": 0.3})
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", path])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "SparseLayerSAM(dense_warmup=0.3) was saved by an earlier version" in err
+    assert "install the version that saved it" in err
