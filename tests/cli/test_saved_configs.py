@@ -28,25 +28,19 @@ sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 from make_saved_config_runs import FIXTURE, key, normalized, train  # noqa: E402
 
 RUNS = torch.load(FIXTURE, weights_only=False)
-#: The entries today's options cannot express, with the option the refusal names.
-REFUSED = {
-    "dense_warmup": 0.3,
-    "min_updates": 50,
-    "dense_one_pass": True,
-    "max_update_scale": None,  # Random-SL-SAM's update cap of 1/layer_ratio, or 2
-}
-
-
 def _refused_option(entry: dict) -> str | None:
+    """The option whose refusal an entry today's options cannot express gets (a dense
+    warm-up, a floor on updates, dense one-pass steps, Random-SL-SAM's update cap of
+    1/layer_ratio or 2), else ``None``."""
     args = entry["init_args"]
     for option in ("dense_warmup", "min_updates"):
         if args.get(option) not in (None, 0):
             return option
     if args.get("dense_one_pass") and args.get("schedule") in ("random", "interval"):
         return "dense_one_pass"
-    if entry["class_path"].endswith("RandomSLSAM") and args.get("scale_updates"):
-        if args.get("max_update_scale") != 3.0 or not args.get("head_always_active"):
-            return "max_update_scale"
+    random = entry["class_path"].endswith("RandomSLSAM") and args.get("scale_updates")
+    if random and (args.get("max_update_scale") != 3.0 or not args.get("head_always_active")):
+        return "max_update_scale"
     return None
 
 
