@@ -42,7 +42,7 @@ from lightning_slsam.core.step import StepResult
 from lightning_slsam.lightning.compat import (
     attached_trainer,
 )
-from lightning_slsam.lightning.driver import SAMController, driver_of, find_sam_callback
+from lightning_slsam.lightning.driver import SAMController, find_sam_callback
 from lightning_slsam.lightning.setup_checks import (
     LIGHTNING_OPTIONS,
     FitWarnings,
@@ -241,8 +241,8 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
     ) -> None:
         # Runs inside the wrapped optimizer.step(), after mixed precision has unscaled: the
         # driver clips there, before the callbacks listed after this one see the gradients.
-        driver = driver_of(pl_module)
-        if driver is not None:
+        driver = getattr(pl_module, "_slsam_driver", None)
+        if driver is not None and self.gradient_clip_val:
             driver.clip_gradients(optimizer)
 
     # -- logging ------------------------------------------------------------------------

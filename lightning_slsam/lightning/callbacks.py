@@ -119,9 +119,10 @@ class SparseLayerSAM(SAMCallback):
         return selection
 
     def selection_metrics(self) -> dict[str, float]:
-        probs = self.bandit.probs
+        # A wrapper's probabilities (a depth cut's) are the bandit's.
+        probs = self.engine.selection.probs  # type: ignore[union-attr]
         return {
-            "slsam/floor_layers": float((probs <= self.p_min * (1 + 1e-9)).sum()),
+            "slsam/floor_layers": float((probs <= self.spec.p_min * (1 + 1e-9)).sum()),
             "slsam/full_layers": float((probs >= 1 - 1e-9).sum()),
         }
 

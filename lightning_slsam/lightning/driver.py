@@ -65,7 +65,10 @@ class SAMController:
 
 def find_sam_callback(trainer: Any) -> Any:
     """The SAM callback attached to ``trainer`` (setup refuses more than one), if any."""
-    return next((cb for cb in trainer.callbacks if isinstance(cb, SAMController)), None)
+    for callback in trainer.callbacks:
+        if isinstance(callback, SAMController):
+            return callback
+    return None
 
 
 def driver_of(module: Any) -> StepDriver | None:
@@ -140,7 +143,8 @@ class StepDriver:
         """Buffer the batch, and once a group is complete run the SAM step over it; return
         what ``training_step`` returns to Lightning (the first pass's output, detached)."""
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        self.step_pending_plateau_schedulers()
+        if self._pending_plateau:
+            self.step_pending_plateau_schedulers()
         micro_batches = self._accumulate(args, kwargs)
         if micro_batches is None:
             return None  # buffered for gradient accumulation; the step comes later
@@ -152,7 +156,7 @@ class StepDriver:
         self._passes = Passes(
             micro_batches, self._loss, module.manual_backward,
             scale=1.0 / self.controller.accumulate_grad_batches, size=self._size,
-            subset=self._subset, needs_per_sample=engine.needs_per_sample,
+            subset=self._subset, needs_per_sample=engine.method.needs_per_sample,
             error=MisconfigurationException,
         )  # fmt: skip
         loop = Loop(self._passes, self._zero_grad, self._optimizer_step, self.grad_scale,
@@ -164,7 +168,8 @@ class StepDriver:
                 engine.step(loop)
         finally:
             module._slsam_pass, self._passes = 0, None
-        self.step_schedulers(batch_idx)
+        if self.schedulers:
+            self.step_schedulers(batch_idx)
         output = self._first_output
         if isinstance(output, Mapping):
             return {**output, "loss": loss_of(output)[0].detach()}
@@ -190,8 +195,9 @@ class StepDriver:
 
     def _accumulate(self, args: tuple, kwargs: dict) -> list[Call] | None:
         self._buffer.append((args, kwargs))
-        last = epoch_ends_with_this_batch(self.trainer)
-        if len(self._buffer) < self.controller.accumulate_grad_batches and not last:
+        # The epoch's last batch closes a partial group (asked only while one is open).
+        k = self.controller.accumulate_grad_batches
+        if len(self._buffer) < k and not epoch_ends_with_this_batch(self.trainer):
             return None
         group, self._buffer = self._buffer, []
         return group

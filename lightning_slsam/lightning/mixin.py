@@ -24,29 +24,38 @@ from torch import Tensor
 
 from lightning_slsam.core.passes import first_tensor, split_per_sample, subset_batch
 from lightning_slsam.lightning.compat import attached_trainer, carry_step_progress
-from lightning_slsam.lightning.driver import SAMController, StepDriver, driver_of, find_sam_callback
+from lightning_slsam.lightning.driver import SAMController, StepDriver
 
 __all__ = ["SAMMixin"]
 
 
-def _sam_controller(module: Any) -> SAMController | None:
-    """The SAM callback attached to ``module``'s Trainer, if any."""
-    trainer = attached_trainer(module)
-    return find_sam_callback(trainer) if trainer is not None else None
+def _sam_controller(trainer: Any) -> SAMController | None:
+    """The SAM callback attached to ``trainer`` (``None``: no Trainer, or no SAM callback;
+    the setup checks refuse more than one)."""
+    if trainer is not None:
+        for callback in trainer.callbacks:
+            if isinstance(callback, SAMController):
+                return callback
+    return None
 
 
 def _wrap_training_step(user_step: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(user_step)
     def training_step(self: SAMMixin, *args: Any, **kwargs: Any) -> Any:
         # Nested calls (super().training_step, or our own passes) run the user's code.
-        if self._slsam_pass or attached_trainer(self) is None:
+        trainer = None if self._slsam_pass else attached_trainer(self)
+        if trainer is None:
             return user_step(self, *args, **kwargs)
-        controller = _sam_controller(self)
+        controller = _sam_controller(trainer)
         if controller is None:
             output = user_step(self, *args, **kwargs)
             # Per-sample losses (returned for ESAM) are averaged for automatic optimization.
             return split_per_sample(output)[0] if isinstance(output, Tensor) else output
-        return self._slsam_training_step(controller, user_step, args, kwargs)
+        # The module's step driver runs the SAM step (a new one for each fit).
+        driver = self._slsam_driver
+        if driver is None or not driver.serves(controller):
+            driver = self._slsam_driver = StepDriver(self, controller)
+        return driver.training_step(user_step, args, kwargs)
 
     training_step._slsam_wrapped = True  # type: ignore[attr-defined]
     return training_step
@@ -125,7 +134,7 @@ class SAMMixin:
     @property
     def automatic_optimization(self) -> bool:
         """``False`` while a SAM callback is attached (the mixin steps), else ``True``."""
-        return _sam_controller(self) is None
+        return _sam_controller(attached_trainer(self)) is None
 
     @automatic_optimization.setter
     def automatic_optimization(self, value: bool) -> None:
@@ -187,8 +196,8 @@ class SAMMixin:
 
         Runs before Lightning's own check, so the error can point to the plugin's options.
         """
-        controller = _sam_controller(self)
         trainer = attached_trainer(self)
+        controller = _sam_controller(trainer)
         if controller is not None and trainer is not None:
             name = type(controller).__name__
             if trainer.gradient_clip_val:
@@ -207,16 +216,3 @@ class SAMMixin:
                     f"{trainer.accumulate_grad_batches})` instead."
                 )
         return super().configure_callbacks()  # type: ignore[misc]
-
-    # -- the SAM training step -------------------------------------------------------
-    def _slsam_training_step(
-        self,
-        controller: SAMController,
-        user_step: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        driver = driver_of(self)
-        if driver is None or not driver.serves(controller):
-            driver = self._slsam_driver = StepDriver(self, controller)
-        return driver.training_step(user_step, args, kwargs)

@@ -173,16 +173,17 @@ def step_metrics(
     result: StepResult, engine: SparseSAMEngine, distributed: bool
 ) -> dict[str, float]:
     """The metrics logged after each optimizer step."""
-    per_pass = [*result.active_ratio_per_pass, 0.0, 0.0]
+    total = max(result.trainable_numel, 1)
+    per_pass = [n / total for n in result.pass_numel] + [0.0, 0.0]
     metrics = {
         "slsam/active_layers": float(result.active_mask.sum()),
         "slsam/active_ratio": result.active_ratio,
         "slsam/active_ratio_pass1": per_pass[0],
         "slsam/active_ratio_pass2": per_pass[1],
-        "slsam/backward_passes": float(result.num_backward),
+        "slsam/backward_passes": float(len(result.pass_numel) + result.extra_backward),
         "slsam/sam_step": float(result.kind in ("sam", "single")),
         "slsam/entropy": normalized_entropy(engine.selection.probs),
-        "slsam/never_selected": float(engine.never_selected()),
+        "slsam/never_selected": float(int((engine.counts == 0).sum())),
         "slsam/skipped_steps": float(engine.num_skipped),
     }
     if distributed:

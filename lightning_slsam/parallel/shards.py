@@ -76,13 +76,6 @@ def reshard(modules: Sequence[torch.nn.Module]) -> None:
         sub.reshard()  # type: ignore[operator]
 
 
-def _stacked_norms(tensors: Sequence[Tensor], device: torch.device | None) -> Tensor:
-    if not tensors:
-        return torch.zeros(0, dtype=torch.float32, device=device)
-    norms = torch.stack(torch._foreach_norm(list(tensors))).float()
-    return norms if device is None else norms.to(device)
-
-
 class Whole:
     """Whole tensors on every process (one device, DDP): the seam does nothing of its own.
 
@@ -103,7 +96,10 @@ class Whole:
     ) -> Tensor:
         """L2 norm of each tensor, one float32 vector (on ``device`` if given). ``like``:
         the parameters whose sharding ``tensors`` (local shards kept as state) follow."""
-        return _stacked_norms(tensors, device)
+        if not tensors:
+            return torch.zeros(0, dtype=torch.float32, device=device)
+        norms = torch.stack(torch._foreach_norm(list(tensors))).float()
+        return norms if device is None else norms.to(device)
 
     def sums(self, values: Tensor, tensors: Sequence[Tensor]) -> Tensor:
         """Complete per-tensor sums over each tensor's elements (here: already complete);

@@ -186,11 +186,6 @@ class LayerBandit(LayerSelection, Seeded):
         """Each layer's cost under a compute budget (float64 ``[N]``), else ``None``."""
         return None if self._costs is None else self._costs.clone()
 
-    def _project(self, log_u: torch.Tensor) -> torch.Tensor:
-        if self._costs is None:
-            return kl_projection(log_u, self._budget, self._p_min, 1.0)
-        return weighted_kl_projection(log_u, self._costs, self._budget, self._p_min, 1.0)
-
     def sample(self) -> torch.Tensor:
         """Draw the active set: bool ``[N]``, layer ``l`` True with probability ``p_l``.
 
@@ -256,10 +251,14 @@ class LayerBandit(LayerSelection, Seeded):
             self.num_skipped += 1
             return False
 
-        p = self._probs
+        p, costs = self._probs, self._costs
         q = p if inclusion is None else self._inclusion(inclusion, active)
         r = torch.where(active, r, 0.0)
-        r = _per_root_cost(r, self._costs)
+        if costs is not None:
+            # Under a compute budget the losses compare r / sqrt(cost): the variance
+            # sum(r**2 / p) is least at p ~ r / sqrt(cost) rather than p ~ r, so a large
+            # layer must earn its price.
+            r = r / (costs / costs.mean()).sqrt()
         if self._loss == "rank":
             expo = self._alpha * _rank_loss(r / p, active) / q
         else:
@@ -271,7 +270,11 @@ class LayerBandit(LayerSelection, Seeded):
             k = torch.where(active, (z_ref - z) * (z_ref + z), 0.0)  # difference of squares
             # Gate on k > 0 so an overflowing G**2 cannot turn 0 * inf into NaN.
             expo = torch.where(k > 0, self._alpha * k / q * g * g, 0.0)
-        new = self._project(torch.log(p) - expo)
+        log_u = torch.log(p) - expo
+        if costs is None:
+            new = kl_projection(log_u, self._budget, self._p_min, 1.0)
+        else:
+            new = weighted_kl_projection(log_u, costs, self._budget, self._p_min, 1.0)
         if not bool(torch.isfinite(new).all()):  # defensive: never store a broken state
             warnings.warn("LayerBandit.update skipped: projection failed.", RuntimeWarning, 2)
             self.num_skipped += 1
@@ -350,13 +353,6 @@ def _costs(costs: Any, n: int) -> torch.Tensor | None:
     if c.numel() != n or not bool(((c > 0) & (c < math.inf)).all()):
         raise ValueError(f"costs must be {n} positive finite values (one per layer).")
     return c
-
-
-def _per_root_cost(r: torch.Tensor, costs: torch.Tensor | None) -> torch.Tensor:
-    """The norms the losses compare: ``r`` (count budget), or ``r / sqrt(cost)`` under a
-    compute budget, where the variance ``sum(r**2 / p)`` is least at ``p ~ r / sqrt(cost)``
-    rather than ``p ~ r``: a large layer must earn its price."""
-    return r if costs is None else r / (costs / costs.mean()).sqrt()
 
 
 def _rank_loss(z: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
