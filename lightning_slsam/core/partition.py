@@ -176,6 +176,10 @@ def build_partition(
         ...
         ValueError: `always_frozen` pattern(s) ['head'] match no trainable parameter. ...
     """
+    if isinstance(layers, str) and layers not in ("tensor", "module"):
+        raise ValueError(
+            f"`layers` must be 'tensor', 'module', patterns or a callable, got {layers!r}."
+        )
     active_patterns = _compile(always_active, "always_active")
     frozen_patterns = _compile(always_frozen, "always_frozen")
     group_patterns = (

@@ -1,5 +1,6 @@
-"""The engine's step (:mod:`lightning_slsam.core.engine`): freezing before each forward, what
-the selection learns from, which steps draw, and learning in a plain loop."""
+"""The engine (:mod:`lightning_slsam.core.engine`): freezing before each forward, what the
+selection learns from, which steps draw, the kinds a method names, its counters and state, and
+learning in a plain loop."""
 
 from __future__ import annotations
 
@@ -12,15 +13,12 @@ from helpers import make_data, make_mlp
 from probes import fixed_engine, loss_closure
 from torch import nn
 
-from lightning_slsam import (
-    LayerBandit,
-    SAMPerturbation,
-    SparseLayerSAM,
-    SparseSAMEngine,
-    build_partition,
-)
-from lightning_slsam.core.schedules import Schedule
-from lightning_slsam.core.step_kinds import PlainStep
+from lightning_slsam.core.engine import SparseSAMEngine
+from lightning_slsam.core.partition import build_partition
+from lightning_slsam.core.perturbation import SAMPerturbation
+from lightning_slsam.core.step import MethodParts
+from lightning_slsam.methods.registry import method_spec
+from lightning_slsam.selection.bandit import LayerBandit
 
 
 def test_inactive_layers_frozen_before_forward_and_bandit_gets_first_pass_norms():
@@ -69,58 +67,60 @@ def test_engine_in_a_plain_loop_learns():
     assert (engine.counts > 0).all()
 
 
-def test_dense_one_pass_trains_every_layer_on_the_plain_steps_only():
+def test_the_coins_plain_steps_train_the_drawn_layers_in_one_pass_and_teach_the_bandit():
     net = nn.Sequential(*[nn.Linear(4, 4) for _ in range(15)])  # 30 tensors
-    cb = SparseLayerSAM(schedule="random", dense_one_pass=True, alpha_p=0.5, seed=2)
-    engine = cb.spec.build_engine(net)
+    engine = method_spec("slsam_rst", seed=2).build_engine(net)  # SL-SAM on RST's coin
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
     x, y = torch.randn(8, 4), torch.randint(0, 4, (8,))
     results = [engine.train_step(lambda: F.cross_entropy(net(x), y), opt) for _ in range(40)]
     plain = [r for r in results if r.kind == "plain"]
     sam = [r for r in results if r.kind == "sam"]
     assert 10 < len(plain) < 30 and len(sam) == 40 - len(plain)
-    assert all(bool(r.active_mask.all()) and not r.drawn and r.num_backward == 1 for r in plain)
-    assert all(r.drawn and int(r.active_mask.sum()) < 30 for r in sam)
-    assert engine.selection.num_updates == len(sam)  # the bandit learns from its draws only
-    with pytest.raises(ValueError, match="dense_one_pass"):
-        SparseLayerSAM(dense_one_pass=1)
+    assert all(r.drawn and r.num_backward == 1 and int(r.active_mask.sum()) < 30 for r in plain)
+    assert all(r.drawn and r.num_backward == 2 and int(r.active_mask.sum()) < 30 for r in sam)
+    numel = torch.tensor(engine.partition.numel)
+    assert all(r.pass_numel == [int(numel[r.active_mask].sum())] for r in plain)
+    assert engine.selection.num_updates == 40  # every step is a draw the bandit learns from
+    assert engine.kind_counts == {"sam": len(sam), "plain": len(plain)}
 
 
 # -- what the engine checks ---------------------------------------------------------------------
 
 
-class Twice(Schedule):
-    """A schedule that names a step kind of its own, ``"twice"``, on odd steps."""
-
-    kinds = ("sam", "twice")
+class Twice(MethodParts):
+    """A method that names a step kind that does not exist, ``"twice"``, on odd steps."""
 
     def kind(self, step: int) -> str:
         return "twice" if step % 2 else "sam"
 
 
-def test_a_schedule_naming_a_kind_the_engine_lacks_is_refused():
+class Alternate(MethodParts):
+    """SAM on even steps, a plain step on odd ones."""
+
+    def kind(self, step: int) -> str:
+        return "plain" if step % 2 else "sam"
+
+
+def test_a_method_naming_a_kind_the_engine_lacks_is_refused_and_its_kinds_run():
     net = make_mlp()
     partition = build_partition(net)
-    with pytest.raises(ValueError, match=r"runs step kinds \['twice'\] that the engine lacks"):
-        SparseSAMEngine(partition, LayerBandit(8), SAMPerturbation(0.05), schedule=Twice())
-    # A schedule that does not declare its kinds is caught at the step that names one.
-    undeclared = type("Undeclared", (Schedule,), {"kind": Twice.kind})()
-    engine = SparseSAMEngine(partition, LayerBandit(8), SAMPerturbation(0.05), schedule=undeclared)
+    # The kind is checked at the step that names it, before anything changes.
+    engine = SparseSAMEngine(partition, LayerBandit(8), SAMPerturbation(0.05), Twice())
     x, y = make_data(16).tensors
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     assert engine.train_step(loss_closure(net, x, y), opt).kind == "sam"
     before = [p.detach().clone() for p in net.parameters()]
-    with pytest.raises(ValueError, match=r"named step kind 'twice'; the engine has \['plain',"):
+    refused = r"named step kind 'twice'; the kinds are \('sam', 'plain',"
+    with pytest.raises(ValueError, match=refused):
         engine.train_step(loss_closure(net, x, y), opt)
     assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before))
+    assert all(p.requires_grad for p in net.parameters())
     assert engine.num_steps == 1
-    # Given the kind, the engine runs it: here "twice" is a plain step under another name.
-    kinds = {"twice": PlainStep()}
-    engine = SparseSAMEngine(partition, LayerBandit(8), SAMPerturbation(0.05), schedule=Twice(),
-                             kinds=kinds)  # fmt: skip
+    # The kinds a method names are run: here SAM and plain steps in turn.
+    engine = SparseSAMEngine(partition, LayerBandit(8), SAMPerturbation(0.05), Alternate())
     results = [engine.train_step(loss_closure(net, x, y), opt) for _ in range(4)]
-    assert [(r.kind, r.num_backward) for r in results] == [("sam", 2), ("twice", 1)] * 2
-    assert engine.kind_counts == {"sam": 2, "twice": 2}
+    assert [(r.kind, r.num_backward) for r in results] == [("sam", 2), ("plain", 1)] * 2
+    assert engine.kind_counts == {"sam": 2, "plain": 2}
 
 
 def test_loading_the_state_of_another_number_of_layers_is_refused():
@@ -130,8 +130,48 @@ def test_loading_the_state_of_another_number_of_layers_is_refused():
                             SAMPerturbation(0.05))  # fmt: skip
     with pytest.raises(ValueError, match="has 4 layers but the model has 8"):
         engine.load_state_dict(other.state_dict())
-    with pytest.raises(ValueError, match="`update_scale` must be None or a finite number >= 1"):
-        SparseSAMEngine(build_partition(net), LayerBandit(8), SAMPerturbation(0.05),
-                        update_scale=float("inf"))  # fmt: skip
+    # The engine's options are checked once, by the method's specification.
+    bad_cap = r"`max_update_scale` must be None .* or a finite number >= 1"
+    with pytest.raises(ValueError, match=bad_cap):
+        method_spec("slsam_ablation", max_update_scale=float("inf"))
     with pytest.raises(ValueError, match="`bn_stats` must be one of"):
-        SparseSAMEngine(build_partition(net), LayerBandit(8), SAMPerturbation(0.05), bn_stats="x")
+        method_spec("sam", bn_stats="x")
+
+
+def test_the_counters_count_committed_steps_and_resume_from_the_state():
+    net = make_mlp()
+    x, y = make_data(16).tensors
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    mask = [True, False, False, True, False, False, True, True]
+    engine = fixed_engine(net, mask)
+    engine.train_step(loss_closure(net, x, y), opt)
+
+    def nan_loss():
+        return F.cross_entropy(net(x), y) * float("nan")
+
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        skipped = engine.train_step(nan_loss, opt)  # counted as a step, not as an update
+    engine.train_step(loss_closure(net, x, y), opt)
+    assert skipped.skipped and engine.last_result is not skipped
+    assert (engine.num_steps, engine.num_skipped, engine.kind_counts) == (3, 1, {"sam": 2})
+    assert engine.counts.tolist() == [2 * int(m) for m in mask]
+    assert engine.frequencies().tolist() == [float(m) for m in mask]
+    assert engine.never_selected() == 4
+    # The Active Ratio: the drawn parameters (0.weight, 2.bias, 5.weight, 5.bias) per pass.
+    ratio = 2 * (128 + 16 + 48 + 3) / 499
+    assert engine.last_result.active_ratio == pytest.approx(ratio)
+    assert engine.mean_active_ratio == pytest.approx(ratio)
+    # The mean first-pass norm of each layer measured, over the committed steps only.
+    norms = torch.stack([n for _, n in engine.selection.updates])
+    assert len(norms) == 2
+    means = engine.mean_norms()
+    on = torch.tensor(mask)
+    torch.testing.assert_close(means[on], norms.mean(0)[on], rtol=1e-12, atol=0)
+    assert bool(means[~on].isnan().all()) and engine.norm_counts.tolist() == engine.counts.tolist()
+    # A fresh engine on the same layers resumes every counter.
+    again = fixed_engine(make_mlp(), mask)
+    again.load_state_dict(engine.state_dict())
+    assert torch.equal(again.counts, engine.counts)
+    assert torch.equal(again.norm_sums, engine.norm_sums)
+    assert (again.num_steps, again.num_skipped, again.kind_counts) == (3, 1, {"sam": 2})
+    assert again.mean_active_ratio == pytest.approx(ratio)

@@ -1,6 +1,6 @@
-"""What one pass may leave behind (:mod:`lightning_slsam.core.isolation`,
-:mod:`lightning_slsam.core.running`): which pass's BatchNorm statistics count, extra
-forwards that never do, and dropout replay between the passes."""
+"""What one pass may leave behind (:mod:`lightning_slsam.core.isolation`): which pass's
+BatchNorm statistics count, extra forwards that never do, and dropout replay between the
+passes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from helpers import LitModel, loader, make_data, trainer
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_slsam import ESAM, SAM, SSAMF
+from lightning_slsam import ESAM, SAM, SSAMF, make_engine
+from lightning_slsam.core.isolation import BN_STATS, PassIsolation, RandomState, RunningStats
 
 
 class BNRecorder(L.Callback):
@@ -100,3 +101,37 @@ def test_dropout_replay_gives_the_second_pass_the_first_pass_masks(replay):
     same = [torch.equal(masks[2 * i], masks[2 * i + 1]) for i in range(3)]
     assert same == [replay] * 3
     assert not torch.equal(masks[0], masks[2])  # steps still draw new masks
+
+
+# -- the parts, directly -----------------------------------------------------------------------
+
+
+def test_running_stats_snapshot_restore_and_evaluate_without_changing_them():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.LayerNorm(6))
+    stats = RunningStats(net)
+    assert len(stats.layers) == 1 and len(stats.buffers) == 3  # mean, var, batches tracked
+    saved = stats.snapshot()
+    net(torch.randn(8, 4))
+    assert int(net[1].num_batches_tracked) == 1 and not torch.equal(stats.buffers[0], saved[0])
+    stats.restore(saved)
+    assert all(torch.equal(b, s) for b, s in zip(stats.buffers, saved))
+    with stats.evaluating():
+        assert not net[1].training
+        net(torch.randn(1, 4))  # one sample: the running statistics normalise it
+    assert net[1].training and all(torch.equal(b, s) for b, s in zip(stats.buffers, saved))
+    assert not RunningStats(nn.Linear(2, 2))  # nothing to manage
+    assert BN_STATS == ("first", "second", "both")
+
+
+def test_random_state_rewinds_the_stream_and_the_engine_isolates_only_what_it_must():
+    state = RandomState()
+    first = torch.rand(3)
+    state.restore()
+    assert torch.equal(torch.rand(3), first)
+    # Nothing to isolate without running statistics or dropout replay.
+    assert make_engine("sam", nn.Linear(4, 2)).isolation is None
+    bn = make_engine("sam", nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2))).isolation
+    assert isinstance(bn, PassIsolation) and bn.bn_stats == "first" and not bn.replay_dropout
+    replay = make_engine("sam", nn.Linear(4, 2), replay_dropout=True).isolation
+    assert replay is not None and replay.stats is None and replay.replay_dropout

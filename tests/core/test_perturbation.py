@@ -12,7 +12,8 @@ from helpers import make_data, make_mlp
 from probes import RHO, Recorder, fixed_engine, gradients, loss_closure, net_at, setup_engine
 from torch import nn
 
-from lightning_slsam import SAM, SAMPerturbation, SparseLayerSAM
+from lightning_slsam import SAM, SparseLayerSAM
+from lightning_slsam.core.perturbation import SAMPerturbation
 
 
 @pytest.mark.parametrize("norm", ["global", "layer"])

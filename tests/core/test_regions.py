@@ -12,7 +12,8 @@ from helpers import Counting, LitModel, Stack, loader, make_data, trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from lightning_slsam import SAM, SparseLayerSAM, build_partition, make_engine
+from lightning_slsam import SAM, SparseLayerSAM, make_engine
+from lightning_slsam.core.partition import build_partition
 from lightning_slsam.core.regions import (
     compile_blocks_instead,
     compiled_regions,
@@ -73,7 +74,7 @@ def test_a_region_compiled_whole_hands_its_blocks_to_regional_compilation(form):
     net = Stack()
     for block in net.blocks:
         block.compile()
-    assert make_engine("slsam", net, seed=0).partition.names == [
+    assert make_engine("slsam_paper", net, seed=0).partition.names == [
         "blocks.0", "blocks.1", "blocks.2", "head.weight", "head.bias"]  # fmt: skip
     assert make_engine("sam", net).partition.num_layers == 14  # dense: one layer per tensor
 
