@@ -1,6 +1,8 @@
 """A method of one's own, from outside the package: a ~20-line layer-selection rule and its
 specification, trained through the same callback machinery, a LightningCLI YAML and a
-plain PyTorch loop (the extension point the "Write your own method" page documents)."""
+plain PyTorch loop (the extension point the "Write your own method" page documents); and
+what a method adds to the steps (a :class:`~lightning_slsam.core.step.MethodParts` with its
+own state)."""
 
 from __future__ import annotations
 
@@ -15,13 +17,16 @@ from helpers import LitModel, loader, make_data, make_mlp
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from lightning_slsam import LayerSelection, SAMCallback, make_callback, make_engine
-from lightning_slsam.core.contract import StepCall
-from lightning_slsam.core.step_kinds import PlainStep, SAMStep, StepKind
-from lightning_slsam.core.step_parts import StepHook, StepParts
-from lightning_slsam.methods.dense import SAMSpec
+from lightning_slsam import (
+    LayerSelection,
+    LayerSubsetSpec,
+    SAMCallback,
+    make_callback,
+    make_engine,
+)
+from lightning_slsam.core.step import MethodParts
 from lightning_slsam.methods.registry import SPECS, register_method
-from lightning_slsam.methods.subset import LayerSubsetSpec
+from lightning_slsam.methods.sam import SAMSpec
 
 
 # -- the user's method: train the even-numbered layers, then the odd ones, and so on --------
@@ -169,23 +174,20 @@ def test_a_user_method_trains_from_yaml(tmp_path):
     assert sam.engine.counts.tolist() == [2, 2]  # weight and bias, alternating
 
 
-# -- a step kind of one's own: SAM on every other step, a plain step in between ------------
+# -- steps of one's own: SAM on every other step, a plain step in between -----------------
 # --8<-- [start:step-kind]
-class EveryOtherSAM(StepKind):
+class EveryOtherSAM(MethodParts):
     """SAM's two passes on every other step, one plain pass in between. The count of steps
-    run is the kind's own state, saved and restored with the engine's."""
+    named is the parts' own state, saved and restored with the engine's."""
 
     def __init__(self) -> None:
-        self.sam, self.plain = SAMStep(), PlainStep()
         self.steps_run = 0
 
-    def run(self, parts: StepParts, call: StepCall) -> None:
-        if self.steps_run % 2 == 0:
-            self.sam.run(parts, call)
-        else:
-            call.result.kind = "plain"  # how the counters and the logs name this step
-            self.plain.run(parts, call)
+    def kind(self, step: int) -> str:
+        # The engine asks once per step; the kind names the step in the counters and logs.
+        kind = "sam" if self.steps_run % 2 == 0 else "plain"
         self.steps_run += 1
+        return kind
 
     def state_dict(self, index: dict[int, int]) -> dict[str, Any]:
         return {"every_other_steps_run": self.steps_run}
@@ -198,8 +200,8 @@ class EveryOtherSpec(SAMSpec):
     name: ClassVar[str] = "every_other_sam"
     label: ClassVar[str] = "EveryOtherSAM"
 
-    def engine_steps(self) -> tuple[dict[str, StepKind], list[StepHook]]:
-        return {"sam": EveryOtherSAM()}, []  # the schedule's "sam" steps run this kind
+    def parts(self, generator: torch.Generator) -> MethodParts:
+        return EveryOtherSAM()
 
 
 class EveryOtherSAMCallback(SAMCallback):
@@ -255,7 +257,7 @@ def test_a_user_step_kind_trains_and_resumes_bit_for_bit(tmp_path):
         2, cut_dir, ckpt_path=str(cut_dir / "every_other-epoch=0.ckpt")
     )
     assert kinds.kinds == ["plain", "sam", "plain"]
-    assert cb.engine.kinds["sam"].steps_run == 6
+    assert cb.engine.method.steps_run == 6
     for name, value in full.items():
         assert torch.equal(resumed[name], value), name
 

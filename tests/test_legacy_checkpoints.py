@@ -2,8 +2,10 @@
 
 ``tests/fixtures/legacy`` holds, for every kind of method state, a checkpoint after one
 epoch and the reference result of an uninterrupted two-epoch run, both made with the code
-of commit 21703b5 (``tests/fixtures/make_legacy_checkpoints.py``). Today's code must load
-each checkpoint and finish the run exactly as that code did without interruption.
+of commit 21703b5 (``tests/fixtures/make_legacy_checkpoints.py``), under the method names
+and options of then (its ``CASES`` name today's that run the same configuration). Today's
+code must load each checkpoint and finish the run exactly as that code did without
+interruption.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ from make_legacy_checkpoints import CASES, run  # noqa: E402
 
 REFERENCE = torch.load(FIXTURES / "legacy" / "reference.pt", weights_only=True)
 
+#: The cases whose configuration SparseLayerSAM ran then and a class of its own runs today:
+#: the checkpoint holds the callback's state under the key "SparseLayerSAM", and today's
+#: class resumes from it.
+MOVED = {"slsam_depth": "CostAwareSLSAM", "slsam_rank_scale": "SLSAMAblation"}
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_a_legacy_checkpoint_resumes_to_the_uninterrupted_result(name):
-    ckpt = FIXTURES / "legacy" / f"{name}.ckpt"
+
+def _resume_and_check(name: str, ckpt: Path) -> None:
     saved = torch.load(ckpt, weights_only=False)["state_dict"]
     _, model, callback = run(name, epochs=2, ckpt_path=str(ckpt))
     expected = REFERENCE[name]
@@ -36,3 +41,22 @@ def test_a_legacy_checkpoint_resumes_to_the_uninterrupted_result(name):
         torch.testing.assert_close(weights[n], value, rtol=1e-5, atol=1e-7, msg=n)
     torch.testing.assert_close(callback.probs, expected["probs"], rtol=1e-7, atol=1e-9)
     assert torch.equal(callback.engine.counts, expected["counts"])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_legacy_checkpoint_resumes_to_the_uninterrupted_result(name):
+    ckpt = FIXTURES / "legacy" / f"{name}.ckpt"
+    if name in MOVED:  # the state is filed under the class that saved it
+        assert "SparseLayerSAM" in torch.load(ckpt, weights_only=False)["callbacks"]
+    _resume_and_check(name, ckpt)
+
+
+@pytest.mark.parametrize("name", sorted(MOVED))
+def test_a_moved_configurations_state_resumes_under_its_class_of_today(name, tmp_path):
+    """The state itself carries over: filed under today's class (a copy of the fixture
+    with the callback's entry renamed), the run ends where the earlier code's did."""
+    checkpoint = torch.load(FIXTURES / "legacy" / f"{name}.ckpt", weights_only=False)
+    checkpoint["callbacks"] = {MOVED[name]: checkpoint["callbacks"].pop("SparseLayerSAM")}
+    copy = tmp_path / f"{name}.ckpt"
+    torch.save(checkpoint, copy)
+    _resume_and_check(name, copy)

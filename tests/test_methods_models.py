@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from lightning_slsam import METHODS, make_callback
 
-DENSE = {"sam", "adasam", "s2sam", "rst", "looksam", "ssamf"}
+DENSE = {"sam", "s2sam", "rst", "looksam", "ssamf"}
 
 
 @pytest.mark.parametrize("model", list(MODELS))

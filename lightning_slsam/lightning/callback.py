@@ -294,6 +294,20 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
         return {**summary, "out_of_sampling": out_of_sampling(partition)}
 
     # -- checkpoint state ---------------------------------------------------------------
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # Lightning files a callback's state under its class name. A configuration that an
+        # earlier version ran as another class (SparseLayerSAM on RST's coin is SLSAMRST
+        # today) resumes from that class's entry: a Trainer holds one SAM callback, whose
+        # state is the one entry holding a method's engine and layers.
+        states = checkpoint.get("callbacks") or {}
+        if self.state_key in states:
+            return
+        saved = [k for k, v in states.items() if isinstance(v, dict) and _is_method_state(v)]
+        if len(saved) == 1:
+            states[self.state_key] = states.pop(saved[0])
+
     def state_dict(self) -> dict[str, Any]:
         if self.engine is None or self.partition is None:
             return dict(self._pending_state or {})
@@ -310,6 +324,10 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
     def _apply_state(self, state: dict[str, Any]) -> None:
         assert self.engine is not None and self.partition is not None
         apply_method_state(self, state, self.engine, self.partition, rank_zero_warn)
+
+
+def _is_method_state(state: dict[str, Any]) -> bool:
+    return {"method", "engine", "layer_names"} <= set(state)
 
 
 def estimated_stepping_batches(trainer: pl.Trainer) -> float:

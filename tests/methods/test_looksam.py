@@ -3,10 +3,12 @@ component reused in between, against an independent computation."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from probes import RHO, Recorder, gradients, setup_engine, shifted
 
 from lightning_slsam import LookSAM
+from lightning_slsam.methods.looksam import Lookahead
 
 
 def test_looksam_full_passes_every_k_steps_and_reuses_the_orthogonal_component():
@@ -31,3 +33,24 @@ def test_looksam_full_passes_every_k_steps_and_reuses_the_orthogonal_component()
         assert result.num_backward == (2 if step % 3 == 0 else 1)
         for p, e in zip(net.parameters(), expected):  # the gradient the optimizer used
             torch.testing.assert_close(p.grad, e, atol=1e-6, rtol=1e-4)
+
+
+def test_the_interval_names_each_steps_kind():
+    assert [Lookahead(4, 0.7, 1e-12).kind(t) for t in range(9)] == ["sam", "reuse", "reuse",
+                                                                    "reuse", "sam", "reuse",
+                                                                    "reuse", "reuse",
+                                                                    "sam"]  # fmt: skip
+    assert {Lookahead(1, 0.7, 1e-12).kind(t) for t in range(10)} == {"sam"}
+    # alpha=0: plain steps in between, nothing stored.
+    assert Lookahead(3, 0.0, 1e-12).after_sam_step is None
+    assert not Lookahead(3, 0.0, 1e-12).keeps_first_grads
+
+
+@pytest.mark.parametrize(
+    ("options", "name"),
+    [({"interval": 0}, "interval"), ({"interval": 2.0}, "interval"),
+     ({"interval": True}, "interval"), ({"alpha": -0.1}, "alpha")],
+)  # fmt: skip
+def test_the_options_are_checked_naming_them(options, name):
+    with pytest.raises(ValueError, match=rf"^LookSAM: `{name}` must be"):
+        LookSAM(**options)

@@ -1,25 +1,35 @@
 """Every method by name (:mod:`lightning_slsam.methods.registry`): the lookup, the options a
-name implies, and the engine each name builds."""
+name implies, the names of earlier versions, and the engine each name builds."""
 
 from __future__ import annotations
 
 import pytest
 from helpers import make_mlp
 
-from lightning_slsam.core.schedules import IntervalSchedule, RandomSchedule, SingleStepSchedule
-from lightning_slsam.methods.dense import ESAMSpec, LookSAMSpec, SAMSpec
-from lightning_slsam.methods.registry import SPECS, lookup, make_engine, method_spec
-from lightning_slsam.methods.ssamf import FisherRefresh
-from lightning_slsam.methods.subset import SLSAMSpec, TopSLSAMSpec
+from lightning_slsam.core.step import MethodParts
+from lightning_slsam.methods.esam import ESAMSpec, ExpandToAll
+from lightning_slsam.methods.looksam import Lookahead, LookSAMSpec
+from lightning_slsam.methods.registry import RENAMED, SPECS, lookup, make_engine, method_spec
+from lightning_slsam.methods.rst import Coin
+from lightning_slsam.methods.s2sam import SingleStepParts
+from lightning_slsam.methods.sam import SAMSpec
+from lightning_slsam.methods.slsam import SLSAMSpec
+from lightning_slsam.methods.slsam_ablation import SLSAMAblationSpec
+from lightning_slsam.methods.slsam_depth import CostAwareSLSAMSpec, DepthCut
+from lightning_slsam.methods.slsam_looksam import SLSAMLookSAMSpec
+from lightning_slsam.methods.slsam_rst import SLSAMRSTSpec
+from lightning_slsam.methods.ssamf import FisherMask
+from lightning_slsam.methods.top_slsam import TopKSelection, TopSLSAMSpec
 from lightning_slsam.selection.bandit import LayerBandit
-from lightning_slsam.selection.rules import AllLayers, ExpandToAll, TopKSelection
+from lightning_slsam.selection.rules import AllLayers
 
 
 def test_lookup_ignores_case_and_dashes_and_suggests_the_closest_name():
-    assert lookup("SLSAM") == (SLSAMSpec, {"preset": "paper"})
+    assert lookup("SLSAM") == (SLSAMSpec, {})
+    assert lookup("SLSAM-Paper") == (SLSAMSpec, {"preset": "paper"})
     assert lookup("Top-SLSAM") == (TopSLSAMSpec, {})
-    assert lookup("slsam-looksam") == (SLSAMSpec, {"preset": "paper", "schedule": "interval"})
-    assert lookup("adasam") == lookup("sam") == (SAMSpec, {})
+    assert lookup("slsam-looksam") == (SLSAMLookSAMSpec, {})
+    assert lookup("sam") == (SAMSpec, {})
     assert lookup("adamw") == (None, {})
     with pytest.raises(ValueError, match=r"Unknown method 'slsamm'\. Did you mean 'slsam'\?"):
         lookup("slsamm")
@@ -27,19 +37,34 @@ def test_lookup_ignores_case_and_dashes_and_suggests_the_closest_name():
         lookup("zzz")
 
 
+@pytest.mark.parametrize(
+    ("old", "now"),
+    [("adasam", "'sam'"), ("slsam_default", "'slsam'"), ("ADASAM", "'sam'"),
+     ("slsam-robust", "'slsam_ablation' with budget='count', bandit_loss='rank'")],
+)  # fmt: skip
+def test_a_name_of_an_earlier_version_says_what_it_is_called_now(old, now):
+    with pytest.raises(ValueError, match=rf"^Method '{old}' is called {now}.* since 0\.3\.$"):
+        lookup(old)
+    assert not set(RENAMED) & set(SPECS)
+
+
 def test_method_spec_applies_the_options_a_name_implies_and_given_ones_win():
-    assert method_spec("slsam").preset == "paper"
-    assert method_spec("slsam_default").preset == "default"
-    assert (method_spec("slsam_robust").preset, method_spec("slsam_robust").bandit_loss) == (
-        "robust", "rank")  # fmt: skip
-    assert method_spec("slsam_rst").schedule == "random"
-    assert method_spec("slsam_depth").backprop_depth == 0.5
-    assert method_spec("slsam_depth", backprop_depth=0.25).backprop_depth == 0.25
-    assert method_spec("looksam", interval=3).sam_interval == 3
+    assert method_spec("slsam").preset == "default"
+    assert method_spec("slsam_paper").preset == "paper"
+    assert method_spec("slsam_paper", layer_ratio=0.3).layer_ratio == 0.3
+    assert type(method_spec("slsam_rst")) is SLSAMRSTSpec
+    assert method_spec("slsam_rst").preset == "default"  # the paper's before 0.3
+    assert type(method_spec("slsam_ablation")) is SLSAMAblationSpec
+    assert type(method_spec("slsam_depth")) is CostAwareSLSAMSpec
+    assert method_spec("slsam_depth").depth == 0.5
+    assert method_spec("slsam_depth", depth=0.25).depth == 0.25
+    assert method_spec("slsam_depth", preset="paper").preset == "paper"
+    assert method_spec("looksam", interval=3).interval == 3
     assert type(method_spec("looksam")) is LookSAMSpec and type(method_spec("esam")) is ESAMSpec
     with pytest.raises(ValueError, match="plain AdamW: there is no SAM method to build"):
         method_spec("adamw")
-    assert set(SPECS) >= {"sam", "slsam", "esam", "ssamf", "looksam", "rst", "s2sam"}
+    assert set(SPECS) >= {"sam", "slsam", "slsam_paper", "esam", "ssamf", "looksam", "rst",
+                          "s2sam"}  # fmt: skip
 
 
 def test_each_name_builds_the_engine_of_its_parts():
@@ -49,18 +74,24 @@ def test_each_name_builds_the_engine_of_its_parts():
     sam = built("sam")
     assert type(sam.selection) is AllLayers and sam.selection.always_all
     assert sam.perturbation.rho == 0.01 and not sam.perturbation.adaptive
-    assert built("adasam").perturbation.adaptive is False  # an alias of sam
-    slsam = built("slsam", layer_ratio=0.25)
-    assert type(slsam.selection) is LayerBandit
+    assert type(sam.method) is MethodParts
+    slsam = built("slsam_paper", layer_ratio=0.25)
+    assert type(slsam.selection) is LayerBandit and slsam.selection.costs is None
     assert float(slsam.selection.probs.sum()) == pytest.approx(0.25 * 8)
+    default = built("slsam", layer_ratio=0.25)
+    assert type(default.selection) is LayerBandit and default.update_scale == 3.0
+    assert default.selection.costs is not None  # the parameter budget
     top = built("top_slsam", layer_ratio=0.25)
     assert type(top.selection) is TopKSelection and top.selection.k == 2
     esam = built("esam")
     assert type(esam.selection) is ExpandToAll and esam.needs_per_sample
-    assert type(built("rst").schedule) is RandomSchedule
+    assert type(built("rst").method) is Coin
     looksam = built("looksam", interval=4)
-    assert type(looksam.schedule) is IntervalSchedule and looksam.schedule.interval == 4
-    assert "reuse" in looksam.kinds
-    assert type(built("s2sam").schedule) is SingleStepSchedule
-    (hook,) = built("ssamf").hooks
-    assert isinstance(hook, FisherRefresh)
+    assert type(looksam.method) is Lookahead and looksam.method.interval == 4
+    assert looksam.method.kind(1) == "reuse"
+    assert type(built("s2sam").method) is SingleStepParts
+    assert type(built("sl_s2sam").method) is SingleStepParts
+    assert isinstance(built("ssamf").method, FisherMask)
+    assert type(built("slsam_rst").method) is Coin
+    assert type(built("slsam_looksam").method) is Lookahead
+    assert type(built("slsam_depth").selection) is DepthCut

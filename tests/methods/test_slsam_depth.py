@@ -1,20 +1,18 @@
-"""Selection rules that reshape another's draw (:mod:`lightning_slsam.selection.wrappers`):
-what DepthCut and DenseWarmup draw, and what the learning rule behind them is told."""
+"""Cost-aware SL-SAM (:mod:`lightning_slsam.methods.slsam_depth`): what its depth cut
+(:class:`DepthCut`) draws, what the bandit behind it is told, and the method it builds."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from probes import RHO
+from helpers import make_data, make_mlp
 from torch import nn
 
-from lightning_slsam import SparseLayerSAM
+from lightning_slsam import CostAwareSLSAM, SparseLayerSAM, make_callback
+from lightning_slsam.methods.slsam_depth import DepthCut
 from lightning_slsam.selection.bandit import LayerBandit
 from lightning_slsam.selection.rules import LayerSelection, UniformSelection
-from lightning_slsam.selection.wrappers import DenseWarmup, DepthCut
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -97,66 +95,9 @@ def test_depth_cut_bandit_update_differs_from_the_uncorrected_one():
     assert not torch.allclose(bandit.probs, uncorrected.probs)
 
 
-def test_dense_warmup_anneals_from_every_layer_to_the_inner_ratio():
-    n, steps = 200, 50
-    rule = DenseWarmup(UniformSelection(n, 0.2, _gen(0)), steps, _gen(1))
-    sizes = [int(rule.sample().sum()) for _ in range(steps + 20)]
-    assert sizes[0] == n  # every layer at the first step
-    for t in (10, 25, 40):
-        want = n * (0.2 + 0.8 * (1 - t / steps))
-        assert abs(sizes[t] - want) < 4 * math.sqrt(n * 0.25)
-    late = sum(sizes[steps:]) / 20
-    assert abs(late - 0.2 * n) < 6  # the inner ratio from the end of the warm-up on
-    assert rule.weight(0) == 1.0 and rule.weight(steps) == 0.0
-
-
-def test_dense_warmup_reports_the_true_inclusion_probability():
-    probs = torch.linspace(0.05, 0.9, 8)
-    rule = DenseWarmup(_Spy(probs), 10, _gen(2))
-    total = torch.zeros(8, dtype=torch.float64)
-    draws = 0
-    for _ in range(4000):
-        rule.num_sampled = 6  # hold the warm-up at step 6: weight 0.4
-        total += rule.sample().double() / rule.inclusion()
-        draws += 1
-    want = probs.double() + (1 - probs.double()) * 0.4
-    torch.testing.assert_close(rule.inclusion(), want)
-    torch.testing.assert_close(total / draws, torch.ones(8, dtype=torch.float64), atol=0.06, rtol=0)
-    rule.update(torch.ones(8, dtype=torch.bool), torch.ones(8))
-    torch.testing.assert_close(rule.inner.seen[-1], want)
-
-
-def test_dense_warmup_state_round_trip_continues_identically():
-    def make():
-        bandit = LayerBandit(30, 0.2, p_min=1e-3, loss="rank", generator=_gen(5))
-        return DenseWarmup(bandit, 20, _gen(6))
-
-    a = make()
-    for _ in range(7):
-        mask = a.sample()
-        a.update(mask, torch.rand(30, generator=_gen(int(mask.sum()))))
-    b = make()
-    b.load_state_dict(a.state_dict())
-    for _ in range(20):
-        ma, mb = a.sample(), b.sample()
-        assert torch.equal(ma, mb)
-        norms = torch.rand(30, generator=_gen(int(ma.sum())))
-        a.update(ma, norms)
-        b.update(mb, norms)
-    torch.testing.assert_close(a.probs, b.probs, rtol=0, atol=0)
-
-
-def test_dense_warmup_rejects_bad_steps():
-    for bad in (-1, 2.5, True, "10"):
-        with pytest.raises(ValueError, match="steps"):
-            DenseWarmup(UniformSelection(4, 0.5), bad)  # type: ignore[arg-type]
-
-
 def test_depth_cut_freezes_everything_below_the_cut_and_shortens_backprop():
-    from lightning_slsam.selection.wrappers import DepthCut
-
     net = nn.Sequential(*[nn.Linear(3, 3) for _ in range(20)])  # 40 tensors, input first
-    cb = SparseLayerSAM(preset="paper", layer_ratio=0.2, backprop_depth=0.5, seed=1)
+    cb = CostAwareSLSAM(preset="paper", layer_ratio=0.2, depth=0.5, seed=1)
     engine = cb.spec.build_engine(net)
     assert isinstance(engine.selection, DepthCut)
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
@@ -178,16 +119,51 @@ def test_depth_cut_freezes_everything_below_the_cut_and_shortens_backprop():
     ]
 
 
-def test_warmup_layer_ratio_falls_from_one_to_the_target():
-    net = nn.Sequential(*[nn.Linear(4, 4) for _ in range(25)])  # 50 tensors
-    cb = SparseLayerSAM(rho=RHO, dense_warmup=20, seed=1)
-    engine = cb.spec.build_engine(net)
-    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
-    x, y = torch.randn(8, 4), torch.randint(0, 4, (8,))
-    sizes = [
-        int(engine.train_step(lambda: F.cross_entropy(net(x), y), opt).active_mask.sum())
-        for _ in range(60)
-    ]
-    assert sizes[0] == 50
-    assert sum(sizes[:5]) / 5 > 40 and abs(sum(sizes[30:]) / 30 - 10) < 3
-    assert engine.selection.inner.num_updates == 60  # the bandit learns through the warm-up
+def test_the_name_and_the_options():
+    assert make_callback("slsam_depth").preset == "default"  # was the paper's before 0.3
+    assert CostAwareSLSAM().depth == 0.5 and CostAwareSLSAM(depth=0.25).depth == 0.25
+    with pytest.raises(TypeError, match=r"^CostAwareSLSAM has no option 'backprop_depth'; did"
+                       r" you mean 'depth'"):  # fmt: skip
+        CostAwareSLSAM(backprop_depth=0.5)
+    with pytest.raises(TypeError, match=r"^SparseLayerSAM has no option 'backprop_depth'; cost-"
+                       r"aware SL-SAM is CostAwareSLSAM\(depth=...\)"):  # fmt: skip
+        SparseLayerSAM(backprop_depth=0.5)
+    for bad in (0.0, 1.5, "half"):
+        with pytest.raises(ValueError, match=r"^CostAwareSLSAM: `depth` must be in \(0, 1\]"):
+            CostAwareSLSAM(depth=bad)
+
+
+def _train(spec, steps=8):
+    net = make_mlp(seed=2)
+    engine = spec.build_engine(net)
+    x, y = make_data(64).tensors
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    masks = []
+    for step in range(steps):
+        xb, yb = x[16 * (step % 4) :][:16], y[16 * (step % 4) :][:16]
+        result = engine.train_step(lambda xb=xb, yb=yb: F.cross_entropy(net(xb), yb), opt)
+        masks.append(result.active_mask.tolist())
+    return masks, [p.detach().clone() for p in net.parameters()], engine
+
+
+@pytest.mark.parametrize("preset", ["default", "paper"])
+def test_cost_aware_sl_sam_is_sl_sam_with_a_depth_cut(preset):
+    # A depth of 1 cuts nothing: SparseLayerSAM of the same preset, bit for bit.
+    whole = CostAwareSLSAM(preset=preset, depth=1.0, seed=4).spec
+    masks, weights, engine = _train(whole)
+    ref_masks, ref_weights, ref_engine = _train(SparseLayerSAM(preset=preset, seed=4).spec)
+    assert type(engine.selection) is LayerBandit
+    assert masks == ref_masks and engine.update_scale == ref_engine.update_scale
+    assert all(torch.equal(a, b) for a, b in zip(weights, ref_weights))
+    assert torch.equal(engine.selection.probs, ref_engine.selection.probs)
+    # A cut: the same bandit behind a DepthCut drawing from its own generator (the bandit's
+    # seed + 2), which a cut built here reproduces.
+    cut_masks, _, cut_engine = _train(CostAwareSLSAM(preset=preset, depth=0.5, seed=4).spec)
+    assert isinstance(cut_engine.selection, DepthCut) and cut_masks != ref_masks
+    bandit = SparseLayerSAM(preset=preset, seed=4).spec
+    bandit.build_engine(make_mlp(seed=2))  # the layers' sizes, for the compute budget
+    inner = bandit.selection(8, torch.Generator().manual_seed(4))
+    by_hand = DepthCut(inner, 0.5, torch.Generator().manual_seed(6))
+    first = by_hand.sample()
+    assert first.tolist() == cut_masks[0]
+    assert not bool(first[: by_hand.last_cut].any())

@@ -1,4 +1,5 @@
-"""Method specifications (pure PyTorch) build the same engine as the Lightning callbacks.
+"""Method specifications (:mod:`lightning_slsam.methods.spec`, pure PyTorch) build the same
+engine as the Lightning callbacks, and each method takes its own options only.
 
 When the specifications were added (49ab4d2), the callbacks still built their engines
 with their own code: this test showed the two equal, step for step, for every method.
@@ -15,6 +16,7 @@ from helpers import make_data, make_mlp
 
 from lightning_slsam import METHODS, make_callback, make_engine
 from lightning_slsam.methods.registry import SPECS, method_spec
+from lightning_slsam.methods.rst import Coin
 
 NAMES = sorted(name for name in METHODS if name != "adamw")
 
@@ -46,13 +48,13 @@ def _train(engine, model, steps=6):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_the_spec_builds_the_engine_the_callback_builds(name):
-    options = {"seed": 3, "dense_warmup": 2} if name == "slsam_robust" else {"seed": 3}
+    options = {"seed": 3}
     torch.manual_seed(0)
     a = _PerSample()
-    via_callback = make_callback(name, **options).spec.build_engine(a, total_steps=6)
+    via_callback = make_callback(name, **options).spec.build_engine(a)
     torch.manual_seed(0)
     b = _PerSample()
-    via_spec = make_engine(name, b, total_steps=6, **options)
+    via_spec = make_engine(name, b, **options)
     wa, wb = _train(via_callback, a), _train(via_spec, b)
     assert all(torch.equal(wa[n], wb[n]) for n in wa), name
     assert torch.equal(via_callback.selection.probs, via_spec.selection.probs)
@@ -69,13 +71,15 @@ def test_spec_options_are_checked_where_built():
         ValueError, match=r"^RandomSLSAM: `layer_ratio` must be in \(0, 1\], got 1.5\.$"
     ):
         method_spec("random_slsam", layer_ratio=1.5)
-    with pytest.raises(TypeError, match=r"^LookSAM has no option 'schedule'; LookSAM runs its"):
+    with pytest.raises(TypeError, match=r"^LookSAM has no option 'schedule'; SL-SAM with RST"):
         method_spec("looksam", schedule="random")
     with pytest.raises(TypeError, match=r"^LookSAM has no option 'sam_interval'; did you mean"):
         method_spec("looksam", sam_interval=2)  # LookSAM's option is `interval`
-    assert method_spec("looksam", interval=2).sam_interval == 2
-    assert method_spec("rst", probability=0.25).sam_probability == 0.25
-    assert method_spec("slsam_robust").bandit_loss == "rank"
+    assert method_spec("looksam", interval=2).interval == 2
+    assert method_spec("rst", probability=0.25).probability == 0.25
+    with pytest.raises(ValueError, match="'slsam_robust' is called 'slsam_ablation'"):
+        method_spec("slsam_robust")
+    assert method_spec("slsam_ablation", bandit_loss="rank").setting("bandit_loss") == "rank"
     with pytest.raises(ValueError, match="Did you mean 'slsam'"):
         method_spec("slsamm")
 
@@ -89,11 +93,12 @@ def test_a_method_that_renames_a_common_option_names_its_own():
         LookSAM(sam_interval=2)
     with pytest.raises(TypeError, match=r"^RST has no option 'sam_probability'; did you mean"):
         RST(sam_probability=0.2)
-    assert (LookSAM(interval=2).sam_interval, RST(probability=0.25).sam_probability) == (2, 0.25)
+    assert (LookSAM(interval=2).interval, RST(probability=0.25).probability) == (2, 0.25)
 
 
 #: The options each method takes beyond the common ones (MethodSpec's and the Lightning
-#: shell's): the step schedule is an option of SL-SAM's only (RST and LookSAM name theirs).
+#: shell's): no step schedule anywhere (RST, LookSAM and SL-SAM's combinations name their
+#: own), the preset settings alone only in SLSAMAblation.
 OWN_OPTIONS = {
     "SAM": set(),
     "S2SAM": set(),
@@ -102,14 +107,15 @@ OWN_OPTIONS = {
     "ESAM": {"weight_ratio", "data_ratio"},
     "SSAMF": {"sparsity", "fisher_samples", "mask_interval"},
     "TopSLSAM": {"layer_ratio"},
-    "RandomSLSAM": {"layer_ratio", "dense_warmup", "min_updates", "scale_updates",
-                    "max_update_scale"},
-    "SLS2SAM": {"layer_ratio", "dense_warmup", "min_updates", "scale_updates",
-                "max_update_scale", "p_min", "alpha_p", "bandit_loss", "budget",
-                "backprop_depth", "preset"},
+    "RandomSLSAM": {"layer_ratio", "preset"},
+    "SLS2SAM": {"layer_ratio", "p_min", "preset"},
 }  # fmt: skip
-OWN_OPTIONS["SparseLayerSAM"] = OWN_OPTIONS["SLS2SAM"] | {
-    "schedule", "sam_probability", "sam_interval", "looksam_alpha", "dense_one_pass",
+OWN_OPTIONS["SparseLayerSAM"] = OWN_OPTIONS["SLS2SAM"]
+OWN_OPTIONS["SLSAMRST"] = OWN_OPTIONS["SparseLayerSAM"] | {"probability"}
+OWN_OPTIONS["SLSAMLookSAM"] = OWN_OPTIONS["SparseLayerSAM"] | {"interval", "alpha"}
+OWN_OPTIONS["CostAwareSLSAM"] = OWN_OPTIONS["SparseLayerSAM"] | {"depth"}
+OWN_OPTIONS["SLSAMAblation"] = OWN_OPTIONS["SparseLayerSAM"] | {
+    "budget", "bandit_loss", "alpha_p", "head_always_active", "max_update_scale",
 }  # fmt: skip
 
 
@@ -121,6 +127,8 @@ def test_each_method_takes_its_own_options_only():
 
     common = set(inspect.signature(SAM).parameters)
     assert "schedule" not in common and "sam_probability" not in common
+    assert set(OWN_OPTIONS) == set(callbacks.__all__) - {"METHODS", "make_callback",
+                                                         "make_callbacks"}  # fmt: skip
     for name, own in OWN_OPTIONS.items():
         cls = getattr(callbacks, name)
         assert set(inspect.signature(cls).parameters) == common | own, name
@@ -132,9 +140,10 @@ def test_each_method_takes_its_own_options_only():
 @pytest.mark.parametrize(
     ("method", "option", "value", "hint"),
     [
-        ("sam", "schedule", "random", "SAM runs its own step schedule"),
-        ("random_slsam", "sam_probability", 0.5, "schedule options are SparseLayerSAM's"),
-        ("sl_s2sam", "dense_one_pass", True, "SLS2SAM runs its own step schedule"),
+        ("sam", "schedule", "random", "SL-SAM with RST's coin is SLSAMRST"),
+        ("random_slsam", "sam_probability", 0.5, "it is RST's and SLSAMRST's `probability`"),
+        ("sl_s2sam", "dense_one_pass", True, "retired in 0.3"),
+        ("slsam", "bandit_loss", "rank", "decided by `preset`"),
         ("rst", "sam_probability", 0.2, "did you mean 'probability'"),
         ("looksam", "looksam_alpha", 0.0, "did you mean 'alpha'"),
     ],
@@ -149,8 +158,10 @@ def test_an_option_a_method_no_longer_takes_is_named_with_where_it_is(method, op
         callback(**{option: value})
 
 
-def test_sl_sam_keeps_the_schedules_of_its_methods():
-    assert method_spec("slsam_rst").schedule == "random"
-    assert method_spec("slsam_looksam", sam_interval=3).sam_interval == 3
-    with pytest.raises(ValueError, match=r"^SparseLayerSAM: `schedule` must be one of .*SLS2SAM"):
+def test_sl_sam_on_the_schedules_of_other_methods_is_their_combination():
+    assert type(method_spec("slsam_rst").parts(torch.Generator())) is Coin
+    assert method_spec("slsam_looksam", interval=3).interval == 3
+    with pytest.raises(TypeError, match=r"^SLSAMLookSAM has no option 'sam_interval'; did you"):
+        method_spec("slsam_looksam", sam_interval=3)
+    with pytest.raises(TypeError, match=r"^SparseLayerSAM has no option 'schedule'; .*SLS2SAM"):
         method_spec("slsam", schedule="single")
