@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from helpers import LitModel, ResumableLoader, make_data, make_mlp
 
 from lightning_slsam import SparseLayerSAM
+from lightning_slsam.lightning.callbacks import SLSAMAblation
 
 
 class Killable(LitModel):
@@ -56,7 +57,7 @@ def train(args) -> None:
     L.seed_everything(7)
     model = Killable(make_mlp(seed=5))
     model.kill_at = args.kill_at
-    sam = SparseLayerSAM(layer_ratio=0.3, alpha_p=0.05)
+    sam = SLSAMAblation(layer_ratio=0.3, alpha_p=0.05)
     saver = ModelCheckpoint(dirpath=os.path.join(args.out, "ckpt"), every_n_train_steps=2,
                             save_top_k=-1)  # fmt: skip
     trainer = _trainer(max_steps=args.steps, callbacks=[sam, saver], enable_checkpointing=True,

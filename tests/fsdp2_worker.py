@@ -30,27 +30,26 @@ CASES = {
     "sam": ("sam", {}),
     "asam": ("sam", {"adaptive": True}),
     "sam_layer_norm": ("sam", {"perturbation_norm": "layer"}),
+    "slsam_paper": ("slsam_paper", {"layer_ratio": 0.5}),
+    # SparseLayerSAM()'s default, every remedy at once: the compute budget's costs from the
+    # sharded parameters, the rank bandit, the head every step, the update scaling
     "slsam": ("slsam", {"layer_ratio": 0.5}),
-    # every remedy at once: the robust preset and a dense warm-up (helpers.EXTRA_OPTIONS)
-    "slsam_robust": (
-        "slsam",
-        {"preset": "robust", "dense_warmup": 0.3, "layer_ratio": 0.5, "total_steps": 10},
-    ),
-    # SparseLayerSAM()'s default: the compute budget's costs from the sharded parameters
-    "slsam_default": ("slsam_default", {"layer_ratio": 0.5}),
     "random_slsam": ("random_slsam", {"layer_ratio": 0.5}),
     "top_slsam": ("top_slsam", {"layer_ratio": 0.5}),
     "s2sam": ("s2sam", {}),
     "sl_s2sam": ("sl_s2sam", {"layer_ratio": 0.5}),
     "rst": ("rst", {}),
     "looksam": ("looksam", {"interval": 2}),
+    "slsam_rst": ("slsam_rst", {"layer_ratio": 0.5}),
     "slsam_looksam": ("slsam_looksam", {"layer_ratio": 0.5}),
+    "slsam_depth": ("slsam_depth", {"layer_ratio": 0.5}),
     "ssamf": ("ssamf", {"mask_interval": 2}),  # Fisher over all 16 samples, as on one process
     "esam": ("esam", {}),  # each process ranks its own samples: not the one-process run
 }
 #: name -> the case run again, with the head sharded by the root, and an evaluation (a
 #: forward under ``torch.no_grad``, which leaves FSDP2's root unsharded) before every step.
-EVALUATED = {"sam_evaluated": "sam", "slsam_evaluated": "slsam", "sl_s2sam_evaluated": "sl_s2sam"}
+EVALUATED = {"sam_evaluated": "sam", "slsam_paper_evaluated": "slsam_paper",
+             "sl_s2sam_evaluated": "sl_s2sam"}  # fmt: skip
 #: name -> (method, options) that must be refused with sharded parameters.
 REFUSED = {
     "local_first_pass": ("sam", {"sync_first_pass": False}),

@@ -14,7 +14,6 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from lightning_slsam import SAMMixin
 
 
-
 def make_data(n: int = 64, dim: int = 8, classes: int = 3, seed: int = 0) -> TensorDataset:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, dim, generator=gen)

@@ -28,7 +28,7 @@ from lightning_slsam import make_engine
 #: FSDP2 refuses and DDP runs (each process perturbs with its own gradient).
 CASES = {
     **FSDP2_CASES,
-    "local_first_pass": ("slsam", {"layer_ratio": 0.5, "sync_first_pass": False}),
+    "local_first_pass": ("slsam_paper", {"layer_ratio": 0.5, "sync_first_pass": False}),
 }
 
 

@@ -62,7 +62,7 @@ def test_sparse_step_changes_exactly_the_active_tensors():
 def test_estimated_stepping_batches_counts_the_plugins_accumulation(
     max_epochs, max_steps, expected
 ):
-    from lightning_slsam import estimated_stepping_batches
+    from lightning_slsam.lightning.callback import estimated_stepping_batches
 
     seen = {}
 

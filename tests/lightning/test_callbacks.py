@@ -12,20 +12,26 @@ from lightning_slsam import (
     S2SAM,
     SAM,
     SLS2SAM,
+    SLSAMRST,
     SSAMF,
+    CostAwareSLSAM,
     LookSAM,
     RandomSLSAM,
+    SLSAMLookSAM,
     SparseLayerSAM,
     TopSLSAM,
     make_callback,
 )
+from lightning_slsam.lightning.callbacks import SLSAMAblation
 
 
 def test_registry_builds_every_method_with_its_paper_defaults():
     expected = {
-        "sam": SAM, "adasam": SAM, "slsam": SparseLayerSAM, "random_slsam": RandomSLSAM,
-        "top_slsam": TopSLSAM, "s2sam": S2SAM, "sl_s2sam": SLS2SAM, "rst": RST, "esam": ESAM,
-        "ssamf": SSAMF, "looksam": LookSAM,
+        "sam": SAM, "slsam": SparseLayerSAM, "slsam_paper": SparseLayerSAM,
+        "random_slsam": RandomSLSAM, "top_slsam": TopSLSAM, "s2sam": S2SAM, "sl_s2sam": SLS2SAM,
+        "rst": RST, "esam": ESAM, "ssamf": SSAMF, "looksam": LookSAM, "slsam_rst": SLSAMRST,
+        "slsam_looksam": SLSAMLookSAM, "slsam_depth": CostAwareSLSAM,
+        "slsam_ablation": SLSAMAblation,
     }  # fmt: skip
     for name, cls in expected.items():
         cb = make_callback(name)
@@ -33,18 +39,28 @@ def test_registry_builds_every_method_with_its_paper_defaults():
     with pytest.raises(ValueError, match="needs no callback"):
         make_callback("adamw")
     assert make_callback("SL-SAM".replace("SL-SAM", "slsam")).layer_ratio == 0.2
-    assert make_callback("rst").sam_probability == 0.5
+    assert make_callback("rst").probability == 0.5
     assert (make_callback("esam").weight_ratio, make_callback("esam").data_ratio) == (0.5, 0.5)
     assert make_callback("ssamf").sparsity == 0.5
-    assert (make_callback("looksam").sam_interval, make_callback("looksam").looksam_alpha) == (
+    assert (make_callback("looksam").interval, make_callback("looksam").alpha) == (5, 0.7)
+    # SparseLayerSAM() is "slsam"; the paper's method is "slsam_paper".
+    assert make_callback("slsam").preset == "default"
+    assert make_callback("slsam").spec.setting("bandit_loss") == "rank"
+    assert make_callback("slsam_paper").preset == "paper"
+    # SL-SAM on RST's coin and on LookSAM's interval: classes of their own.
+    assert make_callback("slsam_rst").probability == 0.5
+    assert (make_callback("slsam_looksam").interval, make_callback("slsam_looksam").alpha) == (
         5,
         0.7,
     )
-    assert make_callback("slsam_rst").schedule == "random"
-    assert make_callback("slsam_looksam").schedule == "interval"
-    assert make_callback("slsam_robust").bandit_loss == "rank"
-    assert set(METHODS) >= set(expected) | {"adamw", "slsam_rst", "slsam_looksam", "slsam_robust"}
+    assert set(METHODS) >= set(expected) | {"adamw"}
+    # The names of earlier versions say what they are called now.
+    for old, new in [("adasam", "'sam'"), ("slsam_default", "'slsam'"),
+                     ("slsam_robust", "'slsam_ablation'")]:  # fmt: skip
+        assert old not in METHODS
+        with pytest.raises(ValueError, match=f"Method '{old}' is called {new}"):
+            make_callback(old)
     with pytest.raises(ValueError, match="Unknown method 'sgd'"):
         make_callback("sgd")
-    with pytest.raises(TypeError, match=r"^RST has no option 'schedule'; RST runs its own"):
+    with pytest.raises(TypeError, match=r"^RST has no option 'schedule'; SL-SAM with RST's coin"):
         RST(schedule="interval")

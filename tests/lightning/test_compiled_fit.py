@@ -20,8 +20,8 @@ from lightning_slsam import SAM, SparseLayerSAM, make_callback
 BLOCKS = [r"^(net\.blocks\.\d+)\."]
 #: The registry's methods that draw a different set of layers each step.
 SAMPLING = [
-    "slsam", "random_slsam", "top_slsam", "sl_s2sam", "esam", "slsam_rst", "slsam_looksam",
-    "slsam_depth", "slsam_robust", "slsam_default",
+    "slsam_paper", "random_slsam", "top_slsam", "sl_s2sam", "esam", "slsam_rst", "slsam_looksam",
+    "slsam_depth", "slsam", "slsam_ablation",
 ]  # fmt: skip
 #: One backend for the tests that compile blocks themselves: its graphs are traced once
 #: (by the first test that needs a state) and reused by the others.
@@ -132,7 +132,7 @@ def test_a_model_compiled_whole_trains_sl_sam_on_its_blocks(form, caplog):
     assert model._compiler_ctx is None  # Lightning's whole-model compile was handed back
     counts = callback.engine.counts[:3].tolist()
     assert all(0 < c < 12 for c in counts)  # each block both trained and frozen
-    eager, eager_cb = _eager("slsam", layer_ratio=0.4, rho=0.05, seed=3)
+    eager, eager_cb = _eager("slsam_paper", layer_ratio=0.4, rho=0.05, seed=3)
     assert eager_cb.engine.counts.tolist() == callback.engine.counts.tolist()
     _assert_equal(_weights(model), eager)
 
@@ -212,7 +212,7 @@ def test_dense_sam_on_the_trainers_compiled_module_compiles_the_forward_once():
     _assert_equal(_weights(model), _weights(eager))
 
 
-@pytest.mark.parametrize("name", ["slsam", "slsam_default"])
+@pytest.mark.parametrize("name", ["slsam_paper", "slsam"])
 def test_compiled_blocks_in_bf16_mixed_compile_once_and_follow_eager(name):
     """Autocast traced into the blocks' graphs: each layer drawn as often as in eager
     bf16-mixed, no recompile after warm-up, and eager's weights (the backend runs eager's

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from probes import fp16
 
 from lightning_slsam import ESAM, SAM, SparseLayerSAM
+from lightning_slsam.lightning.callbacks import SLSAMAblation
 from lightning_slsam.lightning.driver import StepDriver, driver_of, find_sam_callback, loss_of
 
 # -- LR schedulers ---------------------------------------------------------------------------------
@@ -132,7 +133,7 @@ def test_sl_sam_accumulation_equals_the_large_batch_step():
     runs = []
     for accumulate, batch in ((1, 32), (4, 8)):
         snaps = Snapshots()
-        cb = SparseLayerSAM(
+        cb = SLSAMAblation(
             layer_ratio=0.4, alpha_p=0.05, seed=3, accumulate_grad_batches=accumulate
         )
         t = trainer(callbacks=[cb, snaps], max_steps=2)
@@ -207,7 +208,7 @@ def test_fp16_selection_learns_from_unscaled_norms():
 
 @pytest.mark.parametrize("bad_pass", [1, 2])
 def test_fp16_overflow_in_either_pass_skips_the_step_and_backs_off_the_scaler(bad_pass):
-    cb = SparseLayerSAM(layer_ratio=0.5, alpha_p=0.05, seed=0, gradient_clip_val=1.0)
+    cb = SLSAMAblation(layer_ratio=0.5, alpha_p=0.05, seed=0, gradient_clip_val=1.0)
     state = StepState(cb)
     model = Spiky(bad_step=2, bad_pass=bad_pass)
     with pytest.warns(

@@ -8,15 +8,14 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import EXTRA_OPTIONS, Counting, LitModel, Stack, loader, make_data, make_mlp, trainer
+from helpers import Counting, LitModel, Stack, loader, make_data, make_mlp, trainer
 
 from lightning_slsam import FabricSAM, make_callback
 
-#: Every method of the comparison, by name, and the plugin's own presets.
+#: Every method of the registry, by name: the comparison's and the plugin's own.
 METHODS = [
-    "sam", "slsam", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
-    "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_depth", "slsam_robust",
-    "slsam_default",
+    "sam", "slsam_paper", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
+    "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_depth", "slsam", "slsam_ablation",
 ]  # fmt: skip
 STEPS = 4
 BATCH = 16
@@ -29,7 +28,7 @@ class PerSample(LitModel):
 
 
 def _options(method: str, **extra) -> dict:
-    return {"seed": 3, **EXTRA_OPTIONS.get(method, {}), **extra}
+    return {"seed": 3, **extra}
 
 
 def _weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -45,8 +44,7 @@ def fabric_run(method, accumulate=1, clip=None, algorithm="norm", precision="32-
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01)
     model, optimizer = fabric.setup(net, optimizer)
     sam = FabricSAM(fabric, model, optimizer, method, gradient_clip_val=clip,
-                    gradient_clip_algorithm=algorithm, total_steps=steps,
-                    **_options(method, **options))  # fmt: skip
+                    gradient_clip_algorithm=algorithm, **_options(method, **options))  # fmt: skip
     batches = list(loader(make_data(BATCH * steps), BATCH // accumulate))
     results = []
 
@@ -86,7 +84,7 @@ def test_fabric_equals_the_trainer_path(method):
     assert _max_diff(weights, start) > 1e-3  # it trained
 
 
-@pytest.mark.parametrize("method", ["sam", "slsam", "esam"])
+@pytest.mark.parametrize("method", ["sam", "slsam_paper", "esam"])
 def test_accumulation_and_clipping_equal_the_trainer_path(method):
     for options in ({"accumulate": 2}, {"clip": 0.05}, {"clip": 0.01, "algorithm": "value"},
                     {"accumulate": 2, "clip": 0.05}):  # fmt: skip
@@ -97,7 +95,7 @@ def test_accumulation_and_clipping_equal_the_trainer_path(method):
     assert _max_diff(fabric_run(method, clip=0.05)[0], unclipped) > 1e-4  # clipping acted
 
 
-@pytest.mark.parametrize("method", ["sam", "slsam", "slsam_default"])
+@pytest.mark.parametrize("method", ["sam", "slsam_paper", "slsam"])
 def test_bfloat16_mixed_is_within_the_trainer_paths_tolerance(method):
     weights, _, _ = fabric_run(method, precision="bf16-mixed")
     full, _, _ = fabric_run(method)
@@ -108,7 +106,7 @@ def test_bfloat16_mixed_is_within_the_trainer_paths_tolerance(method):
 
 def test_fabric_save_and_load_resume_bit_for_bit(tmp_path):
     steps = 6
-    full, full_sam, _ = fabric_run("slsam", steps=steps)
+    full, full_sam, _ = fabric_run("slsam_paper", steps=steps)
 
     def run(start: int, stop: int, load: bool):
         L.seed_everything(7)
@@ -116,7 +114,7 @@ def test_fabric_save_and_load_resume_bit_for_bit(tmp_path):
         net = make_mlp(seed=5)
         optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01)
         model, optimizer = fabric.setup(net, optimizer)
-        sam = FabricSAM(fabric, model, optimizer, "slsam", total_steps=steps, seed=3)
+        sam = FabricSAM(fabric, model, optimizer, "slsam_paper", seed=3)
         state = {"model": model, "optimizer": optimizer, "sam": sam}
         if load:
             fabric.load(tmp_path / "ckpt.pt", state)
@@ -185,7 +183,7 @@ def test_float16_overflow_skips_the_step_and_backs_the_scaler_off():
                       plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])  # fmt: skip
     net = make_mlp(seed=5)
     model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
-    sam = FabricSAM(fabric, model, optimizer, "slsam", seed=3)
+    sam = FabricSAM(fabric, model, optimizer, "slsam_paper", seed=3)
     seen = []
     for step, batch in enumerate(list(loader(make_data(48), BATCH))):
         calls = []
@@ -210,7 +208,7 @@ def _fit_stack(compiled, backend=None, **options):
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
     model, optimizer = fabric.setup(torch.compile(net, backend=backend) if compiled else net,
                                     optimizer)  # fmt: skip
-    sam = FabricSAM(fabric, model, optimizer, "slsam", seed=3, **options)
+    sam = FabricSAM(fabric, model, optimizer, "slsam_paper", seed=3, **options)
 
     def loss_fn(batch):
         return F.cross_entropy(model(batch[0]), batch[1], reduction="none")

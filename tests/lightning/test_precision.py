@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import EXTRA_OPTIONS, LitModel, Snapshots, loader, make_data, make_mlp, trainer
+from helpers import LitModel, Snapshots, loader, make_data, make_mlp, trainer
 from probes import fp16
 from torch import nn
 
@@ -34,8 +34,8 @@ def test_precisions_keep_the_contract(precision):
 
 # -- every method in every precision (one device; DDP and FSDP2: tests/parallel) -------------------
 PRECISION_METHODS = [
-    "sam", "slsam", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
-    "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_robust",
+    "sam", "slsam_paper", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
+    "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_depth", "slsam_ablation", "slsam",
 ]  # fmt: skip
 
 
@@ -67,11 +67,9 @@ class PerSample(LitModel):
 
 
 def _fit_in(method: str, precision: str) -> tuple[Snapshots, nn.Module]:
-
     options = {"seed": 3, "plot": False}
-    if method in ("slsam", "random_slsam", "sl_s2sam"):
+    if method in ("slsam_paper", "random_slsam", "sl_s2sam"):
         options["layer_ratio"] = 0.5
-    options.update(EXTRA_OPTIONS.get(method, {}))
     snaps, model = Snapshots(), PerSample(make_mlp(seed=0))
     plugins = [fp16(2.0**8)] if precision == "16-mixed" else []
     fit = trainer([make_callback(method, **options), snaps], max_steps=3, plugins=plugins,

@@ -12,25 +12,28 @@ from helpers import LitModel, ResumableLoader, loader, make_data, make_mlp, trai
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from lightning_slsam import SparseLayerSAM
+from lightning_slsam import CostAwareSLSAM, SparseLayerSAM
+from lightning_slsam.lightning.callbacks import SLSAMAblation
 
 
 @pytest.mark.parametrize(
-    "options",
+    ("method", "options"),
     [
-        {"alpha_p": 0.05},
-        # The rank loss and a dense warm-up that spans the checkpoint (steps 0-11 of 16).
-        {"bandit_loss": "rank", "alpha_p": 0.5, "dense_warmup": 12},
+        (SLSAMAblation, {"alpha_p": 0.05}),
+        (SLSAMAblation, {"bandit_loss": "rank", "alpha_p": 0.5}),
+        # A selection wrapper whose draws span the checkpoint: the depth cut's own generator.
+        (CostAwareSLSAM, {}),
     ],
+    ids=["alpha_p", "rank", "depth_cut"],
 )
-def test_resume_equals_uninterrupted(tmp_path, options):
+def test_resume_equals_uninterrupted(tmp_path, method, options):
     data = make_data(64)
     net = make_mlp(seed=5)
 
     def run(max_epochs, ckpt_path=None, callbacks=()):
         L.seed_everything(7)
         model = LitModel(copy.deepcopy(net))
-        cb = SparseLayerSAM(layer_ratio=0.3, **options)
+        cb = method(layer_ratio=0.3, **options)
         t = trainer(callbacks=[cb, *callbacks], max_epochs=max_epochs, enable_checkpointing=True)
         t.fit(model, loader(data, 16), ckpt_path=ckpt_path)
         return model, cb
@@ -49,7 +52,7 @@ def test_resume_equals_uninterrupted(tmp_path, options):
     assert resumed_cb.engine.num_steps == 16
 
     state = torch.load(ckpt, weights_only=False)["callbacks"]
-    (key,) = [k for k in state if "SparseLayerSAM" in k]
+    (key,) = [k for k in state if method.__name__ in k]
     assert state[key]["layer_names"] == full_cb.layer_names
 
 
@@ -61,7 +64,7 @@ def test_mid_epoch_resume_equals_uninterrupted(tmp_path):
     def run(max_epochs, ckpt_path=None, callbacks=()):
         L.seed_everything(7)
         model = LitModel(copy.deepcopy(net))
-        cb = SparseLayerSAM(layer_ratio=0.3, alpha_p=0.05)
+        cb = SLSAMAblation(layer_ratio=0.3, alpha_p=0.05)
         t = trainer(callbacks=[cb, *callbacks], max_epochs=max_epochs, enable_checkpointing=True)
         t.fit(model, ResumableLoader(data, batch_size=16), ckpt_path=ckpt_path)
         return model, cb
@@ -124,13 +127,13 @@ def test_resume_is_exact_when_the_data_order_and_random_draws_are(tmp_path):
 def test_resume_with_changed_options_keeps_distribution_and_applies_new_options(tmp_path):
     data = make_data(64)
     saver = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1)
-    first = SparseLayerSAM(preset="paper", layer_ratio=0.3, alpha_p=0.05, seed=0)
+    first = SLSAMAblation(preset="paper", layer_ratio=0.3, alpha_p=0.05, seed=0)
     trainer(callbacks=[first, saver], max_epochs=1, enable_checkpointing=True).fit(
         LitModel(make_mlp()), loader(data, 16)
     )
     learned = first.probs.clone()
 
-    resumed = SparseLayerSAM(preset="paper", layer_ratio=0.5, alpha_p=0.0, seed=0)
+    resumed = SLSAMAblation(preset="paper", layer_ratio=0.5, alpha_p=0.0, seed=0)
     with pytest.warns(UserWarning, match=r"layer_ratio 0.3 -> 0.5.*alpha_p 0.05 -> 0.0"):
         trainer(callbacks=[resumed], max_epochs=2).fit(
             LitModel(make_mlp()), loader(data, 16), ckpt_path=str(tmp_path / "epoch=0-step=4.ckpt")
@@ -145,15 +148,9 @@ def test_resume_with_changed_options_keeps_distribution_and_applies_new_options(
 
 
 def test_a_fit_under_the_compute_budget_and_a_resume_that_switches_budget(tmp_path):
-    import lightning as L
-    from helpers import LitModel, loader, make_data, make_mlp, trainer
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    from lightning_slsam import SparseLayerSAM
-
     def fit(budget, max_epochs, ckpt_path=None, callbacks=()):
         L.seed_everything(0)
-        callback = SparseLayerSAM(layer_ratio=0.3, budget=budget, bandit_loss="rank")
+        callback = SLSAMAblation(layer_ratio=0.3, budget=budget, bandit_loss="rank")
         t = trainer(callbacks=[callback, *callbacks], max_epochs=max_epochs,
                     enable_checkpointing=bool(callbacks))  # fmt: skip
         t.fit(LitModel(make_mlp(seed=5)), loader(make_data(64), 16), ckpt_path=ckpt_path)

@@ -14,50 +14,57 @@ import sys
 
 import pytest
 import torch
+from ddp_worker import OPTIONS
 from helpers import launch, two_ranks
 from plain_ddp_worker import CASES as PLAIN_CASES
+
+from lightning_slsam.methods.registry import method_spec
 
 #: The workers stay in tests/ (run by path), one folder above this file.
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(TESTS, "ddp_worker.py")
 METHODS = [
-    "sam", "slsam", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
-    "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_robust",
+    "sam", "slsam_paper", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
+    "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam", "slsam_depth", "slsam_ablation",
 ]  # fmt: skip
+#: The fp16 and bfloat16 runs: every method but slsam_ablation, which without options runs
+#: slsam's configuration (its runs would repeat slsam's).
+PRECISION_METHODS = [m for m in METHODS if m != "slsam_ablation"]
 #: Methods trained on a model whose blocks are compiled (layer sampling: each block a layer).
-COMPILED = ["slsam", "slsam_default", "top_slsam", "esam"]
+COMPILED = ["slsam_paper", "slsam", "top_slsam", "esam"]
 # ESAM's data selection ranks each process's own samples: not the one-process choice.
 PER_RANK_DATA = {"esam"}
 # Methods whose step 1 runs two passes (S2-SAM, LookSAM and RST's runs reuse or skip it).
-SECOND_PASS_AT_STEP_1 = {"sam", "slsam", "random_slsam", "top_slsam", "esam", "ssamf",
-                         "slsam_robust"}  # fmt: skip
+SECOND_PASS_AT_STEP_1 = {"sam", "slsam_paper", "random_slsam", "top_slsam", "esam", "ssamf",
+                         "slsam", "slsam_depth"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    methods = ",".join(METHODS)
+    methods, precision_methods = ",".join(METHODS), ",".join(PRECISION_METHODS)
     fork, spawn = ["--devices", "2", "--strategy", "ddp_fork"], ["--strategy", "ddp_spawn"]
     # One launch for the fork and spawn launchers' runs, then the one-process runs (the
     # parent computes nothing before its last fork). Lightning's subprocess launcher ("ddp")
     # starts the second rank by re-running the script: its runs take a launch of their own.
     launch(WORKER, [
         ["--methods", methods, *fork],
-        ["--methods", "slsam,sam", *fork, "--local-first-pass"],
-        ["--methods", "slsam", *fork, "--accumulate", "2"],
+        ["--methods", "slsam_paper,sam", *fork, "--local-first-pass"],
+        ["--methods", "slsam_paper", *fork, "--accumulate", "2"],
         # Every method in every precision the strategy takes (one process beside, for fp16).
-        ["--methods", methods, *fork, "--fp16"],
-        *(["--methods", methods, *fork, "--precision", p] for p in ("bf16-mixed", "bf16-true")),
+        ["--methods", precision_methods, *fork, "--fp16"],
+        *(["--methods", precision_methods, *fork, "--precision", p]
+          for p in ("bf16-mixed", "bf16-true")),
         # Regional compilation: every layer-sampling method's graphs traced once per state.
         ["--methods", ",".join(COMPILED), *fork, "--compile", "--steps", "8"],
-        ["--methods", "slsam", "--devices", "2", *spawn],
+        ["--methods", "slsam_paper", "--devices", "2", *spawn],
         # The default sanity check, then validation after every step.
-        ["--methods", "slsam", "--devices", "2", *spawn, "--validate"],
+        ["--methods", "slsam_paper", "--devices", "2", *spawn, "--validate"],
         ["--methods", methods, "--devices", "1"],
-        ["--methods", methods, "--devices", "1", "--fp16"],
+        ["--methods", precision_methods, "--devices", "1", "--fp16"],
         ["--methods", ",".join(COMPILED), "--devices", "1", "--compile", "--steps", "8"],
     ], out, timeout=1500)  # fmt: skip
-    launch(WORKER, [["--methods", "slsam", "--devices", "2", "--strategy", "ddp", *validate]
+    launch(WORKER, [["--methods", "slsam_paper", "--devices", "2", "--strategy", "ddp", *validate]
                     for validate in ([], ["--validate"])], out)  # fmt: skip
 
     def load(tag: str, rank: int = 0) -> dict:
@@ -92,16 +99,16 @@ def test_every_method_keeps_ranks_identical_and_matches_one_process(runs, method
 
 @pytest.mark.parametrize("launcher", ["ddp", "ddp_spawn"])
 def test_other_launchers_match_one_process(runs, launcher):
-    r0, r1 = runs(f"slsam_{launcher}_2", 0), runs(f"slsam_{launcher}_2", 1)
+    r0, r1 = runs(f"slsam_paper_{launcher}_2", 0), runs(f"slsam_paper_{launcher}_2", 1)
     assert _same_ranks(r0, r1)
-    assert _max_diff(r0, runs("slsam_ddp_fork_1")) < 1e-5
+    assert _max_diff(r0, runs("slsam_paper_ddp_fork_1")) < 1e-5
 
 
 @pytest.mark.parametrize("launcher", ["ddp", "ddp_spawn"])
 def test_validation_before_and_between_steps_under_ddp(runs, launcher):
-    plain = runs(f"slsam_{launcher}_2", 0)
+    plain = runs(f"slsam_paper_{launcher}_2", 0)
     for rank in (0, 1):
-        run = runs(f"slsam_{launcher}_2_val", rank)
+        run = runs(f"slsam_paper_{launcher}_2_val", rank)
         assert run["validations"] == 4  # the sanity check, then one after each step
         assert run["checksums"] == plain["checksums"]
         assert all(torch.equal(a, b) for a, b in zip(run["masks"], plain["masks"], strict=True))
@@ -129,7 +136,7 @@ def _active(record: dict, mask: torch.Tensor) -> tuple[int, int]:
 
 
 def test_only_active_layers_gradients_travel(runs):
-    sam, slsam = runs("sam_ddp_fork_2"), runs("slsam_ddp_fork_2")
+    sam, slsam = runs("sam_ddp_fork_2"), runs("slsam_paper_ddp_fork_2")
     for record in (sam, slsam):
         for mask, sent in zip(record["masks"], record["bytes"], strict=True):
             numel, tensors = _active(record, mask)
@@ -140,7 +147,7 @@ def test_only_active_layers_gradients_travel(runs):
 
 
 def test_local_first_pass_sends_no_first_pass_gradients(runs):
-    for method in ("sam", "slsam"):
+    for method in ("sam", "slsam_paper"):
         r0, r1 = runs(f"{method}_ddp_fork_2_local", 0), runs(f"{method}_ddp_fork_2_local", 1)
         assert _same_ranks(r0, r1)  # each rank perturbed on its own, yet the weights agree
         assert _max_diff(r0, runs(f"{method}_ddp_fork_2")) > 1e-4  # and differ from synced
@@ -152,15 +159,15 @@ def test_local_first_pass_sends_no_first_pass_gradients(runs):
 
 
 def test_accumulation_under_ddp_equals_the_one_process_large_batch(runs):
-    r0, r1 = runs("slsam_ddp_fork_2_acc2", 0), runs("slsam_ddp_fork_2_acc2", 1)
+    r0, r1 = runs("slsam_paper_ddp_fork_2_acc2", 0), runs("slsam_paper_ddp_fork_2_acc2", 1)
     assert _same_ranks(r0, r1)
     assert r0["global_step"] == 3 and len(r0["masks"]) == 3  # one step per 2 micro-batches
-    one = runs("slsam_ddp_fork_1")  # 16 samples per step in one batch
+    one = runs("slsam_paper_ddp_fork_1")  # 16 samples per step in one batch
     assert _max_diff(r0, one) < 1e-5
     torch.testing.assert_close(r0["probs"], one["probs"], rtol=0, atol=1e-8)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", PRECISION_METHODS)
 def test_fp16_overflow_under_ddp_skips_on_every_rank_and_backs_off(runs, method):
     r0, r1 = runs(f"{method}_ddp_fork_2_fp16", 0), runs(f"{method}_ddp_fork_2_fp16", 1)
     assert _same_ranks(r0, r1)
@@ -180,7 +187,7 @@ def test_fp16_overflow_under_ddp_skips_on_every_rank_and_backs_off(runs, method)
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", PRECISION_METHODS)
 def test_every_method_in_bfloat16_under_ddp(runs, method, precision):
     # Identical processes, the float32 run's layers, and its weights up to bfloat16.
     tag = f"{method}_ddp_fork_2_{precision}"
@@ -189,7 +196,15 @@ def test_every_method_in_bfloat16_under_ddp(runs, method, precision):
     full = runs(f"{method}_ddp_fork_2")
     assert all(torch.equal(a, b) for a, b in zip(r0["masks"], full["masks"], strict=True))
     # ESAM's choice of samples follows bfloat16 per-sample losses.
-    assert _max_diff(r0, full) < (0.1 if method in PER_RANK_DATA else 3e-2)
+    assert _max_diff(r0, full) < (0.1 if method in PER_RANK_DATA else _bf16(method, precision))
+
+
+def _bf16(method: str, precision: str) -> float:
+    """The bfloat16 tolerance: 3e-2, times the update scaling's cap (3 in the default preset)
+    in bf16-true, whose weights hold each scaled update -- and its rounding -- in bfloat16
+    (measured: 0.060 for slsam, 0.020 with max_update_scale=1, as slsam_paper)."""
+    scale = method_spec(method, **OPTIONS.get(method, {})).update_scale
+    return 3e-2 * ((scale or 1.0) if precision == "bf16-true" else 1.0)
 
 
 def test_two_nodes_under_torchrun_match_one_process(runs, tmp_path):
@@ -203,7 +218,7 @@ def test_two_nodes_under_torchrun_match_one_process(runs, tmp_path):
         port = s.getsockname()[1]
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     command = [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--master-addr",
-               "127.0.0.1", "--master-port", str(port), WORKER, "--methods", "slsam",
+               "127.0.0.1", "--master-port", str(port), WORKER, "--methods", "slsam_paper",
                "--devices", "1", "--num-nodes", "2", "--strategy", "ddp", "--out",
                str(tmp_path)]  # fmt: skip
     agents = []
@@ -214,12 +229,12 @@ def test_two_nodes_under_torchrun_match_one_process(runs, tmp_path):
     for agent in agents:
         _, err = agent.communicate(timeout=600)
         assert agent.returncode == 0, err[-3000:]
-    load = [torch.load(tmp_path / f"slsam_ddp_1_nodes2_rank{r}.pt", weights_only=False)
+    load = [torch.load(tmp_path / f"slsam_paper_ddp_1_nodes2_rank{r}.pt", weights_only=False)
             for r in (0, 1)]  # fmt: skip
     assert _same_ranks(*load)
     assert any(not bool(m.all()) for m in load[0]["masks"])
-    assert _max_diff(load[0], runs("slsam_ddp_fork_1")) < 1e-5
-    assert _max_diff(load[0], runs("slsam_ddp_fork_2")) < 1e-6
+    assert _max_diff(load[0], runs("slsam_paper_ddp_fork_1")) < 1e-5
+    assert _max_diff(load[0], runs("slsam_paper_ddp_fork_2")) < 1e-6
 
 
 # --- a plain PyTorch loop under DDP: engine.train_step(..., ddp=model) ---------------------
@@ -236,13 +251,17 @@ def plain(tmp_path_factory):
 @pytest.mark.parametrize("case", PLAIN_EXACT)
 def test_plain_loop_under_ddp_equals_one_process(plain, case):
     r0, r1 = plain[0][case], plain[1][case]
-    assert max(r0["diff"]) < 2e-6 and max(r1["diff"]) < 2e-6, (r0["diff"], r1["diff"])
+    # LookSAM's reused component amplifies the rounding of the averaged gradients (the
+    # revision before 0.3 measured 2.4e-6 for looksam and 7.7e-6 for slsam_looksam here too):
+    # the FSDP2 test's tolerance.
+    limit = 1e-5 if "looksam" in case else 2e-6
+    assert max(r0["diff"]) < limit and max(r1["diff"]) < limit, (r0["diff"], r1["diff"])
     assert r0["kinds"] == r1["kinds"]
     assert all(torch.equal(a, b) for a, b in zip(r0["masks"], r1["masks"], strict=True))
 
 
 def test_plain_loop_under_ddp_sends_only_the_active_layers(plain):
-    sam, slsam = plain[0]["sam"], plain[0]["slsam"]
+    sam, slsam = plain[0]["sam"], plain[0]["slsam_paper"]
     assert any(not bool(m.all()) for m in slsam["masks"])  # SL-SAM really trains subsets
     # SAM all-reduces every gradient (and the per-layer norms) each pass; SL-SAM less.
     assert len(set(sam["bytes"])) == 1 and max(slsam["bytes"]) <= sam["bytes"][0]

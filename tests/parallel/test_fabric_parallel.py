@@ -26,12 +26,12 @@ WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
                       "fabric_worker.py")  # fmt: skip
 # ESAM's data selection ranks each process's own samples: not the one-process choice.
 PER_RANK_DATA = {"esam"}
-VARIANTS = [f"{m}_{v}" for v in ("acc2", "clip") for m in ("sam", "slsam", "slsam_default")]
+VARIANTS = [f"{m}_{v}" for v in ("acc2", "clip") for m in ("sam", "slsam_paper", "slsam")]
 #: Compiled models: the blocks (DDP, FSDP2 after sharding), the model whole (DDP).
-COMPILED = [*(f"compiled_{m}" for m in worker.COMPILED_METHODS), "compiled_whole_slsam",
-            "fsdp2_compiled_slsam"]  # fmt: skip
-FSDP2_VARIANTS = ["fsdp2_slsam_clip", "fsdp2_slsam_acc2", "fsdp2_slsam_bf16",
-                  "fsdp2_slsam_evaluated"]  # fmt: skip
+COMPILED = [*(f"compiled_{m}" for m in worker.COMPILED_METHODS), "compiled_whole_slsam_paper",
+            "fsdp2_compiled_slsam_paper"]  # fmt: skip
+FSDP2_VARIANTS = ["fsdp2_slsam_paper_clip", "fsdp2_slsam_paper_acc2", "fsdp2_slsam_paper_bf16",
+                  "fsdp2_slsam_paper_evaluated"]  # fmt: skip
 #: The FabricSAM runs under DDP.
 DDP_CASES = [*METHODS, *(f"{m}_bf16" for m in METHODS), *VARIANTS]
 
@@ -114,7 +114,7 @@ def test_fabric_ddp_equals_one_process(runs, method):
 
 
 def test_only_active_layers_gradients_travel(runs):
-    sam, slsam = runs("sam"), runs("slsam")
+    sam, slsam = runs("sam"), runs("slsam_paper")
     numel = torch.tensor(sam["numel"])
     for record in (sam, slsam):
         for mask, sent in zip(record["masks"], record["bytes"], strict=True):
@@ -144,7 +144,7 @@ def test_bfloat16_mixed_under_fabric_ddp(runs, method):
     assert 0 < _max_diff(r0, full) < (0.1 if method in PER_RANK_DATA else 3e-2)
 
 
-@pytest.mark.parametrize("method", ["sam", "slsam", "slsam_default"])
+@pytest.mark.parametrize("method", ["sam", "slsam_paper", "slsam"])
 def test_accumulation_under_fabric_ddp_equals_the_one_process_large_batch(runs, method):
     r0, r1 = runs(f"{method}_acc2", 0), runs(f"{method}_acc2", 1)
     assert _same_ranks(r0, r1) and len(r0["masks"]) == 3
@@ -153,7 +153,7 @@ def test_accumulation_under_fabric_ddp_equals_the_one_process_large_batch(runs, 
     assert _same_masks(r0, single)
 
 
-@pytest.mark.parametrize("method", ["sam", "slsam", "slsam_default"])
+@pytest.mark.parametrize("method", ["sam", "slsam_paper", "slsam"])
 def test_clipping_under_fabric_ddp_equals_one_process_with_clipping(runs, method):
     r0, r1 = runs(f"{method}_clip", 0), runs(f"{method}_clip", 1)
     assert _same_ranks(r0, r1)
@@ -200,16 +200,16 @@ def test_fabric_fsdp2_esam_equals_fabric_ddp_esam(runs):
 def test_fabric_fsdp2_training_features(runs, variant):
     r0, r1 = runs(variant, 0), runs(variant, 1)
     assert r0["sharded"] and _same_ranks(r0, r1) and len(r0["masks"]) == 3
-    plain = runs("fsdp2_slsam")
-    if variant == "fsdp2_slsam_bf16":  # float32's layers, and its weights up to bfloat16
+    plain = runs("fsdp2_slsam_paper")
+    if variant == "fsdp2_slsam_paper_bf16":  # float32's layers, and its weights up to bfloat16
         assert _same_masks(r0, plain) and 0 < _max_diff(r0, plain) < 3e-2
-    elif variant == "fsdp2_slsam_evaluated":  # the evaluations changed nothing
+    elif variant == "fsdp2_slsam_paper_evaluated":  # the evaluations changed nothing
         assert _same_masks(r0, plain)
         assert all(torch.equal(r0["weights"][k], w) for k, w in plain["weights"].items())
     else:  # accumulation: one process's large batch; clipping: one process's clipping
         single = one(variant.replace("_acc2", ""))
         assert _same_masks(r0, single) and _max_diff(r0, single) < 1e-5
-        if variant == "fsdp2_slsam_clip":
+        if variant == "fsdp2_slsam_paper_clip":
             assert _max_diff(r0, plain) > 1e-4  # the clipping acted
 
 
