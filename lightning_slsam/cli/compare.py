@@ -39,9 +39,10 @@ import yaml
 from lightning.pytorch.callbacks import Callback
 
 from lightning_slsam.cli.report import plot, plot_selection, render, summarize
+from lightning_slsam.lightning.callback import normalized_entropy
 from lightning_slsam.lightning.callbacks import METHODS, make_callbacks
 from lightning_slsam.lightning.driver import find_sam_callback
-from lightning_slsam.lightning.metrics import normalized_entropy, rank_correlation
+from lightning_slsam.lightning.record import rank_correlation
 
 __all__ = ["RunRecorder", "main"]
 

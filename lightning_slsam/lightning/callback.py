@@ -3,11 +3,11 @@
 Each method (:mod:`lightning_slsam.lightning.callbacks`: SL-SAM, SAM, RST, ESAM, ...) is a
 thin shell over its pure-PyTorch specification (:mod:`lightning_slsam.methods.spec`). This
 base class owns what is Lightning's: the setup checks, building the engine at fit start
-(seeded the same on every process), the per-step logging and end-of-fit record
-(:mod:`~lightning_slsam.lightning.step_logging`) and the checkpointed state. The training
-step itself is run by the module's :class:`~lightning_slsam.lightning.driver.StepDriver`
-(created by :class:`~lightning_slsam.SAMMixin`), which reads this callback's public
-options.
+(seeded the same on every process), the per-step logging (:func:`step_metrics`), the
+end-of-fit record (:mod:`~lightning_slsam.lightning.record`) and the checkpointed state.
+The training step itself is run by the module's
+:class:`~lightning_slsam.lightning.driver.StepDriver` (created by
+:class:`~lightning_slsam.SAMMixin`), which reads this callback's public options.
 
 Example:
 
@@ -43,6 +43,15 @@ from lightning_slsam.lightning.compat import (
     attached_trainer,
 )
 from lightning_slsam.lightning.driver import SAMController, find_sam_callback
+from lightning_slsam.lightning.record import (
+    RATIO_METRIC,
+    fit_message,
+    fit_summary,
+    fresh_stem,
+    out_of_sampling,
+    record_dir,
+    write_record,
+)
 from lightning_slsam.lightning.setup_checks import (
     LIGHTNING_OPTIONS,
     FitWarnings,
@@ -59,26 +68,64 @@ from lightning_slsam.lightning.signatures import (
     shell_init,
     with_options_doc,
 )
-from lightning_slsam.lightning.step_logging import (
-    PROGRESS_BAR,
-    RATIO_METRIC,
-    fit_message,
-    fit_summary,
-    fresh_stem,
-    out_of_sampling,
-    record_dir,
-    step_metrics,
-    write_record,
-)
 from lightning_slsam.methods.sam import SAMSpec
 from lightning_slsam.methods.spec import MethodSpec, default_seed
 from lightning_slsam.selection.rules import LayerSelection
 
-__all__ = ["SAMCallback", "callback_for", "estimated_stepping_batches"]
+__all__ = [
+    "PROGRESS_BAR",
+    "SAMCallback",
+    "callback_for",
+    "estimated_stepping_batches",
+    "normalized_entropy",
+    "step_metrics",
+]
 
 
 def _quiet(message: str) -> None:
     """A ``warn`` that drops the message (a partition rebuilt only to name its tensors)."""
+
+
+PROGRESS_BAR = {
+    "sl_layers": "slsam/active_layers",
+    "sl_ratio": "slsam/active_ratio",
+    "sl_entropy": "slsam/entropy",
+}
+
+
+def step_metrics(
+    result: StepResult, engine: SparseSAMEngine, distributed: bool
+) -> dict[str, float]:
+    """The metrics logged after each optimizer step."""
+    total = max(result.trainable_numel, 1)
+    per_pass = [n / total for n in result.pass_numel] + [0.0, 0.0]
+    metrics = {
+        "slsam/active_layers": float(result.active_mask.sum()),
+        "slsam/active_ratio": result.active_ratio,
+        "slsam/active_ratio_pass1": per_pass[0],
+        "slsam/active_ratio_pass2": per_pass[1],
+        "slsam/backward_passes": float(len(result.pass_numel) + result.extra_backward),
+        "slsam/sam_step": float(result.kind in ("sam", "single")),
+        "slsam/entropy": normalized_entropy(engine.selection.probs),
+        "slsam/never_selected": float(int((engine.counts == 0).sum())),
+        "slsam/skipped_steps": float(engine.num_skipped),
+    }
+    if distributed:
+        metrics["slsam/allreduce_bytes"] = float(result.allreduce_bytes)
+    return metrics
+
+
+def normalized_entropy(probs: Tensor) -> float:
+    """Entropy of ``probs / probs.sum()`` divided by ``log(N)``: 1.0 is uniform.
+
+    Falls toward 0 as the bandit concentrates on few layers; 1.0 for a single layer.
+    """
+    n = probs.numel()
+    if n <= 1:
+        return 1.0
+    q = probs.double() / probs.double().sum()
+    entropy = -(q * torch.log(q.clamp_min(1e-300))).sum().item()
+    return entropy / math.log(n)
 
 
 #: Specification class -> the callback class of that method (the first one declared).
