@@ -9,9 +9,9 @@
 2. **Replay.** Each candidate loss drives a bandit through the recorded norms: it draws a
    mask, learns from the norms of the drawn layers and draws again, exactly as in
    training, over 3 sampling seeds. The paper's losses and the library's rank loss run
-   through :class:`~lightning_slsam.LayerBandit`; the other scale-free candidates that
-   were considered (normalising by the step's largest ``r/p``, linearly or squared, or by
-   a running mean of it) are written out here.
+   through :class:`~lightning_slsam.selection.bandit.LayerBandit`; the other scale-free
+   candidates that were considered (normalising by the step's largest ``r/p``, linearly or
+   squared, or by a running mean of it) are written out here.
 
 Reported per loss: Spearman correlation of each layer's activation frequency with its mean
 gradient norm; final normalised entropy (1.0 = uniform); the range of the number of layers
@@ -31,7 +31,8 @@ import sys
 
 import torch
 
-from lightning_slsam.lightning.metrics import normalized_entropy, rank_correlation
+from lightning_slsam.lightning.callback import normalized_entropy
+from lightning_slsam.lightning.record import rank_correlation
 from lightning_slsam.selection.bandit import LayerBandit, kl_projection
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,6 +63,7 @@ def record(task: str, path: str) -> None:
     import yaml
 
     from lightning_slsam import SAM
+    from lightning_slsam.methods.sam import SAMSpec
     from lightning_slsam.selection.rules import AllLayers
 
     config_path, epochs, _ = TASKS[task]
@@ -74,9 +76,12 @@ def record(task: str, path: str) -> None:
             trace.append(norms.clone())
             return False
 
-    class RecordingSAM(SAM):
-        def _selection(self, num_layers, generator):
+    class RecordingSpec(SAMSpec):
+        def selection(self, num_layers, generator):
             return Recorder(num_layers)
+
+    class RecordingSAM(SAM):
+        spec_class = RecordingSpec
 
     L.seed_everything(config["seed_everything"])
     model = _instantiate(config["model"])

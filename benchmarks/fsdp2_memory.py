@@ -50,7 +50,7 @@ __all__ = ["GOAL", "RETURNED", "estimate", "launch", "main", "render", "summariz
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STRATEGIES = ("ddp", "fsdp2")
-METHODS = ("adamw", "sam", "slsam")
+METHODS = ("adamw", "sam", "slsam_paper")  # slsam_paper: the paper's SL-SAM
 #: batch per rank, tokens per sequence: activation-dominated, then parameter-dominated.
 SHAPES = {shape_name(b, t): (b, t) for b, t in ((8, 128), (2, 32))}
 MB = 2**20
@@ -111,9 +111,6 @@ def worker(strategy: str, method: str, steps: int, threads: int, batch: int, seq
     from transformers import LlamaForCausalLM  # noqa: F401  (its import is runtime, not training)
 
     from lightning_slsam import make_engine
-    from lightning_slsam.core.contract import StepContext
-    from lightning_slsam.core.plain_loop import PlainLoopPasses
-    from lightning_slsam.parallel.ddp import GradientAverager
 
     torch.set_num_threads(threads)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -136,7 +133,6 @@ def worker(strategy: str, method: str, steps: int, threads: int, batch: int, seq
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     # The engine after fully_shard; on the module itself under DDP (as the Lightning driver).
     engine = None if method == "adamw" else make_engine(method, model, seed=0)
-    averager = GradientAverager() if strategy == "ddp" else None
     # Steady state: optimizer state for every parameter (zero gradients, lr 0).
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -164,16 +160,10 @@ def worker(strategy: str, method: str, steps: int, threads: int, batch: int, seq
             compute_loss().mean().backward()
             opt.step()
             continue
-        if strategy == "fsdp2":
-            result = engine.train_step(compute_loss, opt, batch_size=work.batch_size(data))
-        else:
-            with forward.no_sync():  # the engine averages the active layers' gradients
-                result = engine.step(
-                    PlainLoopPasses(compute_loss, work.batch_size(data)),
-                    lambda: opt.zero_grad(set_to_none=True),
-                    lambda skip: None if skip else opt.step(),
-                    StepContext(averager=averager),
-                )
+        # Under DDP the step runs inside ``no_sync`` and the engine averages the active
+        # layers' gradients itself.
+        ddp = forward if strategy == "ddp" else None
+        result = engine.train_step(compute_loss, opt, batch_size=work.batch_size(data), ddp=ddp)
         masks.append("".join("1" if b else "0" for b in result.active_mask.tolist()))
         active.append(sum(result.pass_numel) / result.trainable_numel)
     out = {

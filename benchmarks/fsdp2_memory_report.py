@@ -62,7 +62,7 @@ def summarize(runs: dict, returned: dict | None = None, goal: float = GOAL) -> d
             row["fsdp2_over_ddp"] = fsdp2 / ddp if fsdp2 and ddp else None
     verdict = {}
     for strategy, methods in rows.items():
-        slsam = methods.get("slsam", {})
+        slsam = methods.get("slsam_paper", {})
         ratio, back = slsam.get("ratio_to_sam"), slsam.get("returned_to_sam")
         if ratio is not None:
             verdict[strategy] = {

@@ -1,5 +1,5 @@
 """What a drawn layer costs in an SL-SAM step: is its parameter count the right cost for
-the compute budget (``SparseLayerSAM(budget="compute")``)?
+the compute budget (``SparseLayerSAM()``'s, preset ``"default"``)?
 
     python benchmarks/layer_cost.py                 # MiniLM-L6 and the small Llama
     python benchmarks/layer_cost.py --models minilm --rounds 12
@@ -72,13 +72,13 @@ def sets(names: list[str], numel: list[int]) -> dict[str, list[int]]:
 
 def measure(model_name: str, rounds: int, warmup: int) -> dict:
     work = make_workload(model_name, warmup + rounds)
-    probe = make_engine("slsam", work.model, seed=0)
+    probe = make_engine("slsam_paper", work.model, seed=0)
     names, numel = probe.partition.names, probe.partition.numel
     configurations = sets(names, numel)
     steps, engines = {}, {}
     for label, layers in configurations.items():
         model = copy.deepcopy(work.model)
-        engine = make_engine("slsam", model, seed=0, rho=0.01)
+        engine = make_engine("slsam_paper", model, seed=0, rho=0.01)
         mask = torch.zeros(len(names), dtype=torch.bool)
         mask[layers] = True
         engine.selection = Fixed(mask)

@@ -1,6 +1,6 @@
 """Peak memory of one method on one model, in a process of its own.
 
-    python benchmarks/memory.py --model minilm --method slsam --steps 8
+    python benchmarks/memory.py --model minilm --method slsam_paper --steps 8
 
 Prints one JSON line. On a CPU it reports the process's resident set (RSS):
 

@@ -19,7 +19,7 @@ from models import make_workload
 from torch.utils.data import DataLoader
 
 from lightning_slsam import SAMMixin, make_engine
-from lightning_slsam.lightning.metrics import normalized_entropy
+from lightning_slsam.lightning.callback import normalized_entropy
 
 
 def bandit(
@@ -28,9 +28,11 @@ def bandit(
     """Milliseconds per step of SL-SAM's selection and bookkeeping on ``model_name``, with
     the bandit ``loss`` (``"shifted"``: the paper's default; ``"rank"``: scale-free)."""
     work = make_workload(model_name, 1)
+    # The paper's SL-SAM with the bandit's loss set alone (SLSAMAblation).
     engine = make_engine(
-        "slsam", work.model, layer_ratio=layer_ratio, bandit_loss=loss, seed=0, preset="paper"
-    )
+        "slsam_ablation", work.model, layer_ratio=layer_ratio, bandit_loss=loss, seed=0,
+        preset="paper",
+    )  # fmt: skip
     n = engine.partition.num_layers
     gen = torch.Generator().manual_seed(0)
     norms = torch.rand(n, generator=gen, dtype=torch.float64)
@@ -39,8 +41,8 @@ def bandit(
         t0 = time.perf_counter()
         mask = engine.selection.sample()
         t1 = time.perf_counter()
-        engine.activate(mask)
-        engine.release()
+        engine.freezer.activate(mask)
+        engine.freezer.release()
         t2 = time.perf_counter()
         engine.selection.update(
             mask, norms * (1 + torch.rand(n, generator=gen, dtype=torch.float64))

@@ -10,6 +10,13 @@ ratio of SAM's and SL-SAM's step time, and of SL-SAM's ratio to SAM.
 
     python benchmarks/revision_ab.py --before 882acee --after HEAD
 
+When the methods' names changed between the revisions, ``--methods-before`` names the
+same configurations in the first one, in the same order (rows take the names of
+``--methods``):
+
+    python benchmarks/revision_ab.py --before f94ff83 --methods sam,slsam_paper,slsam \
+        --methods-before sam,slsam,slsam_default
+
 Writes ``benchmarks/results/revision_ab.{md,json}``.
 """
 
@@ -60,12 +67,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--before", required=True, help="git revision A (e.g. a commit)")
     parser.add_argument("--after", default="HEAD", help="git revision B")
     parser.add_argument("--models", default="minilm,vit,llama")
-    parser.add_argument("--methods", default="sam,slsam,slsam_default")
+    parser.add_argument("--methods", default="sam,slsam_paper,slsam")
+    parser.add_argument(
+        "--methods-before",
+        default=None,
+        help="the same configurations by their names in --before (default: --methods)",
+    )
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
+    after_names = args.methods.split(",")
+    names = {"after": after_names, "before": (args.methods_before or args.methods).split(",")}
+    if len(names["before"]) != len(after_names):
+        parser.error("--methods-before must name as many methods as --methods")
     work = tempfile.mkdtemp(prefix="revision_ab_")
     trees = {}
     try:
@@ -77,7 +93,10 @@ def main(argv: list[str] | None = None) -> dict:
                 order = ["before", "after"] if repeat % 2 == 0 else ["after", "before"]
                 for label in order:
                     out = os.path.join(work, "out", label)
-                    run = _run(trees[label], model, args.methods, args.rounds, out, args.threads)
+                    methods = ",".join(names[label])
+                    run = _run(trees[label], model, methods, args.rounds, out, args.threads)
+                    # Keyed by today's names, so that both revisions' rows line up.
+                    run = {a: run[b] for a, b in zip(after_names, names[label])}
                     times[model][label].append(run)
                     print(f"{model} {label} #{repeat}: " + ", ".join(
                         f"{k} {v * 1e3:.1f} ms" for k, v in run.items()), flush=True)  # fmt: skip
@@ -86,12 +105,13 @@ def main(argv: list[str] | None = None) -> dict:
             subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree],
                            capture_output=True)  # fmt: skip
         shutil.rmtree(work, ignore_errors=True)
-    result = {"before": args.before, "after": args.after, "repeats": args.repeats,
+    result = {"before": args.before, "after": args.after, "names_before": names["before"],
+              "repeats": args.repeats,
               "rounds": args.rounds, "threads": args.threads, "models": {},
               "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}  # fmt: skip
     for model, runs in times.items():
         med = {label: {m: statistics.median(r[m] for r in runs[label])
-                       for m in args.methods.split(",")} for label in runs}  # fmt: skip
+                       for m in after_names} for label in runs}  # fmt: skip
         result["models"][model] = {"median_s": med, "runs": runs}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "revision_ab.json"), "w") as handle:
@@ -113,6 +133,11 @@ def render(result: dict) -> str:
         f" ({result['rounds']} interleaved rounds; `benchmarks/revision_ab.py`). after/before"
         " within 0.97-1.03 is the refactor's bar.",
         "",
+        *(
+            [f"Before, the same configurations were named {', '.join(result['names_before'])}.", ""]
+            if result.get("names_before") and result["names_before"] != methods
+            else []
+        ),
         "| model | method | before | after | after/before | ratio to SAM before | after |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]

@@ -4,14 +4,18 @@ Every method trains its own copy of the same model on the same batches. The runs
 interleaved (each round times one step of every method, in a rotating order) so that a
 noisy machine slows all of them alike and the ratios survive.
 
-Methods are named as in ``lightning_slsam.METHODS`` (``adamw``, ``sam``, ``slsam``,
-``random_slsam``, ``s2sam``, ``sl_s2sam``, ``rst``, ``esam``, ``ssamf``, ``looksam``,
-``slsam_depth``, ...), plus ``sam_reference``: a hand-written SAM + AdamW loop (two passes,
-full weight copy) to compare the plugin's SAM against. The plugin's methods run
-:class:`lightning_slsam.SparseSAMEngine` -- the code SAMMixin calls inside Lightning -- so
-the figures are the training step's own cost (no data loading, no Lightning loop).
+Methods are named as in ``lightning_slsam.METHODS`` (``adamw``, ``sam``, ``slsam_paper``
+-- the paper's SL-SAM --, ``slsam`` -- ``SparseLayerSAM()`` --, ``random_slsam``, ``s2sam``,
+``sl_s2sam``, ``rst``, ``esam``, ``ssamf``, ``looksam``, ``slsam_depth``, ...), plus
+``sam_reference``: a hand-written SAM + AdamW loop (two passes, full weight copy) to compare
+the plugin's SAM against. The combinations (``slsam_rst``, ``slsam_looksam``,
+``slsam_depth``) run on the paper's preset, as they did before their classes defaulted to
+``preset="default"`` (:data:`OPTIONS`). The plugin's methods run
+:class:`lightning_slsam.core.engine.SparseSAMEngine` -- the code SAMMixin calls inside
+Lightning -- so the figures are the training step's own cost (no data loading, no Lightning
+loop).
 
-    python benchmarks/step_time.py --model minilm --methods adamw,sam_reference,sam,slsam
+    python benchmarks/step_time.py --model minilm --methods adamw,sam_reference,sam,slsam_paper
     python benchmarks/run_all.py      # every model, every method, memory and overheads
 """
 
@@ -32,14 +36,19 @@ from collections.abc import Callable
 import torch
 from models import Workload, make_workload
 
-from lightning_slsam import SPECS, build_partition, make_engine
+from lightning_slsam import make_engine
+from lightning_slsam.core.partition import build_partition
+from lightning_slsam.methods.registry import SPECS
 
-DEFAULT_METHODS = "adamw,sam_reference,sam,slsam"
+DEFAULT_METHODS = "adamw,sam_reference,sam,slsam_paper"
+#: Options of a method beyond its name's: the combinations measure the paper's SL-SAM on
+#: another schedule, the configuration their rows measured before 0.3.
+OPTIONS = {name: {"preset": "paper"} for name in ("slsam_rst", "slsam_looksam", "slsam_depth")}
 
 
 def method_names(spec: str) -> list[str]:
     """``spec`` (comma-separated, or ``all``) as a list of known method names."""
-    known = ["sam_reference", *(m for m in SPECS if m != "adasam")]
+    known = ["sam_reference", *SPECS]
     names = known if spec == "all" else [m.strip() for m in spec.split(",")]
     unknown = [m for m in names if m not in known]
     if unknown:
@@ -81,7 +90,7 @@ def make_step(
 
         sam_reference.engine, sam_reference.optimizer = None, opt  # type: ignore[attr-defined]
         return sam_reference
-    options = {"rho": rho, "seed": 0}
+    options = {"rho": rho, "seed": 0, **OPTIONS.get(name, {})}
     if "layer_ratio" in {f.name for f in dataclasses.fields(SPECS[name][0])}:
         options["layer_ratio"] = ratio
     engine = make_engine(name, model, **options)

@@ -20,7 +20,8 @@ import lightning as L
 import torch
 from torchmetrics.classification import Accuracy
 
-from lightning_slsam import FabricSAM, release_process_group
+from lightning_slsam import FabricSAM
+from lightning_slsam.parallel.ddp import release_process_group
 from lightning_slsam.tasks.text import RottenTomatoesDataModule, default_model_path
 
 
@@ -41,9 +42,9 @@ def build(args: argparse.Namespace, fabric: L.Fabric):
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--method", default="slsam_default",
-                        help="a method name: slsam_default (the plugin's default), slsam (the"
-                             " paper's SL-SAM), sam, esam, ...")  # fmt: skip
+    parser.add_argument("--method", default="slsam",
+                        help="a method name: slsam (the plugin's default, SparseLayerSAM()),"
+                             " slsam_paper (the paper's SL-SAM), sam, esam, ...")  # fmt: skip
     parser.add_argument("--layer-ratio", type=float, default=None)
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps in all")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     model, optimizer, train, val = build(args, fabric)
     options = {"layer_ratio": args.layer_ratio} if args.layer_ratio else {}
     sam = FabricSAM(fabric, model, optimizer, args.method, gradient_clip_val=args.clip or None,
-                    total_steps=args.steps, seed=args.seed, **options)  # fmt: skip
+                    seed=args.seed, **options)  # fmt: skip
     state = {"model": model, "optimizer": optimizer, "sam": sam, "step": 0}
     if args.resume:
         remainder = fabric.load(args.resume, state)

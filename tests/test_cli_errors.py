@@ -86,23 +86,37 @@ def test_one_methods_options_are_listed_without_a_run(capsys):
     code, out, err = command(capsys, "fit", "--trainer.callbacks.help",
                              "lightning_slsam.SparseLayerSAM")  # fmt: skip
     assert code == 0, err
-    for option in ("layer_ratio", "preset", "bandit_loss", "gradient_clip_val"):
+    for option in ("layer_ratio", "preset", "p_min", "gradient_clip_val"):
         assert f"--trainer.callbacks.{option}" in out
     assert "needs a run" not in err
 
 
 def test_fit_help_ends_with_the_method_classes_and_how_to_see_their_options(capsys):
+    from lightning_slsam.lightning.callbacks import class_path
+
     code, out, _ = command(capsys, "fit", "--help")
     assert code == 0
     epilog = " ".join(out[out.index("SAM methods are callbacks") :].split())
     for cls, _ in METHODS.values():
         if cls is not None:
-            assert f"lightning_slsam.{cls.__name__}" in epilog
+            assert class_path(cls) in epilog
     assert "--trainer.callbacks.help lightning_slsam.SparseLayerSAM" in epilog
     # The API page says the same: fit --help lists the classes, callbacks.help the options.
     api = " ".join((ROOT / "docs" / "api.md").read_text().split())
     assert "lightning-slsam fit --trainer.callbacks.help lightning_slsam.SparseLayerSAM" in api
     assert "`lightning-slsam fit --help` list all of them" not in api
+
+
+def test_every_class_path_fit_help_lists_is_importable(capsys):
+    from lightning_slsam.cli.checks import resolve_callback
+
+    code, out, _ = command(capsys, "fit", "--help")
+    assert code == 0
+    epilog = " ".join(out[out.index("SAM methods are callbacks") :].split())
+    listed = epilog[epilog.index("Classes: ") + len("Classes: ") : epilog.index(". To list")]
+    paths = [path.strip() for path in listed.split(",")]
+    assert len(paths) == len({cls for cls, _ in METHODS.values() if cls is not None})
+    assert [path for path in paths if resolve_callback(path) is None] == []
 
 
 def test_compare_help_names_the_methods_and_every_default(capsys):

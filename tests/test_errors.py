@@ -27,8 +27,6 @@ from lightning_slsam import METHODS, RST, SparseLayerSAM
         ({"p_min": 1.0}, "p_min"),
         # p_min * N > s = layer_ratio * N for every N: refused before any model is seen.
         ({"p_min": 0.5, "layer_ratio": 0.2}, r"`p_min` must be at most layer_ratio=0.2"),
-        ({"alpha_p": -1.0}, "alpha_p"),
-        ({"bandit_loss": "kl"}, "bandit_loss"),
         ({"perturbation_norm": "tensor"}, "perturbation_norm"),
         ({"gradient_clip_val": -1.0}, "gradient_clip_val"),
         ({"gradient_clip_algorithm": "l2"}, "gradient_clip_algorithm"),
@@ -40,6 +38,17 @@ from lightning_slsam import METHODS, RST, SparseLayerSAM
 def test_constructor_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SparseLayerSAM(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"), [({"alpha_p": -1.0}, "alpha_p"), ({"bandit_loss": "kl"}, "bandit_loss")]
+)
+def test_ablation_constructor_rejects(kwargs, match):
+    # The bandit's settings are SparseLayerSAM's preset's since 0.3; SLSAMAblation sets each.
+    from lightning_slsam.lightning.callbacks import SLSAMAblation
+
+    with pytest.raises(ValueError, match=match):
+        SLSAMAblation(**kwargs)
 
 
 #: Every method class (those METHODS names).

@@ -14,7 +14,8 @@ import pytest
 import yaml
 from helpers import LitModel, loader, make_data, make_mlp, trainer
 
-from lightning_slsam import SAM, RandomSLSAM, SparseLayerSAM, make_callback, make_callbacks
+from lightning_slsam import SAM, RandomSLSAM, SparseLayerSAM, make_callback
+from lightning_slsam.lightning.callbacks import make_callbacks
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:lightning.pytorch.cli")
 
@@ -165,20 +166,21 @@ def test_python_typos_name_the_class_written():
 def test_a_callbacks_repr_shows_the_options_given():
     assert repr(SparseLayerSAM(rho=0.05)) == "SparseLayerSAM(rho=0.05)"
     assert repr(SparseLayerSAM()) == "SparseLayerSAM()"
-    assert (
-        repr(SparseLayerSAM(preset="robust", layer_ratio=0.2)) == "SparseLayerSAM(preset='robust')"
-    )
+    assert repr(SparseLayerSAM(preset="paper", layer_ratio=0.2)) == "SparseLayerSAM(preset='paper')"
     assert (
         repr(RandomSLSAM(layer_ratio=0.3, plot=False)) == "RandomSLSAM(layer_ratio=0.3, plot=False)"
     )
 
 
 def test_release_process_group_is_exported_where_users_look():
+    # Since 0.3 it is imported from its module (no longer a top-level name).
     import lightning_slsam
-    from lightning_slsam.cli.command import release_process_group
+    import lightning_slsam.cli.command as command
+    from lightning_slsam.parallel.ddp import release_process_group
 
-    assert lightning_slsam.release_process_group is release_process_group
-    assert "release_process_group" in lightning_slsam.__all__
+    assert command.release_process_group is release_process_group
+    assert "release_process_group" in command.__all__
+    assert "release_process_group" not in lightning_slsam.__all__
 
 
 # -- 5. no None callback ------------------------------------------------------------------------

@@ -11,9 +11,17 @@ from torch.utils.data import DataLoader
 
 from lightning_slsam import SparseLayerSAM
 
+#: How far each preset at layer_ratio=1 may end from hand-written SAM after an epoch. The
+#: paper's samples every layer: SAM exactly. The default trains a fresh head every step as an
+#: always-active tensor, which the perturbation's global norm sums first (hand-written SAM:
+#: in model order); that order alone moves a timm ViT's weights by up to 3.1e-6 (measured,
+#: the same before 0.3) -- rounding, not another method.
+TOLERANCE = {"paper": 1e-6, "default": 1e-5}
 
+
+@pytest.mark.parametrize("preset", sorted(TOLERANCE))
 @pytest.mark.parametrize("name", list(MODELS))
-def test_all_layers_equal_hand_written_sam(name):
+def test_all_layers_equal_hand_written_sam(name, preset):
     net, data, loss_fn = MODELS[name]()
     batches = list(DataLoader(data, batch_size=8))
     reference = reference_sam_adamw(
@@ -21,12 +29,11 @@ def test_all_layers_equal_hand_written_sam(name):
     )
     snaps = Snapshots()
     model = Wrapped(copy.deepcopy(net), loss_fn)
-    trainer(callbacks=[SparseLayerSAM(rho=0.05, layer_ratio=1.0), snaps], max_epochs=1).fit(
-        model, DataLoader(data, batch_size=8)
-    )
+    callback = SparseLayerSAM(rho=0.05, layer_ratio=1.0, preset=preset)
+    trainer(callbacks=[callback, snaps], max_epochs=1).fit(model, DataLoader(data, batch_size=8))
     for ours, ref in zip(snaps.after, reference):
         for key, value in ref.items():
-            torch.testing.assert_close(ours[f"net.{key}"], value, rtol=0, atol=1e-6)
+            torch.testing.assert_close(ours[f"net.{key}"], value, rtol=0, atol=TOLERANCE[preset])
 
 
 @pytest.mark.parametrize("name", list(MODELS))

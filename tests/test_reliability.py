@@ -24,7 +24,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 
-from lightning_slsam import METHODS, LayerBandit, SparseLayerSAM, make_callback, make_callbacks
+from lightning_slsam import METHODS, SparseLayerSAM, make_callback
+from lightning_slsam.lightning.callbacks import make_callbacks
+from lightning_slsam.selection.bandit import LayerBandit
 
 WORKER = os.path.join(os.path.dirname(__file__), "fault_worker.py")
 
@@ -375,8 +377,8 @@ OPTION_VALUES = {
     "gradient_clip_algorithm": ["norm", "value", "max"],
     "bn_stats": ["first", "both", "all"],
     "replay_dropout": [False, True, 1],
-    "schedule": [None, "random", "interval", "every_step", "sometimes"],
-    "sam_probability": [0.5, 1.0, 2.0],
+    "preset": ["default", "paper", "robust"],
+    "probability": [0.5, 1.0, 2.0],
     "layers": ["tensor", "module", "block"],
 }
 TRAINER_VALUES = {
@@ -392,7 +394,7 @@ INVALID = {("rho", 0.0), ("rho", -0.1), ("rho", "big"), ("layer_ratio", 0.0),
            ("perturbation_norm", "l3"), ("accumulate_grad_batches", 0),
            ("accumulate_grad_batches", 1.5), ("gradient_clip_val", -1.0),
            ("gradient_clip_algorithm", "max"), ("bn_stats", "all"), ("replay_dropout", 1),
-           ("schedule", "sometimes"), ("sam_probability", 2.0), ("layers", "block")}  # fmt: skip
+           ("preset", "robust"), ("probability", 2.0), ("layers", "block")}  # fmt: skip
 
 
 class _Reached(L.Callback):

@@ -121,9 +121,10 @@ def test_mypy_reports_options_a_method_does_not_take_and_wrong_types(tmp_path):
 def test_correct_calls_type_check_clean(tmp_path):
     done = _mypy(
         tmp_path,
-        "from lightning_slsam import RST, SAM, LookSAM, SparseLayerSAM, make_callback\n\n"
+        "from lightning_slsam import RST, SAM, SLSAMRST, LookSAM, SparseLayerSAM, make_callback\n\n"
         "callbacks = [\n"
-        "    SparseLayerSAM(rho=0.05, layer_ratio=0.2, schedule='random', seed=0),\n"
+        "    SparseLayerSAM(rho=0.05, layer_ratio=0.2, preset='paper', seed=0),\n"
+        "    SLSAMRST(rho=0.05, layer_ratio=0.2, probability=0.5, seed=0),\n"
         "    SAM(adaptive=True, gradient_clip_val=1.0),\n"
         "    RST(probability=0.3),\n"
         "    LookSAM(interval=2, alpha=0.0, layers=['^blocks\\\\.(\\\\d+)\\\\.']),\n"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The short-fine-tune comparison of docs/results.md: AdamW, SAM, SL-SAM as in the paper,
-# Random-SL-SAM, each remedy alone and combined (the "robust" preset among them), 5 seeds,
+# Random-SL-SAM, each remedy alone and combined (the retired "robust" preset), 5 seeds,
 # on both offline tasks at their short budgets (vision: 92 and 276 steps, text: 454 steps).
 #
 #   bash examples/scripts/compare_short_runs.sh [OUT] [all|vision|vision92|vision276|text]
@@ -25,36 +25,30 @@ cli=${CLI:-lightning-slsam}
 
 # Each variant: a label, the method it configures, and its options. Every remedy is named
 # by its options (not by a preset), so a label means the same configuration whatever the
-# presets become; the robust preset is the rank_head_scale row (until 2026-11-25 it also
-# had the warm-up: the rank_warmup_head_scale row).
+# presets become: SLSAMAblation (slsam_ablation) on the paper's preset with each setting given
+# alone (an uncapped update factor is 1 / layer_ratio = 5); the retired "robust" preset is the
+# rank_head_scale row (until 2026-11-25 it also had the warm-up: the rank_warmup_head_scale row).
+# Removed in 0.3, no option runs them any more (dense_warmup, dense_one_pass, min_updates retired; Random-SL-SAM scales updates only as preset='default', up to 3x): slsam_warmup, slsam_hybrid, slsam_budget, slsam_rank_warmup_head, random_warmup_head, slsam_rank_warmup_head_scale, random_warmup_head_scale, random_head_scale, random_head_cap2 -- they produced the committed runs of those labels in docs/results/short_vision_92, short_vision_276, short_text_454 and docs/results/gpu/*/runs/random_head_cap2 (and their rows of benchmarks/results/short_runs_time.md); rerunning them needs the code of commit f94ff83.
 declare -A variant=(
-  [slsam_rank]="slsam bandit_loss=rank"
-  [slsam_warmup]="slsam dense_warmup=0.3"
-  [slsam_head]="slsam head_always_active=true"
-  [slsam_scale]="slsam scale_updates=true"
-  [slsam_hybrid]="slsam schedule=random dense_one_pass=true"
-  [slsam_budget]="slsam min_updates=50"
-  [slsam_rank_warmup_head]="slsam bandit_loss=rank dense_warmup=0.3 head_always_active=true"
-  [random_warmup_head]="random_slsam dense_warmup=0.3 head_always_active=true"
-  [slsam_rank_warmup_head_scale]="slsam bandit_loss=rank dense_warmup=0.3 head_always_active=true scale_updates=true"
-  [random_warmup_head_scale]="random_slsam dense_warmup=0.3 head_always_active=true scale_updates=true"
-  [slsam_rank_head_scale]="slsam bandit_loss=rank head_always_active=true scale_updates=true"
-  [random_head_scale]="random_slsam head_always_active=true scale_updates=true"
+  [slsam_rank]="slsam_ablation preset=paper bandit_loss=rank"
+  [slsam_head]="slsam_ablation preset=paper head_always_active=true"
+  [slsam_scale]="slsam_ablation preset=paper max_update_scale=5.0"
+  [slsam_rank_head_scale]="slsam_ablation preset=paper bandit_loss=rank head_always_active=true max_update_scale=5.0"
   # The robust remedies under a compute budget (the bandit budgets parameters, not layers).
-  [slsam_robust_compute]="slsam bandit_loss=rank head_always_active=true scale_updates=true budget=compute"
-  [slsam_rank_head_compute]="slsam bandit_loss=rank head_always_active=true budget=compute"
-  # The update factor capped (max_update_scale; uncapped it is 1 / layer_ratio = 5), each
-  # beside its uniform twin (docs/results/gpu: the candidates for the default).
-  [slsam_compute_cap2]="slsam bandit_loss=rank head_always_active=true scale_updates=true budget=compute max_update_scale=2"
-  [slsam_compute_cap3]="slsam bandit_loss=rank head_always_active=true scale_updates=true budget=compute max_update_scale=3"
-  [random_head_cap2]="random_slsam head_always_active=true scale_updates=true max_update_scale=2"
-  [random_head_cap3]="random_slsam head_always_active=true scale_updates=true max_update_scale=3"
+  [slsam_robust_compute]="slsam_ablation preset=paper budget=compute bandit_loss=rank head_always_active=true max_update_scale=5.0"
+  [slsam_rank_head_compute]="slsam_ablation preset=paper budget=compute bandit_loss=rank head_always_active=true"
+  # The update factor capped (max_update_scale; uncapped it is 1 / layer_ratio = 5), beside
+  # the uniform twin of the cap at 3 (docs/results/gpu: the candidates for the default; cap 3
+  # is SparseLayerSAM()'s and RandomSLSAM(preset='default')'s).
+  [slsam_compute_cap2]="slsam_ablation preset=paper budget=compute bandit_loss=rank head_always_active=true max_update_scale=2"
+  [slsam_compute_cap3]="slsam_ablation preset=paper budget=compute bandit_loss=rank head_always_active=true max_update_scale=3"
+  [random_head_cap3]="random_slsam preset=default"
 )
-# The baselines and the paper's SL-SAM; the combinations, each beside the same remedies
-# on uniform sampling (what the bandit adds); each remedy alone.
-core=adamw,sam,slsam,random_slsam
-combined=slsam_rank_warmup_head_scale,random_warmup_head_scale,slsam_rank_head_scale,random_head_scale
-alone=slsam_rank,slsam_warmup,slsam_head,slsam_scale
+# The baselines and the paper's SL-SAM; the combination, each remedy alone, the compute
+# budget.
+core=adamw,sam,slsam_paper,random_slsam
+combined=slsam_rank_head_scale
+alone=slsam_rank,slsam_head,slsam_scale
 compute=slsam_robust_compute,slsam_rank_head_compute
 
 # compare DIR METHODS ARGS...: one compare of METHODS (comma-separated) into DIR.
@@ -85,16 +79,12 @@ task() {
 vision=examples/configs/tasks/efficientnet_digits.yaml
 text=examples/configs/tasks/minilm_rotten_tomatoes.yaml
 if [[ $tasks =~ ^(all|vision|vision92)$ ]]; then
-  # Vision, 4 epochs (92 steps). min_updates=50 raises the ratio to 0.54 here; at 276 and
-  # 454 steps it leaves it at 0.2 (the run is SL-SAM itself), so it is measured here only.
-  # The hybrid schedule and the combination without update scaling are measured on both
-  # vision budgets.
-  task "$out/short_vision_92" ,slsam_hybrid,slsam_budget,slsam_rank_warmup_head,random_warmup_head "$vision"
+  # Vision, 4 epochs (92 steps).
+  task "$out/short_vision_92" "" "$vision"
 fi
 if [[ $tasks =~ ^(all|vision|vision276)$ ]]; then
   # Vision, 12 epochs (276 steps).
-  task "$out/short_vision_276" ,slsam_hybrid,slsam_rank_warmup_head,random_warmup_head "$vision" \
-    --trainer.max_epochs=12
+  task "$out/short_vision_276" "" "$vision" --trainer.max_epochs=12
 fi
 if [[ $tasks =~ ^(all|text)$ ]]; then
   # Text, 2 epochs (454 steps).

@@ -198,11 +198,9 @@ def _with_demo_config(args: list[str]) -> list[str]:
 
 def methods_epilog() -> str:
     """The end of ``fit --help``: the SAM method classes and how to see one's options."""
-    from lightning_slsam.lightning.callbacks import METHODS
+    from lightning_slsam.lightning.callbacks import METHODS, class_path
 
-    classes = dict.fromkeys(
-        f"lightning_slsam.{cls.__name__}" for cls, _ in METHODS.values() if cls is not None
-    )
+    classes = dict.fromkeys(class_path(cls) for cls, _ in METHODS.values() if cls is not None)
     return (
         "SAM methods are callbacks: add one with --trainer.callbacks+=CLASS (or in the YAML"
         " config's trainer.callbacks), the model inheriting lightning_slsam.SAMMixin."

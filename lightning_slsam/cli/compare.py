@@ -40,7 +40,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_slsam.cli.report import plot, plot_selection, render, summarize
 from lightning_slsam.lightning.callback import normalized_entropy
-from lightning_slsam.lightning.callbacks import METHODS, make_callbacks
+from lightning_slsam.lightning.callbacks import METHODS, class_path, make_callbacks
 from lightning_slsam.lightning.driver import find_sam_callback
 from lightning_slsam.lightning.record import rank_correlation
 
@@ -180,7 +180,7 @@ def _method_config(
     run_dir = os.path.join(out, "runs", method, f"seed{seed}")
     callbacks: list[dict[str, Any]] = []
     if cls is not None:
-        callbacks.append({"class_path": f"lightning_slsam.{cls.__name__}", "init_args": preset})
+        callbacks.append({"class_path": class_path(cls), "init_args": preset})
     recorder = {"path": os.path.join(run_dir, "run.json"), "monitor": monitor, "mode": mode}
     callbacks.append({"class_path": f"{__name__}.RunRecorder", "init_args": recorder})
     return {

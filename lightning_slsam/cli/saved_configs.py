@@ -153,7 +153,7 @@ def upgrade_entry(entry: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             if value not in (None, False):
                 raise _refuse(name, option, value, f"{target} takes no such option today.")
     where = _PACKAGE if target != "SLSAMAblation" else f"{_PACKAGE}.lightning.callbacks"
-    new = {**entry, "class_path": f"{where}.{target}", "init_args": args}
+    new = {**entry, "class_path": f"{where}.{target}", "init_args": args}  # class_path(cls)
     dropped = sorted(set(old) - set(args))
     notes = [f"{k}={old[k]!r}" for k in dropped]
     notes += [f"{k}: {old[k]!r} -> {args[k]!r}" for k in args if k in old and old[k] != args[k]]

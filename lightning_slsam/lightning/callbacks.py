@@ -341,6 +341,22 @@ class _Methods(Mapping):
 METHODS: Mapping[str, tuple[type[SAMCallback] | None, dict[str, Any]]] = _Methods()
 
 
+def class_path(cls: type[SAMCallback]) -> str:
+    """The class path a YAML config names ``cls`` by: ``lightning_slsam.<Class>`` for the
+    classes the package exports, else the module's path (a class of one's own, the results
+    scripts' :class:`SLSAMAblation`).
+
+    Example:
+        >>> class_path(SparseLayerSAM), class_path(SLSAMAblation)
+        ('lightning_slsam.SparseLayerSAM', 'lightning_slsam.lightning.callbacks.SLSAMAblation')
+    """
+    import lightning_slsam
+
+    if cls.__name__ in lightning_slsam.__all__ and getattr(lightning_slsam, cls.__name__) is cls:
+        return f"lightning_slsam.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def make_callback(name: str, **kwargs: Any) -> SAMCallback:
     """The callback of method ``name`` (see :data:`METHODS`).
 
@@ -384,6 +400,7 @@ def make_callbacks(name: str, **kwargs: Any) -> list[SAMCallback]:
 
 __all__ = [  # the method classes: the ones declared above
     "METHODS",
+    "class_path",
     "make_callback",
     "make_callbacks",
     *(cls.__name__ for cls in (SAM, SparseLayerSAM, RandomSLSAM, TopSLSAM, S2SAM, SLS2SAM)),

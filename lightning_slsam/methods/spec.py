@@ -314,6 +314,27 @@ class LayerSubsetSpec(MethodSpec):
 
     A method with presets declares them in :attr:`PRESETS` (preset name -> settings, see
     :meth:`~MethodSpec.setting`) and a ``preset`` option choosing one.
+
+    Example:
+        SAM on a uniformly drawn ``layer_ratio`` of the layers, as a method of one's own
+        (the ``Args:`` of its docstring document its options for ``help`` and the CLI):
+
+        >>> import torch
+        >>> from typing import ClassVar
+        >>> from lightning_slsam.selection.rules import UniformSelection
+        >>> class UniformSAMSpec(LayerSubsetSpec):
+        ...     name: ClassVar[str] = "uniform_sam"
+        ...     label: ClassVar[str] = "UniformSAM"
+        ...     def selection(self, num_layers, generator):
+        ...         return UniformSelection(num_layers, self.layer_ratio, generator)
+        >>> spec = UniformSAMSpec(layer_ratio=0.5)
+        >>> engine = spec.build_engine(torch.nn.Linear(4, 2), seed=0)
+        >>> engine.selection.ratio, spec.samples_layers, spec.update_scale
+        (0.5, True, None)
+        >>> UniformSAMSpec(layer_ratio=2)
+        Traceback (most recent call last):
+        ...
+        ValueError: UniformSAM: `layer_ratio` must be in (0, 1], got 2.
     """
 
     samples_layers: ClassVar[bool] = True

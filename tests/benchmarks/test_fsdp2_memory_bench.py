@@ -25,11 +25,11 @@ def test_ratios_medians_and_goal_verdict_from_a_fake_result():
     runs = {
         "ddp": {  # 3 runs: median of each run's max over ranks
             "sam": [_ranks(990, 1000), _ranks(1010, 900), _ranks(1200, 1100)],
-            "slsam": [_ranks(800, 790), _ranks(810, 700), _ranks(600, 650)],
+            "slsam_paper": [_ranks(800, 790), _ranks(810, 700), _ranks(600, 650)],
         },
         "fsdp2": {
             "sam": [_ranks(800, 780), _ranks(820, 800)],
-            "slsam": [_ranks(720, 700), _ranks(700, 710, masks=("10", "01"))],
+            "slsam_paper": [_ranks(720, 700), _ranks(700, 710, masks=("10", "01"))],
         },
     }
     # The run with freed memory returned: each configuration's first run, halved.
@@ -39,18 +39,20 @@ def test_ratios_medians_and_goal_verdict_from_a_fake_result():
     }
     summary = report.summarize(runs, returned)
     ddp, fsdp2 = summary["rows"]["ddp"], summary["rows"]["fsdp2"]
-    assert ddp["sam"]["peak_mb"] == 1010 and ddp["slsam"]["peak_mb"] == 800
-    assert ddp["sam"]["per_rank_mb"] == [1010, 1000] and ddp["slsam"]["per_rank_mb"] == [800, 700]
-    assert ddp["slsam"]["ratio_to_sam"] == pytest.approx(800 / 1010)
+    assert ddp["sam"]["peak_mb"] == 1010 and ddp["slsam_paper"]["peak_mb"] == 800
+    assert ddp["sam"]["per_rank_mb"] == [1010, 1000]
+    assert ddp["slsam_paper"]["per_rank_mb"] == [800, 700]
+    assert ddp["slsam_paper"]["ratio_to_sam"] == pytest.approx(800 / 1010)
     assert fsdp2["sam"]["peak_mb"] == 810  # median of two runs: their mean
-    assert fsdp2["slsam"]["ratio_to_sam"] == pytest.approx(715 / 810)
+    assert fsdp2["slsam_paper"]["ratio_to_sam"] == pytest.approx(715 / 810)
     assert fsdp2["sam"]["fsdp2_over_ddp"] == pytest.approx(810 / 1010)
-    assert ddp["slsam"]["fsdp2_over_ddp"] == pytest.approx(715 / 800)
+    assert ddp["slsam_paper"]["fsdp2_over_ddp"] == pytest.approx(715 / 800)
     assert ddp["sam"]["setup_mb"] == 200
-    assert ddp["slsam"]["returned_mb"] == 400 and ddp["slsam"]["returned_per_rank_mb"] == [400, 395]
-    assert ddp["slsam"]["returned_to_sam"] == pytest.approx(400 / 500)
-    assert fsdp2["slsam"]["returned_to_sam"] == pytest.approx(360 / 400)
-    assert ddp["slsam"]["masks_agree"] and not fsdp2["slsam"]["masks_agree"]
+    assert ddp["slsam_paper"]["returned_mb"] == 400
+    assert ddp["slsam_paper"]["returned_per_rank_mb"] == [400, 395]
+    assert ddp["slsam_paper"]["returned_to_sam"] == pytest.approx(400 / 500)
+    assert fsdp2["slsam_paper"]["returned_to_sam"] == pytest.approx(360 / 400)
+    assert ddp["slsam_paper"]["masks_agree"] and not fsdp2["slsam_paper"]["masks_agree"]
     goal = summary["goal"]
     assert goal["ddp"]["met"] and goal["ddp"]["ratio"] == pytest.approx(0.792, abs=1e-3)
     assert not goal["fsdp2"]["met"]  # 0.883 > 0.85
@@ -73,7 +75,7 @@ def test_ratios_medians_and_goal_verdict_from_a_fake_result():
     table = [line for line in text.splitlines() if line.startswith("| 2x32 | ddp | sam |")]
     header = text.splitlines()[text.splitlines().index(table[0]) - 2 :][:2]
     assert header[0].count("|") == header[1].count("|") == table[0].count("|") == 14
-    assert "| 2x32 | ddp | slsam | 800 | 800, 810, 650 | 800 / 700 | 0.792 | 0.894 |" in text
+    assert "| 2x32 | ddp | slsam_paper | 800 | 800, 810, 650 | 800 / 700 | 0.792 | 0.894 |" in text
     assert "| 0.894 | 400 | 400 / 395 | 0.800 | 200 | - |" in text  # freed memory returned
     assert "| 2x32 | fsdp2 | 0.883 | **missed** | 0.900 | **missed** | 0.85 |" in text
     assert "| 2x32 | ddp | 0.792 | met | 0.800 | met | 0.85 |" in text

@@ -9,27 +9,43 @@ import sys
 import pytest
 
 from lightning_slsam import make_callback
-from lightning_slsam.lightning.callbacks import PRESETS
+from lightning_slsam.cli.saved_configs import upgrade_entry
+from lightning_slsam.lightning.callbacks import METHODS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import short_runs_time  # noqa: E402
 
 VARIANTS = short_runs_time.script_variants()
+#: What a configuration trains: the preset settings of SL-SAM and Random-SL-SAM.
+SETTINGS = ("budget", "bandit_loss", "alpha_p", "head_always_active")
+
+
+def trains(callback) -> dict:
+    """The settings ``callback`` trains with (whatever option or preset chose them)."""
+    spec = callback.spec
+    found = {"update_scale": spec.update_scale}
+    for name in SETTINGS:
+        try:
+            found[name] = spec.setting(name)
+        except (KeyError, AttributeError):
+            continue
+    return found
 
 
 def test_the_table_has_every_remedy_alone_and_combined_beside_uniform_sampling():
     labels = set(VARIANTS)
-    for remedy in ("rank", "warmup", "head", "scale"):
+    for remedy in ("rank", "head", "scale"):
         assert f"slsam_{remedy}" in labels
-    for combined in ("rank_warmup_head_scale", "rank_head_scale", "rank_warmup_head"):
-        assert f"slsam_{combined}" in labels
-        # The same remedies on uniform sampling: the rank loss is the bandit's, so it goes.
-        control = f"random_{combined.removeprefix('rank_')}"
-        assert VARIANTS[control][0] == "random_slsam"
-        options = dict(VARIANTS[f"slsam_{combined}"][1])
-        options.pop("bandit_loss")
-        assert VARIANTS[control][1] == options
+    assert "slsam_rank_head_scale" in labels
+    # The same remedies on uniform sampling: the head rule and the update cap, without the
+    # bandit's budget and loss.
+    (method, options), (bandit, bandit_options) = (VARIANTS["random_head_cap3"],
+                                                   VARIANTS["slsam_compute_cap3"])  # fmt: skip
+    assert method == "random_slsam"
+    control, bandit = make_callback(method, **options), make_callback(bandit, **bandit_options)
+    for name in ("head_always_active", "update_scale"):
+        assert trains(control)[name] == trains(bandit)[name], name
 
 
 @pytest.mark.parametrize("label", sorted(VARIANTS))
@@ -41,6 +57,12 @@ def test_each_label_builds_its_options(label):
 
 
 def test_the_robust_preset_is_the_row_the_docs_name():
+    # The "robust" preset was retired in 0.3: a config saved with it trains today as the
+    # entry the command upgrades it to, which is this row.
     method, options = VARIANTS["slsam_rank_head_scale"]
-    robust = {k: v for k, v in PRESETS["robust"].items() if PRESETS["paper"][k] != v}
-    assert method == "slsam" and options == robust
+    saved = {"class_path": "lightning_slsam.SparseLayerSAM", "init_args": {"preset": "robust"}}
+    upgraded, _ = upgrade_entry(saved)
+    name = upgraded["class_path"].rpartition(".")[2]
+    (cls,) = {c for c, _ in METHODS.values() if c is not None and c.__name__ == name}
+    assert method == "slsam_ablation" and METHODS[method][0] is cls
+    assert trains(make_callback(method, **options)) == trains(cls(**upgraded["init_args"]))

@@ -28,25 +28,26 @@ TINY = [
 def test_compare_runs_every_method_and_seed_interleaved_resumes_and_writes_the_table(
     tmp_path, capsys
 ):
-    # One comparison (6 runs, each a process of its own): AdamW, SL-SAM and a variant of it.
+    # One comparison (6 runs, each a process of its own): AdamW, SL-SAM and a variant of it
+    # (the paper's preset; the variant of the ablation class: the next test).
     out = tmp_path / "cmp"
-    args = ["compare", "--config", TASK, "--methods", "adamw,slsam,ranked", "--seeds", "2",
-            "--variant", "ranked=slsam", "--option", "ranked.bandit_loss=rank",
-            "--option", "ranked.alpha_p=0.5", "--out", str(out), "--", *TINY]  # fmt: skip
+    args = ["compare", "--config", TASK, "--methods", "adamw,slsam,paper", "--seeds", "2",
+            "--variant", "paper=slsam", "--option", "paper.preset=paper",
+            "--option", "paper.layer_ratio=0.5", "--out", str(out), "--", *TINY]  # fmt: skip
     main(args)
     printed = capsys.readouterr().out
     assert "comparison.md" in printed and "(kept)" not in printed
     # Seed by seed, every method within a seed, with the run count.
     order = [line.split(": ", 1)[1] for line in printed.splitlines() if line.startswith("== run")]
     assert order[0] == "adamw, seed 42" and order[1].startswith("slsam, seed 42")
-    assert order[2].startswith("ranked, seed 42") and order[3].startswith("adamw, seed 43")
+    assert order[2].startswith("paper, seed 42") and order[3].startswith("adamw, seed 43")
     assert "== run 6/6" in printed
     # From the second run on, the time left is estimated.
     assert "min left" not in order[0] and all("min left" in o for o in order[1:])
     result = json.loads((out / "comparison.json").read_text())
     rows, runs = result["rows"], result["runs"]
-    assert set(rows) == {"adamw", "slsam", "ranked"}
-    assert [len(runs[m]) for m in ("adamw", "slsam", "ranked")] == [2, 2, 2]
+    assert set(rows) == {"adamw", "slsam", "paper"}
+    assert [len(runs[m]) for m in ("adamw", "slsam", "paper")] == [2, 2, 2]
     for method in ("adamw", "slsam"):
         for run in runs[method]:
             assert run["global_step"] == 4 and len(run["values"]) == 2
@@ -55,20 +56,19 @@ def test_compare_runs_every_method_and_seed_interleaved_resumes_and_writes_the_t
     assert 0 < rows["slsam"]["active_ratio"] < 2.0
     assert rows["slsam"]["seeds"] == 2
     # The variant: its own options, and the selection's statistics.
-    ranked = runs["ranked"][0]
-    config = (out / "configs" / "ranked_seed42.yaml").read_text()
-    assert "bandit_loss: rank" in config and "lightning_slsam.SparseLayerSAM" in config
-    assert len(ranked["entropy"]) == 4 and len(ranked["floor_layers"]) == 4
-    assert ranked["entropy"][-1] < 1.0  # alpha 0.5: the distribution moved
-    assert -1 <= ranked["spearman_frequency_norm"] <= 1
-    assert rows["ranked"]["final_entropy"] == sum(r["entropy"][-1] for r in runs["ranked"]) / 2
+    paper = runs["paper"][0]
+    config = (out / "configs" / "paper_seed42.yaml").read_text()
+    assert "preset: paper" in config and "lightning_slsam.SparseLayerSAM" in config
+    assert len(paper["entropy"]) == 4 and len(paper["floor_layers"]) == 4
+    assert -1 <= paper["spearman_frequency_norm"] <= 1
+    assert rows["paper"]["final_entropy"] == sum(r["entropy"][-1] for r in runs["paper"]) / 2
     table = (out / "comparison.md").read_text()
-    assert "| adamw | 2 |" in table and "| slsam | 2 |" in table and "| ranked | 2 |" in table
+    assert "| adamw | 2 |" in table and "| slsam | 2 |" in table and "| paper | 2 |" in table
     assert "| Spearman | entropy | at floor |" in table
     assert (out / "accuracy_vs_active_ratio.png").stat().st_size > 5000
     assert (out / "selection_over_steps.png").stat().st_size > 5000
     assert (out / "layer_frequency.png").is_file()
-    assert (out / "layer_frequency_ranked.png").is_file()
+    assert (out / "layer_frequency_paper.png").is_file()
     # --render re-tabulates the saved runs without training: the same table.
     (out / "comparison.md").unlink()
     from lightning_slsam.cli.compare import main as compare_main
@@ -79,6 +79,31 @@ def test_compare_runs_every_method_and_seed_interleaved_resumes_and_writes_the_t
     # --resume keeps every finished run with an unchanged configuration.
     main([*args[: -len(TINY) - 1], "--resume", "--", *TINY])
     assert capsys.readouterr().out.count("(kept)") == 6
+
+
+def test_compare_runs_a_variant_of_the_ablation_class(tmp_path, capsys):
+    # A variant with SL-SAM's settings given alone (the results scripts' variants).
+    from lightning_slsam.cli.checks import resolve_callback
+    from lightning_slsam.cli.compare import _method_config
+
+    ablation = {"preset": "paper", "bandit_loss": "rank", "alpha_p": 0.5}
+    written = _method_config("ranked", 42, str(tmp_path), "val_acc", "max", ablation,
+                             "slsam_ablation")["trainer"]["callbacks"][0]  # fmt: skip
+    assert resolve_callback(written["class_path"]) is not None, written["class_path"]
+    out = tmp_path / "cmp"
+    main(["compare", "--config", TASK, "--methods", "ranked", "--seeds", "1",
+          "--variant", "ranked=slsam_ablation", "--option", "ranked.preset=paper",
+          "--option", "ranked.bandit_loss=rank", "--option", "ranked.alpha_p=0.5",
+          "--out", str(out), "--", *TINY])  # fmt: skip
+    result = json.loads((out / "comparison.json").read_text())
+    ranked = result["runs"]["ranked"][0]
+    config = (out / "configs" / "ranked_seed42.yaml").read_text()
+    assert "bandit_loss: rank" in config and "SLSAMAblation" in config
+    assert len(ranked["entropy"]) == 4 and len(ranked["floor_layers"]) == 4
+    assert ranked["entropy"][-1] < 1.0  # alpha 0.5: the distribution moved
+    assert -1 <= ranked["spearman_frequency_norm"] <= 1
+    assert "| ranked | 1 |" in (out / "comparison.md").read_text()
+    assert (out / "layer_frequency_ranked.png").is_file()
 
 
 def test_a_single_seed_shows_its_value_without_a_spread():
@@ -104,18 +129,23 @@ def test_compare_options_override_a_method_and_are_checked(tmp_path):
     from lightning_slsam.cli.compare import _method_config, _parse_options
 
     parser = __import__("argparse").ArgumentParser()
-    options = _parse_options(parser, ["slsam.layer_ratio=0.25", "slsam.rho=0.05"], ["slsam"])
-    assert options == {"slsam": {"layer_ratio": 0.25, "rho": 0.05}}
-    config = _method_config("slsam", 7, str(tmp_path), "val_score", "max", options["slsam"])
+    # slsam_paper: the paper's SL-SAM, SparseLayerSAM with the preset its name implies.
+    given = ["slsam_paper.layer_ratio=0.25", "slsam_paper.rho=0.05"]
+    options = _parse_options(parser, given, ["slsam_paper"])
+    assert options == {"slsam_paper": {"layer_ratio": 0.25, "rho": 0.05}}
+    config = _method_config(
+        "slsam_paper", 7, str(tmp_path), "val_score", "max", options["slsam_paper"]
+    )
     callback = config["trainer"]["callbacks"][0]
     assert callback == {
         "class_path": "lightning_slsam.SparseLayerSAM",
         "init_args": {"preset": "paper", "layer_ratio": 0.25, "rho": 0.05},
     }
     assert config["seed_everything"] == 7
-    for bad in ("slsam.layer_ratio=3", "sam.rho=0.1", "slsam=0.2", "slsam.no_such=1"):
+    for bad in ("slsam_paper.layer_ratio=3", "sam.rho=0.1", "slsam_paper=0.2",
+                "slsam_paper.no_such=1"):  # fmt: skip
         with pytest.raises(SystemExit):
-            _parse_options(parser, [bad], ["slsam"])
+            _parse_options(parser, [bad], ["slsam_paper"])
 
 
 def test_compare_rejects_bad_variants(tmp_path):

