@@ -291,3 +291,26 @@ def test_public_classes_and_functions_have_runnable_examples(name):
     obj = getattr(lightning_slsam, name)
     module = sys.modules[obj.__module__]
     assert ">>>" in (obj.__doc__ or "") + (module.__doc__ or ""), name
+
+
+#: The most of the package's files and functions one SparseLayerSAM() training step through a
+#: Trainer may run (benchmarks/step_path.py; docs/architecture.md draws the path).
+MAX_STEP_FILES, MAX_STEP_FUNCTIONS = 12, 50
+
+
+def test_one_step_runs_few_of_the_packages_files_and_functions():
+    import importlib.util
+
+    script = PACKAGE.parent / "benchmarks" / "step_path.py"
+    spec = importlib.util.spec_from_file_location("step_path", script)
+    step_path = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step_path)  # type: ignore[union-attr]
+    path = step_path.step_path()
+    assert path["files"] <= MAX_STEP_FILES and path["functions"] <= MAX_STEP_FUNCTIONS, path
+    # The step reads top-down in the core: the step functions, the pass loop, the engine.
+    names = {f"{f}:{n}" for f, functions in path["by_file"].items() for n in functions}
+    assert {"core/step.py:sam_step", "core/step.py:commit", "core/passes.py:Passes.__call__",
+            "core/engine.py:SparseSAMEngine.step"} <= names  # fmt: skip
+    # No front-end copy of the pass loop, no FSDP2 arithmetic on one device.
+    assert not any(f.startswith("lightning/fabric") for f in path["by_file"])
+    assert path["by_file"]["parallel/shards.py"] == ["Whole.local", "Whole.norms", "Whole.reshard"]

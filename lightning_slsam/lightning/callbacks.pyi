@@ -350,6 +350,7 @@ class SLSAMAblation(SparseLayerSAM):
 
 METHODS: Mapping[str, tuple[type[SAMCallback] | None, dict[str, Any]]]
 
+def class_path(cls: type[SAMCallback]) -> str: ...
 def make_callback(name: str, **kwargs: Any) -> SAMCallback: ...
 def make_callbacks(name: str, **kwargs: Any) -> list[SAMCallback]: ...
 
@@ -369,6 +370,7 @@ __all__ = [
     "SLSAMLookSAM",
     "SparseLayerSAM",
     "TopSLSAM",
+    "class_path",
     "make_callback",
     "make_callbacks",
 ]

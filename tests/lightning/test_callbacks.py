@@ -64,3 +64,23 @@ def test_registry_builds_every_method_with_its_paper_defaults():
         make_callback("sgd")
     with pytest.raises(TypeError, match=r"^RST has no option 'schedule'; SL-SAM with RST's coin"):
         RST(schedule="interval")
+
+
+def test_sparse_layer_sam_has_the_options_users_need_each_with_the_default_that_runs():
+    import inspect
+
+    from lightning_slsam.methods.slsam import PRESETS
+
+    options = inspect.signature(SparseLayerSAM).parameters
+    assert len(options) <= 20  # 34 before 0.3
+    # No option means "whatever the preset says": every default is a value that runs.
+    allowed_none = {"seed", "gradient_clip_val"}  # the run's seed; no clipping
+    assert [n for n, p in options.items() if p.default is None and n not in allowed_none] == []
+    built = SparseLayerSAM()
+    for name, parameter in options.items():
+        value, default = getattr(built, name), parameter.default
+        assert value == default or list(value) == list(default) == [], name
+    # What the preset decides is stated in the help of `preset`, for each preset.
+    doc = " ".join(SparseLayerSAM.__doc__.split())
+    assert 'preset: ``"default"`` (beyond the paper' in doc and '``"paper"``' in doc
+    assert set(PRESETS) == {"default", "paper"}
