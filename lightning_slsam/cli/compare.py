@@ -17,8 +17,8 @@ active ratio (the paper's Figure 1), each bandit method's per-layer activation f
 and final probability (its Figure 3), and the entropy and floor count over the steps.
 
 ``--variant LABEL=METHOD`` adds a configuration of a method under its own name, e.g.
-``--variant warm=slsam --option warm.dense_warmup=0.3 --methods slsam,warm``. Extra
-arguments after ``--`` go to every ``fit`` run, e.g. ``-- --trainer.max_epochs=1``.
+``--variant ranked=slsam_ablation --option ranked.bandit_loss=rank --methods slsam,ranked``.
+Extra arguments after ``--`` go to every ``fit`` run, e.g. ``-- --trainer.max_epochs=1``.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def summarize(records: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, A
             "final_entropy": statistics.mean(entropy) if entropy else None,
             "final_floor": statistics.mean(floor) if floor else None,
         }
-    base = rows.get("sam") or rows.get("adasam")
+    base = rows.get("sam") or rows.get("adasam")  # the label of SAM's rows before 0.3
     for row in rows.values():
         for key in ("epoch_time_s", "peak_memory_mb"):
             ok = base is not None and base[key] and row[key] is not None

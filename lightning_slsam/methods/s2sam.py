@@ -3,7 +3,6 @@ perturbs every layer along the gradient of the previous step and runs one forwar
 there; that gradient updates the weights and is kept for the next step. One pass per step
 (Active Ratio 1.0x); the first step, with no previous gradient, is a plain step.
 
->>> from lightning_slsam.core.step import MethodParts
 >>> [SingleStepParts().kind(t) for t in range(3)]
 ['single', 'single', 'single']
 """
