@@ -6,7 +6,9 @@ For each model (CPU: MiniLM-L6, a DeiT-Small-architecture ViT, a small Llama; GP
 DeiT-Small and RoBERTa-base shapes) it measures, for AdamW, a hand-written SAM loop, SAM,
 SL-SAM, Random-SL-SAM, S2-SAM, SL-S2-SAM, RST, ESAM, SSAM-F, LookSAM and cost-aware SL-SAM:
 
-* the median step time, all methods interleaved in one process (``step_time.py``);
+* the mean step time, all methods interleaved in one process (``step_time.py``), over
+  whole periods of each method's step schedule (``step_cost.py``: RST's coin and LookSAM's
+  interval mix SAM steps with cheaper ones, so a median would be one kind's time);
 * the peak memory, one process per method (``memory.py``);
 * the active ratio per step (the SL-SAM paper's column);
 
@@ -32,6 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import overhead  # noqa: E402
 import step_time  # noqa: E402
+from step_cost import RULE, kinds_text  # noqa: E402
 
 #: ``slsam_paper`` is the paper's SL-SAM (the "SL-SAM" targets), ``slsam`` is
 #: ``SparseLayerSAM()``; ``slsam_depth`` runs on the paper's preset (``step_time.OPTIONS``).
@@ -69,7 +72,7 @@ def targets(result: dict) -> list[dict]:
         rows.append({"target": name, "value": value, "limit": limit, "met": value <= limit})
 
     for model, data in result["models"].items():
-        t = {m: r["median_s"] for m, r in data["time"]["methods"].items()}
+        t = {m: r["mean_s"] for m, r in data["time"]["methods"].items()}
         mem = {m: r["training_mb"] for m, r in data["memory"].items()}
         add(f"{model}: SL-SAM time / SAM", t["slsam_paper"] / t["sam"], TIME_TARGETS[model])
         if "slsam" in t:  # SparseLayerSAM() (the row above: the paper's)
@@ -95,7 +98,8 @@ def render(result: dict) -> str:
         "# Benchmark: every method of the plugin, side by side",
         "",
         f"{result['stamp']} Command: `python benchmarks/run_all.py`, {result['wall_s'] / 60:.1f}"
-        " minutes. Step time: median of interleaved steps in one process. Memory: one"
+        f" minutes. Step time: the {RULE}; all methods interleaved in one process; timed"
+        " steps: those the mean counts, by kind where a method mixes kinds. Memory: one"
         " process per method, optimizer state of every parameter allocated first (steady"
         ' state); on a CPU "memory" is the peak RSS above the runtime (Python, torch) --'
         " what the model and its training need, as `torch.cuda.max_memory_allocated` on a"
@@ -116,7 +120,8 @@ def render(result: dict) -> str:
             "",
             f"## {t['description']}",
             "",
-            f"{t['num_layers']} layers; {t['rounds']} timed rounds after {t['warmup']} warm-up."
+            f"{t['num_layers']} layers; {t['rounds']} timed rounds after {t['warmup']} warm-up"
+            " rounds."
             f" SL-SAM's selection and bookkeeping: {data['bandit']['ms_per_step']['total']:.2f}"
             " ms per step"
             + (
@@ -125,16 +130,18 @@ def render(result: dict) -> str:
                 else "."
             ),
             "",
-            "| method | step (s) | time / SAM | memory (MB) | memory / SAM | active ratio |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| method | step (s) | timed steps | time / SAM | memory (MB) | memory / SAM"
+            " | active ratio |",
+            "|---|---:|---:|---:|---:|---:|---:|",
         ]
         sam_mem = data["memory"]["sam"]["training_mb"]
         for name, row in t["methods"].items():
             mem = data["memory"][name]["training_mb"]
             ratio = row["active_ratio"]
+            steps = kinds_text(row["steps"], row["kinds"])
             lines.append(
-                f"| {name} | {row['median_s']:.3f} | {row['ratio_to_sam']:.3f} | {mem:.0f}"
-                f" | {mem / sam_mem:.3f} | {'-' if ratio is None else f'{ratio:.3f}'} |"
+                f"| {name} | {row['mean_s']:.3f} | {steps} | {row['ratio_to_sam']:.3f}"
+                f" | {mem:.0f} | {mem / sam_mem:.3f} | {'-' if ratio is None else f'{ratio:.3f}'} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -171,8 +178,8 @@ def plot(result: dict, path: str) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=None, help="comma-separated (default: by device)")
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--memory-steps", type=int, default=6)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)

@@ -13,7 +13,9 @@ so a slow spell of the machine slows all of them alike.
 
 The configurations are the comparison's, read from its script (one table for both), plus
 the baselines (AdamW without a callback, SAM, the paper's SL-SAM, Random-SL-SAM). Reported per
-configuration: the mean step time over the run, its ratio to SAM's, and the active ratio.
+configuration: the mean step time over the run (over whole periods of its step schedule,
+``step_cost.summarize``, the rule of ``make bench`` too), its ratio to SAM's, and the active
+ratio.
 Writes ``benchmarks/results/short_runs_time.{md,json}``; a task measured by an earlier
 invocation keeps its table there unless this one measures it again.
 """
@@ -27,7 +29,6 @@ import importlib
 import json
 import os
 import re
-import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import yaml
+from step_cost import RULE, kinds_text, schedule_of, summarize
 from step_time import interleaved, machine
 
 from lightning_slsam import make_engine
@@ -143,19 +145,27 @@ def measure(task: str, labels: list[str], limit: int | None = None) -> dict[str,
     steps = {label: make_step(*table[label], copy.deepcopy(module), loss, lr) for label in labels}
     batches = batches[:limit] if limit else batches
     print(f"== {task}: {len(batches)} steps x {len(labels)} configurations", flush=True)
-    times = interleaved(steps, batches, warmup=0)
-    sam = statistics.mean(times["sam"]) if "sam" in times else None
+    kinds: dict[str, list[str | None]] = {}
+    times = interleaved(steps, batches, warmup=0, kinds=kinds)
+    figures = {
+        label: summarize(times[label], 0, schedule_of(steps[label].engine), kinds.get(label))
+        for label in labels
+    }
+    sam = figures["sam"]["mean_s"] if "sam" in figures else None
     rows = {}
     for label in labels:
         engine = steps[label].engine
-        mean = statistics.mean(times[label])
+        figure = figures[label]
         done = max(engine.num_steps - engine.num_skipped, 1) if engine is not None else 1
         rows[label] = {
             "method": table[label][0],
             "options": table[label][1],
-            "mean_step_s": mean,
-            "median_step_s": statistics.median(times[label]),
-            "ratio_to_sam": mean / sam if sam else None,
+            "mean_step_s": figure["mean_s"],
+            "median_step_s": figure["median_s"],
+            "timed_steps": figure["steps"],
+            "kinds": figure["kinds"],
+            "enough": figure["enough"],
+            "ratio_to_sam": figure["mean_s"] / sam if sam else None,
             "active_ratio": 1.0 if engine is None else engine.active_ratio_sum / done,
         }
     return {"task": task, "config": config, "steps": len(batches), "configs": rows}
@@ -167,8 +177,9 @@ def render(results: list[dict[str, Any]]) -> str:
         "",
         "Produced by `python benchmarks/short_runs_time.py`: each configuration trains its own"
         " copy of the task's model on the task's batches for the whole run, interleaved step"
-        " by step in one process. Mean step time over the run (a dense warm-up counts), its"
-        f" ratio to SAM's (goal: at most {TIME_GOAL}x), and the active ratio.",
+        " by step in one process. Step: the"
+        f" {RULE}, over the run (a dense warm-up counts); its ratio to SAM's (goal: at most"
+        f" {TIME_GOAL}x), and the active ratio.",
     ]
     for result in results:
         lines += [
@@ -182,6 +193,8 @@ def render(results: list[dict[str, Any]]) -> str:
         ]
         for label, row in result["configs"].items():
             ratio = row["ratio_to_sam"]
+            if len(row.get("kinds", {})) > 1:  # mixed kinds: the steps the mean counts
+                label = f"{label} ({kinds_text(row['timed_steps'], row['kinds'])})"
             lines.append(
                 f"| {label} | {row['mean_step_s']:.3f} | {'-' if ratio is None else f'{ratio:.3f}'}"
                 f" | {row['active_ratio']:.3f} |"

@@ -1,8 +1,12 @@
-"""Median training-step time of the plugin's methods, interleaved in one process.
+"""Mean training-step time of the plugin's methods, interleaved in one process.
 
 Every method trains its own copy of the same model on the same batches. The runs are
 interleaved (each round times one step of every method, in a rotating order) so that a
-noisy machine slows all of them alike and the ratios survive.
+noisy machine slows all of them alike and the ratios survive. Each method's figure is its
+mean cost per step over whole periods of its step schedule (``step_cost.summarize``: RST's
+coin and LookSAM's interval mix SAM steps with cheaper ones); the defaults, 20 timed rounds
+after 5 warm-up rounds, time four whole LookSAM intervals from a SAM step and the
+``10 / min(p, 1 - p)`` steps RST's coin needs at ``p = 0.5``.
 
 Methods are named as in ``lightning_slsam.METHODS`` (``adamw``, ``sam``, ``slsam_paper``
 -- the paper's SL-SAM --, ``slsam`` -- ``SparseLayerSAM()`` --, ``random_slsam``, ``s2sam``,
@@ -28,13 +32,13 @@ import datetime as dt
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
 
 import torch
 from models import Workload, make_workload
+from step_cost import RULE, kinds_text, schedule_of, summarize
 
 from lightning_slsam import make_engine
 from lightning_slsam.core.partition import build_partition
@@ -111,8 +115,14 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def interleaved(steps: dict[str, Callable], batches: list, warmup: int) -> dict[str, list[float]]:
-    """Per-method step times, one step of each per round, in a rotating order."""
+def interleaved(
+    steps: dict[str, Callable],
+    batches: list,
+    warmup: int,
+    kinds: dict[str, list[str | None]] | None = None,
+) -> dict[str, list[float]]:
+    """Per-method step times, one step of each per round, in a rotating order; ``kinds``, if
+    given, receives each timed step's kind (``None`` for a step without an engine)."""
     names = list(steps)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r, batch in enumerate(batches):
@@ -124,6 +134,9 @@ def interleaved(steps: dict[str, Callable], batches: list, warmup: int) -> dict[
             _sync()
             if r >= warmup:
                 times[name].append(time.perf_counter() - start)
+                if kinds is not None:
+                    result = getattr(getattr(steps[name], "engine", None), "last_result", None)
+                    kinds.setdefault(name, []).append(getattr(result, "kind", None))
         done = ", ".join(f"{n} {times[n][-1]:.3f}s" for n in names if times[n])
         print(f"  round {r + 1}/{len(batches)}{': ' + done if done else ''}", flush=True)
     return times
@@ -150,14 +163,20 @@ def measure(
     ratio: float = 0.2,
     device: str = "cpu",
 ) -> dict:
-    """Step times of ``names`` on ``model_name``: medians, ratios, active ratios."""
+    """Step times of ``names`` on ``model_name``: each method's mean cost per step over
+    whole periods of its schedule (``step_cost.summarize``), ratios, active ratios."""
     work = make_workload(model_name, warmup + rounds, device)
     steps = {}
     for name in names:
         steps[name] = make_step(name, work, copy.deepcopy(work.model), lr, rho, ratio)
-    times = interleaved(steps, work.batches, warmup)
-    median = {name: statistics.median(v) for name, v in times.items()}
-    base = median.get("adamw")
+    kinds: dict[str, list[str | None]] = {}
+    times = interleaved(steps, work.batches, warmup, kinds)
+    figures = {
+        name: summarize(times[name], warmup, schedule_of(steps[name].engine), kinds.get(name))
+        for name in names
+    }
+    mean = {name: row["mean_s"] for name, row in figures.items()}
+    base = mean.get("adamw")
     rows = {}
     for name in names:
         engine = steps[name].engine
@@ -166,13 +185,12 @@ def measure(
             done = max(engine.num_steps - engine.num_skipped, 1)
             passes = engine.active_ratio_sum / done
         rows[name] = {
-            "median_s": median[name],
-            "min_s": min(times[name]),
-            "max_s": max(times[name]),
-            "ratio_to_sam": median[name] / median["sam"] if "sam" in median else None,
-            "ratio_to_adamw": median[name] / base if base else None,
+            **figures[name],
+            "ratio_to_sam": mean[name] / mean["sam"] if "sam" in mean else None,
+            "ratio_to_adamw": mean[name] / base if base else None,
             "active_ratio": {"adamw": 1.0, "sam_reference": 2.0}.get(name, passes),
             "samples": times[name],
+            "sample_kinds": kinds.get(name),
         }
     return {
         "model": model_name,
@@ -188,16 +206,19 @@ def render(result: dict) -> str:
     lines = [
         f"# Step time on {result['description']}",
         "",
-        f"{result['num_layers']} layers; median of {result['rounds']} interleaved steps after"
-        f" {result['warmup']} warm-up rounds. {result.get('stamp', '')}",
+        f"{result['num_layers']} layers; {result['rounds']} interleaved rounds after"
+        f" {result['warmup']} warm-up rounds. Step: the {RULE}; timed steps: those it"
+        f" counts (by kind where a method mixes kinds). {result.get('stamp', '')}",
         "",
-        "| method | median step (s) | min-max (s) | time / SAM | time / AdamW | active ratio |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| method | mean step (s) | timed steps | min-max (s) | time / SAM | time / AdamW"
+        " | active ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in result["methods"].items():
         ratio = row["active_ratio"]
         lines.append(
-            f"| {name} | {row['median_s']:.3f} | {row['min_s']:.3f}-{row['max_s']:.3f}"
+            f"| {name} | {row['mean_s']:.3f} | {kinds_text(row['steps'], row['kinds'])}"
+            f" | {row['min_s']:.3f}-{row['max_s']:.3f}"
             f" | {_fmt(row['ratio_to_sam'])} | {_fmt(row['ratio_to_adamw'])}"
             f" | {'-' if ratio is None else f'{ratio:.3f}'} |"
         )
@@ -212,8 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="minilm")
     parser.add_argument("--methods", default=DEFAULT_METHODS)
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--layer-ratio", type=float, default=0.2)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--name", default=None, help="results file: step_time_<name>")
