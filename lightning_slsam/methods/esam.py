@@ -10,6 +10,11 @@ Neural Networks").
 
 Active Ratio ``weight_ratio + 1`` (1.5x at the paper's 0.5). The data selection needs
 per-sample losses: the loss is a 1-D tensor of them (averaged for the update).
+
+``rho`` is the radius of the perturbation, as in every method. The official code
+(``utils/Esam.py``) perturbs by ``rho / beta`` and keeps ``int(gamma * n) - 1`` of ``n``
+samples; ``ESAM(rho=rho / beta, weight_ratio=beta, data_ratio=(int(gamma * n) - 1) / n)``
+runs its step (docs/paper-and-code.md).
 """
 
 from __future__ import annotations

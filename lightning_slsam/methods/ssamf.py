@@ -5,9 +5,12 @@ the largest empirical Fisher information (squared per-sample gradients), keeping
 from ``fisher_samples`` samples of the current batch (one backward each). Both passes are
 dense: Active Ratio 2.0x.
 
-The reference implementation estimates the Fisher from 1024 samples every 5 epochs of
-training from scratch; for fine-tuning runs of a few epochs the defaults refresh more often
-from fewer samples.
+The official code starts from an all-zero mask and refreshes it after the first step of
+every ``update_freq``-th epoch (5 by default, training from scratch) from ``num_samples``
+training samples of its own (1024 by default). After its first, plain step its run is that
+of ``SSAMF(fisher_samples=num_samples, mask_interval=update_freq * steps_per_epoch)`` when
+those samples are the batch's (docs/paper-and-code.md). For fine-tuning runs of a few
+epochs the defaults refresh more often, from fewer samples.
 """
 
 from __future__ import annotations
