@@ -47,7 +47,7 @@ def is_weight_name(name: str) -> bool:
 
 def group_norms(norms: Tensor, slots: Tensor, num_groups: int) -> Tensor:
     """L2 norm of each group from per-tensor norms (``slots[i]`` is tensor i's group)."""
-    squares = torch.zeros(num_groups, device=norms.device, dtype=torch.float32)
+    squares = torch.zeros(num_groups, device=norms.device, dtype=norms.dtype)
     if norms.numel():
         squares.index_add_(0, slots.to(norms.device, non_blocking=True), norms.square())
     return squares.sqrt()

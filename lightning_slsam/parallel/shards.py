@@ -79,9 +79,9 @@ def reshard(modules: Sequence[torch.nn.Module]) -> None:
 class Whole:
     """Whole tensors on every process (one device, DDP): the seam does nothing of its own.
 
-    Norms are float32 whatever the gradients' dtype: they feed the bandit and the
-    perturbation scale, and low-precision or float64 models must not change their
-    bookkeeping dtype.
+    Norms are float32, or the gradients' dtype when it is wider: float32 for half-precision
+    gradients, float64 for float64 ones, so a float64 model's perturbation radius is
+    computed in float64. What the selection learns from goes to the host as float32.
     """
 
     #: Whether parameters are FSDP2 shards (their gradients arrive averaged).
@@ -94,11 +94,13 @@ class Whole:
     def norms(
         self, tensors: Sequence[Tensor], device: torch.device | None = None, like: Any = None
     ) -> Tensor:
-        """L2 norm of each tensor, one float32 vector (on ``device`` if given). ``like``:
-        the parameters whose sharding ``tensors`` (local shards kept as state) follow."""
+        """L2 norm of each tensor, one float32 vector, float64 for float64 tensors (on
+        ``device`` if given). ``like``: the parameters whose sharding ``tensors`` (local
+        shards kept as state) follow."""
         if not tensors:
             return torch.zeros(0, dtype=torch.float32, device=device)
-        norms = torch.stack(torch._foreach_norm(list(tensors))).float()
+        norms = torch.stack(torch._foreach_norm(list(tensors)))
+        norms = norms.to(torch.promote_types(norms.dtype, torch.float32))
         return norms if device is None else norms.to(device)
 
     def sums(self, values: Tensor, tensors: Sequence[Tensor]) -> Tensor:
@@ -204,7 +206,8 @@ class FSDP2Shards(Whole):
         local = self.local(tensors) if like is None else list(tensors)
         if not local:
             return torch.zeros(0, dtype=torch.float32, device=device)
-        norms = torch.stack(torch._foreach_norm(local)).float()
+        norms = torch.stack(torch._foreach_norm(local))
+        norms = norms.to(torch.promote_types(norms.dtype, torch.float32))
         if layout is not None:
             norms = _sum_over_shards(norms.square(), layout).sqrt()
         return norms if device is None else norms.to(device)

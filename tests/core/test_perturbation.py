@@ -112,3 +112,38 @@ def test_asam_on_sl_sam_perturbs_only_active_tensors_as_the_reference():
     expected = _asam_reference(net_at(w, net), g, RHO, 0.01, active)
     for before, during, want in zip(w, rec.passes[1]["weights"], expected):
         torch.testing.assert_close(during - before, want, atol=1e-7, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["sam", "slsam_paper"])
+def test_float64_models_get_float64_gradient_norms(name):
+    """A float64 model's perturbation radius comes from a float64 norm: 20 SAM steps equal
+    a float64 hand-written reference to float64 rounding (a float32 norm left 1e-7 to 1e-6)."""
+    from lightning_slsam.methods.registry import method_spec
+
+    torch.manual_seed(0)
+    net = make_mlp().double()
+    ref = copy.deepcopy(net)
+    x, y = make_data(32).tensors
+    x = x.double()
+    extra = {"layer_ratio": 1.0} if name != "sam" else {}  # every layer: SAM's step
+    engine = method_spec(name, rho=RHO, **extra).build_engine(net, seed=0)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(20):
+        engine.train_step(loss_closure(net, x, y), opt)
+        g = gradients(ref, x, y)
+        scale = RHO / (torch.sqrt(sum(gi.square().sum() for gi in g)) + 1e-12)
+        with torch.no_grad():
+            for p, gi in zip(ref.parameters(), g):
+                p.add_(gi * scale)
+        g2 = gradients(ref, x, y)
+        with torch.no_grad():
+            for p, gi in zip(ref.parameters(), g):
+                p.sub_(gi * scale)
+        ref_opt.zero_grad()
+        for p, gi in zip(ref.parameters(), g2):
+            p.grad = gi
+        ref_opt.step()
+    worst = max(float((a - b).abs().max()) for a, b in zip(net.parameters(), ref.parameters()))
+    assert all(p.dtype == torch.float64 for p in net.parameters())
+    assert worst < 1e-12, worst
