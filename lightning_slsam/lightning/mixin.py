@@ -16,6 +16,7 @@ automatic optimization), and steps LR schedulers honouring ``interval`` and
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -77,7 +78,11 @@ def _wrap_configure_optimizers(user_configure: Callable[..., Any]) -> Callable[.
 class SAMMixin:
     """Mixin for a ``LightningModule`` whose ``training_step`` returns the loss.
 
-    Put it first in the bases: ``class Model(SAMMixin, L.LightningModule)``. The module
+    Put it first in the bases: ``class Model(SAMMixin, L.LightningModule)``, or
+    ``class Model(SAMMixin, MyExistingModule)`` for a module written without it (its
+    ``training_step`` and ``configure_optimizers`` are taken over as if declared here).
+    Listed after ``LightningModule``, Lightning's own hooks would shadow the mixin's: a SAM
+    callback refuses that at setup, naming the fix. The module
     keeps its ``training_step`` (returning a scalar loss or a dict with ``"loss"``) and
     its ``configure_optimizers`` (one optimizer, any ``torch.optim`` optimizer, with or
     without LR schedulers). Add :class:`~lightning_slsam.SparseLayerSAM` to the Trainer
@@ -123,12 +128,16 @@ class SAMMixin:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        step = cls.__dict__.get("training_step")
-        if step is not None and not getattr(step, "_slsam_wrapped", False):
-            cls.training_step = _wrap_training_step(step)  # type: ignore[attr-defined]
-        configure = cls.__dict__.get("configure_optimizers")
-        if configure is not None and not getattr(configure, "_slsam_wrapped", False):
-            cls.configure_optimizers = _wrap_configure_optimizers(configure)  # type: ignore[attr-defined]
+        # The class's own hooks, or those it inherits from a base listed after the mixin
+        # (`class Model(SAMMixin, MyExistingModule)`): the mixin's place in the bases does
+        # not decide whether the step runs SAM.
+        for name, wrap in (
+            ("training_step", _wrap_training_step),
+            ("configure_optimizers", _wrap_configure_optimizers),
+        ):
+            hook = getattr(cls, name, None)
+            if inspect.isfunction(hook) and not getattr(hook, "_slsam_wrapped", False):
+                setattr(cls, name, wrap(hook))
 
     # -- optimization mode ---------------------------------------------------------
     @property

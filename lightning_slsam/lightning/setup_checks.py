@@ -91,6 +91,18 @@ def check_fit_setup(callback: Any, trainer: Any, pl_module: Any) -> None:
             f" `class {type(pl_module).__name__}(SAMMixin, L.LightningModule)`"
             " (`from lightning_slsam import SAMMixin`)."
         )
+    mro = type(pl_module).__mro__
+    lightning_module = next((c for c in mro if c.__name__ == "LightningModule"), None)
+    if lightning_module is not None and mro.index(lightning_module) < mro.index(SAMMixin):
+        # LightningModule's own `automatic_optimization`, `log` and hooks would shadow the
+        # mixin's: Lightning would refuse manual_backward in the first step.
+        bases = ", ".join(c.__name__ for c in type(pl_module).__bases__)
+        raise MisconfigurationException(
+            f"{type(pl_module).__name__}({bases}) lists SAMMixin after LightningModule, so"
+            " LightningModule's optimization mode and hooks shadow the mixin's and the first"
+            f" training step would fail. Put SAMMixin first: `class {type(pl_module).__name__}"
+            "(SAMMixin, L.LightningModule)`."
+        )
     strategy = trainer.strategy
     bases = _strategy_names(strategy)
     sharded = bases & _SHARDED_STRATEGIES

@@ -200,3 +200,47 @@ def test_a_key_value_cache_on_compiled_blocks_is_warned_about_with_the_fix():
             assert "set `model.config.use_cache = False`" in warnings[0]
         else:
             assert warnings == []
+
+
+def test_mixin_listed_after_lightning_module_is_refused_at_setup_naming_the_fix():
+    """`class M(L.LightningModule, SAMMixin)` would pass setup and fail in the first step
+    with Lightning's "disable automatic optimization": it is refused at setup instead, with
+    the weights untouched, and the same module with the mixin first trains."""
+    from lightning_slsam import SAMMixin
+
+    class Body:
+        def __init__(self):
+            super().__init__()
+            self.net = make_mlp()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Second(Body, L.LightningModule, SAMMixin):
+        pass
+
+    class Existing(Body, L.LightningModule):
+        pass
+
+    class First(Body, SAMMixin, L.LightningModule):
+        pass
+
+    model = Second()
+    before = [p.detach().clone() for p in model.parameters()]
+    fix = (
+        r"Second\(Body, LightningModule, SAMMixin\) lists SAMMixin after LightningModule"
+        r".*Put SAMMixin first: `class Second\(SAMMixin, L.LightningModule\)`"
+    )
+    with pytest.raises(MisconfigurationException, match=fix):
+        trainer(callbacks=[SparseLayerSAM()], max_epochs=1).fit(model, loader(make_data(32), 16))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    # Listed first, the mixin also runs the steps its subclass inherits from a base listed
+    # after it (the step used to run unwrapped: no optimizer step, global_step stayed 0).
+    for model in (First(), type("OnExisting", (SAMMixin, Existing), {})()):
+        sam = SparseLayerSAM()
+        trainer(callbacks=[sam], max_epochs=1).fit(model, loader(make_data(32), 16))
+        assert model.trainer.global_step == 2 and sam.engine.num_steps == 2
