@@ -17,6 +17,7 @@ import sys
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import BackboneFinetuning
 from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
@@ -52,6 +53,19 @@ class PerSample(LitModel):
 
     def val_dataloader(self) -> DataLoader:
         return rank_loader(self.trainer, GLOBAL_BATCH)
+
+
+class Backboned(PerSample):
+    """--unfreeze: the first linear layer is the backbone that Lightning's
+    BackboneFinetuning keeps frozen for the first epoch (4 steps), then unfreezes."""
+
+    def __init__(self, net) -> None:
+        super().__init__(net)
+        self.backbone = net[0]  # the same tensors, first named net.0.*
+
+    def configure_optimizers(self):
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(trainable, lr=self.lr, weight_decay=0.01)
 
 
 class Record(L.Callback):
@@ -105,7 +119,7 @@ class Record(L.Callback):
 def run(
     method: str, devices: int, strategy: str, steps: int, out: str, sync: bool, accumulate: int,
     fp16: bool, precision: str, num_nodes: int = 1, validate: bool = False,
-    compile_blocks: bool = False,
+    compile_blocks: bool = False, unfreeze: bool = False,
 ) -> None:  # fmt: skip
     L.seed_everything(7)
     options = {"seed": None, "sync_first_pass": sync, "accumulate_grad_batches": accumulate}
@@ -119,6 +133,7 @@ def run(
     tag += f"_nodes{num_nodes}" if num_nodes > 1 else ""
     tag += "_val" if validate else ""
     tag += "_compiled" if compile_blocks else ""
+    tag += "_unfreeze" if unfreeze else ""
     backend = Counting() if compile_blocks else None
     plugins = []
     if fp16:  # fp16 autocast with a real gradient scaler, as "16-mixed" on CUDA
@@ -130,13 +145,15 @@ def run(
         chosen = DDPStrategy(process_group_backend="gloo")
     else:
         chosen = DDPStrategy(process_group_backend="gloo", start_method=strategy.split("_")[1])
+    callbacks = [BackboneFinetuning(1)] if unfreeze else []
+    callbacks += [c for c in (callback, Record(os.path.join(out, tag), backend)) if c is not None]
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
         num_nodes=num_nodes,
         strategy=chosen,
         max_steps=steps,
-        callbacks=[c for c in (callback, Record(os.path.join(out, tag), backend)) if c is not None],
+        callbacks=callbacks,
         logger=False,
         default_root_dir=out,
         enable_checkpointing=False,
@@ -149,7 +166,9 @@ def run(
         plugins=plugins,
         precision=None if plugins else precision,
     )
-    model = PerSample(Stack(seed=5) if compile_blocks else make_mlp(seed=5))
+    model = (Backboned if unfreeze else PerSample)(
+        Stack(seed=5) if compile_blocks else make_mlp(seed=5)
+    )
     if compile_blocks:  # regional compilation: each block one layer, trained or frozen whole
         torch._dynamo.reset()
         for block in model.net.blocks:
@@ -172,6 +191,7 @@ def main() -> None:
     parser.add_argument("--num-nodes", type=int, default=1, help="under torchrun, one per node")
     parser.add_argument("--validate", action="store_true", help="validate before and between steps")
     parser.add_argument("--compile", action="store_true", help="compile the model's blocks")
+    parser.add_argument("--unfreeze", action="store_true", help="BackboneFinetuning at epoch 1")
     parser.add_argument("--out", required=True)
     torch.set_num_threads(1)
     torch._dynamo.config.fail_on_recompile_limit_hit = True  # never fall back to eager
@@ -180,7 +200,7 @@ def main() -> None:
             run(
                 method, args.devices, args.strategy, args.steps, args.out,
                 not args.local_first_pass, args.accumulate, args.fp16, args.precision,
-                args.num_nodes, args.validate, args.compile,
+                args.num_nodes, args.validate, args.compile, args.unfreeze,
             )  # fmt: skip
 
 

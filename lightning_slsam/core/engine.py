@@ -272,6 +272,9 @@ class SparseSAMEngine:
         self.counts = torch.zeros(num_layers, dtype=torch.int64)
         self.norm_sums = torch.zeros(num_layers, dtype=torch.float64)
         self.norm_counts = torch.zeros(num_layers, dtype=torch.int64)
+        #: Steps (skipped ones excluded) each layer was not yet sampled in: a tensor that
+        #: became trainable mid-run joined the layers after that many steps.
+        self.joined = torch.zeros(num_layers, dtype=torch.int64)
         self.num_steps = 0
         self.num_skipped = 0
         self.kind_counts: dict[str, int] = {}
@@ -301,10 +304,14 @@ class SparseSAMEngine:
         done = self.num_steps - self.num_skipped
         return self.active_ratio_sum / done if done else math.nan
 
+    def layer_steps(self) -> Tensor:
+        """Non-skipped steps each layer could be drawn in (int64): all of them, less those
+        before a layer that joined mid-run became trainable."""
+        return (self.num_steps - self.num_skipped) - self.joined
+
     def frequencies(self) -> Tensor:
-        """Fraction of non-skipped steps each layer was updated (float64)."""
-        done = max(self.num_steps - self.num_skipped, 1)
-        return self.counts.double() / done
+        """Fraction of the steps each layer could be drawn in that it was updated (float64)."""
+        return self.counts.double() / self.layer_steps().clamp(min=1).double()
 
     def mean_norms(self) -> Tensor:
         """Mean first-pass gradient norm of each layer over the steps it was measured in
@@ -325,6 +332,7 @@ class SparseSAMEngine:
             "selection": self.selection.state_dict(),
             "schedule": {},
             "counts": self.counts.clone(),
+            "joined": self.joined.clone(),
             "norm_sums": self.norm_sums.clone(),
             "norm_counts": self.norm_counts.clone(),
             "num_steps": self.num_steps,
@@ -348,6 +356,7 @@ class SparseSAMEngine:
         self.selection.load_state_dict(state["selection"])
         self.counts = counts.clone().to(torch.int64)
         n = self.counts.numel()
+        self.joined = state.get("joined", torch.zeros(n)).clone().to(torch.int64)
         self.norm_sums = state.get("norm_sums", torch.zeros(n)).clone().double()
         self.norm_counts = state.get("norm_counts", torch.zeros(n)).clone().to(torch.int64)
         self.num_steps = int(state["num_steps"])
@@ -358,6 +367,48 @@ class SparseSAMEngine:
         tensors = self.freezer.tensors()
         self.last_grad = by_position(state.get("last_grad", {}), tensors)
         self.method.load_state_dict(state, tensors)
+
+    def carry_state(
+        self, state: dict[str, Any], layer_names: list[str], tensor_names: list[str]
+    ) -> dict[str, Any]:
+        """:meth:`state_dict`'s output saved for other layers -- ``layer_names``, whose
+        tensors were ``tensor_names`` (:meth:`LayerPartition.tensor_names`) -- mapped onto
+        this engine's partition by name, for :meth:`load_state_dict`.
+
+        A layer on both sides keeps its counts, norms, probability and per-tensor state
+        (under its tensors' names); a new layer starts as every layer does at the start of
+        a run, and counts as joined after the steps already run; a layer that left is
+        dropped. The selection keeps its budget (:meth:`LayerSelection.carry_state`).
+        """
+        old_layer = {name: i for i, name in enumerate(layer_names)}
+        index = [old_layer.get(name, -1) for name in self.partition.names]
+        done = int(state["num_steps"]) - int(state["num_skipped"])
+        n = len(index)
+
+        def per_layer(values: Tensor, fill: float) -> Tensor:
+            out = torch.full((n,), fill, dtype=values.dtype)
+            for i, j in enumerate(index):
+                if j >= 0:
+                    out[i] = values[j]
+            return out
+
+        old_tensor = {name: i for i, name in enumerate(tensor_names)}
+        moved = {old_tensor[name]: k for k, name in enumerate(self.partition.tensor_names())
+                 if name in old_tensor}  # fmt: skip
+        carried = {
+            k: {moved[i]: v for i, v in x.items() if i in moved} if _per_tensor_store(x) else x
+            for k, x in state.items()
+        }
+        counts = state["counts"]
+        joined = state.get("joined", torch.zeros_like(counts))
+        carried.update(
+            counts=per_layer(counts, 0),
+            joined=per_layer(joined.to(torch.int64), done),
+            norm_sums=per_layer(state.get("norm_sums", torch.zeros(len(counts))).double(), 0.0),
+            norm_counts=per_layer(state.get("norm_counts", torch.zeros_like(counts)), 0),
+            selection=self.selection.carry_state(state["selection"], index),
+        )
+        return carried
 
     def _per_tensor(self, state: dict[str, Any], convert: Callable) -> dict[str, Any]:
         """Convert the per-tensor stores: the dicts keyed by tensor position."""

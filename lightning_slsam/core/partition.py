@@ -42,7 +42,14 @@ from lightning_slsam.parallel.shards import fsdp_modules, reshard
 GroupingFn = Callable[[str, nn.Parameter], Hashable | None]
 LayerSpec = str | Sequence[str] | GroupingFn
 
-__all__ = ["LayerFreezer", "LayerPartition", "build_partition", "by_position", "find_new_head"]
+__all__ = [
+    "LayerFreezer",
+    "LayerPartition",
+    "build_partition",
+    "by_position",
+    "describe_change",
+    "find_new_head",
+]
 
 
 @dataclass
@@ -95,6 +102,10 @@ class LayerPartition:
     def signature(self) -> list[list[str]]:
         """Names of every layer's tensors: compared on resume to detect a changed model."""
         return [list(group) for group in self.param_names]
+
+    def tensor_names(self) -> list[str]:
+        """The names of :meth:`LayerFreezer.tensors`, in its order (always-active first)."""
+        return [*self.always_active_names, *(n for group in self.param_names for n in group)]
 
 
 def _group_key(
@@ -253,6 +264,48 @@ def build_partition(
     )
 
 
+def describe_change(old: LayerPartition, new: LayerPartition, shown: int = 4) -> str:
+    """What changed between two partitions of one model, in a sentence.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        >>> _ = net[0].requires_grad_(False)
+        >>> before = build_partition(net)
+        >>> _ = net[0].requires_grad_(True)
+        >>> print(describe_change(before, build_partition(net)))
+        2 tensors became trainable and are sampled as 2 new layers (0.weight, 0.bias); 4 layers
+        are sampled now.
+    """
+
+    def names(partition: LayerPartition) -> list[str]:
+        return [*partition.tensor_names(), *partition.always_frozen_names]
+
+    def listed(items: list[str]) -> str:
+        more = f" and {len(items) - shown} more" if len(items) > shown else ""
+        return ", ".join(items[:shown]) + more
+
+    before, after = names(old), names(new)
+    gained = [n for n in after if n not in set(before)]
+    lost = [n for n in before if n not in set(after)]
+    added = [n for n in new.names if n not in set(old.names)]
+    removed = [n for n in old.names if n not in set(new.names)]
+    parts = []
+    if gained:
+        parts.append(
+            f"{len(gained)} tensors became trainable and are sampled as {len(added)} new"
+            f" layers ({listed(gained)})"
+        )
+    if lost:
+        parts.append(
+            f"{len(lost)} tensors were frozen and {len(removed)} layers left the sampling"
+            f" ({listed(lost)})"
+        )
+    if not parts:
+        parts.append("the tensors' grouping into layers changed")
+    return "; ".join(parts) + f"; {new.num_layers} layers are sampled now."
+
+
 def find_new_head(model: nn.Module) -> list[str]:
     """Names of the parameters of ``model``'s freshly initialised task head.
 
@@ -351,6 +404,7 @@ class LayerFreezer:
         named = [*zip(partition.flat_params, flat_names)]
         named += [*zip(partition.always_active, partition.always_active_names)]
         self._weights = {id(p) for p, name in named if is_weight_name(name)}
+        self._tracked = {id(p) for p in (*self.tensors(), *partition.always_frozen)}
 
     def activate(self, mask: Tensor) -> list[Tensor]:
         """Make exactly the layers in ``mask`` (plus always-active tensors) trainable.
@@ -378,6 +432,14 @@ class LayerFreezer:
                 param.requires_grad_(True)
         for param in self.partition.always_frozen:
             param.requires_grad_(True)
+
+    def trainable_changed(self, module: torch.nn.Module) -> bool:
+        """Whether ``module``'s trainable set differs from the partition's, checked between
+        steps (when every partition tensor is trainable): a tensor outside the partition
+        has ``requires_grad=True`` (unfrozen by the model or a callback such as Lightning's
+        ``BackboneFinetuning``), or a partition tensor has ``requires_grad=False``."""
+        tracked = self._tracked
+        return any(p.requires_grad != (id(p) in tracked) for p in module.parameters())
 
     def check_owned(self, module: torch.nn.Module) -> None:
         """Raise if ``module`` no longer owns the partition's tensors: its parameters were

@@ -60,6 +60,7 @@ from lightning_slsam.lightning.setup_checks import (
     check_fit_setup,
     check_lightning_options,
     check_one_optimizer,
+    differs_by_trainable,
     method_state,
     prepare_compiled,
 )
@@ -265,7 +266,11 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
             self.engine = self._build_engine(partition, pl_module)
         self.partition = partition
         check_engine(self, trainer, pl_module, self.engine)
-        if self._pending_state is not None:
+        # A checkpoint saved with other trainable tensors waits for the first batch: the
+        # epoch-start hooks (a finetuning callback's unfreezing) set the trainable set.
+        if self._pending_state is not None and not differs_by_trainable(
+            self._pending_state, self.partition
+        ):
             state, self._pending_state = self._pending_state, None
             self._apply_state(state)
         self._logged = self.engine.last_result  # a second fit() logs its own steps only
@@ -291,6 +296,32 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
         driver = getattr(pl_module, "_slsam_driver", None)
         if driver is not None and self.gradient_clip_val:
             driver.clip_gradients(optimizer)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        # Between steps every partition tensor is trainable: a difference is the model's
+        # (or another callback's) own change of its trainable set.
+        engine = self.engine
+        if engine is not None and engine.freezer.trainable_changed(pl_module):
+            self._follow_trainable(trainer, pl_module)
+        if self._pending_state is not None and self.engine is not None:
+            state, self._pending_state = self._pending_state, None
+            self._apply_state(state)
+            self._logged = self.engine.last_result
+
+    def _follow_trainable(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.engine is not None
+        try:
+            engine, change = self.spec.follow_trainable(self.engine, pl_module, rank_zero_warn)
+        except ValueError as err:  # no layer left to sample, a pattern matching nothing
+            raise MisconfigurationException(
+                f"{type(self).__name__}: the model's trainable parameters changed before step"
+                f" {trainer.global_step} and no longer fit the layer options: {err}"
+            ) from None
+        check_engine(self, trainer, pl_module, engine)
+        self.engine, self.partition = engine, engine.partition
+        rank_zero_info(f"{type(self).__name__}, before step {trainer.global_step}: {change}")
 
     # -- logging ------------------------------------------------------------------------
     def on_train_batch_end(
@@ -356,7 +387,7 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
             states[self.state_key] = states.pop(saved[0])
 
     def state_dict(self) -> dict[str, Any]:
-        if self.engine is None or self.partition is None:
+        if self.engine is None or self.partition is None or self._pending_state is not None:
             return dict(self._pending_state or {})
         return method_state(self.method, self.spec, self.engine, self.partition)
 

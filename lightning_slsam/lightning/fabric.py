@@ -244,6 +244,12 @@ class FabricSAM:
         """
         if not batches:
             raise ValueError("FabricSAM.step needs at least one batch: `sam.step(loss_fn, batch)`.")
+        module = self.model.module
+        if self.engine.freezer.trainable_changed(module):
+            # Tensors the loop unfroze (or froze) since the last step: sampled from now on.
+            self.engine, change = self.spec.follow_trainable(self.engine, module, _warn)
+            self.partition = self.engine.partition
+            _info(f"{self.name}, before step {self.engine.num_steps}: {change}")
         passes = Passes(
             batches, lambda batch: split_per_sample(loss_fn(batch)), self.fabric.backward,
             scale=1.0 / len(batches), size=_size, subset=_subset,
@@ -319,3 +325,9 @@ def _warn(message: str) -> None:
     from lightning.fabric.utilities import rank_zero_warn
 
     rank_zero_warn(message)
+
+
+def _info(message: str) -> None:
+    from lightning.fabric.utilities import rank_zero_info
+
+    rank_zero_info(message)

@@ -258,6 +258,7 @@ def method_state(method: str, spec: Any, engine: Any, partition: Any) -> dict[st
         "engine": engine.state_dict(),
         "layer_names": partition.names,
         "layer_tensors": partition.signature(),
+        "tensor_names": partition.tensor_names(),
         "config": spec.hyperparameters(),
     }
 
@@ -265,14 +266,64 @@ def method_state(method: str, spec: Any, engine: Any, partition: Any) -> dict[st
 def apply_method_state(owner: Any, state: dict[str, Any], engine: Any, partition: Any,
                        warn: Any) -> None:  # fmt: skip
     """Restore :func:`method_state`'s output into ``engine`` after checking that it was
-    saved for the same layers (``owner``: the callback or FabricSAM, named in errors)."""
-    check_saved_layers(owner, state.get("layer_tensors"), partition.signature(),
-                       (state.get("config") or {}).get("preset"))  # fmt: skip
+    saved for the same layers (``owner``: the callback or FabricSAM, named in errors).
+
+    Layers that differ only because tensors became trainable or were frozen since (the
+    same tensors in the same layers wherever both have them) are carried over by name,
+    with a warning saying what changed."""
+    saved, current = state.get("layer_tensors"), partition.signature()
     engine_state = dict(state["engine"])
+    if differs_by_trainable(state, partition):
+        engine_state = engine.carry_state(engine_state, state["layer_names"],
+                                          state["tensor_names"])  # fmt: skip
+        old = [n for group in saved for n in group]
+        new = [n for group in current for n in group]
+        warn(
+            f"The checkpoint's {type(owner).__name__} state was saved with"
+            f" {len(saved)} sampled layers and the model now has {len(current)}:"
+            f" {_changed_tensors(old, new)}. The layers on both sides resume their state;"
+            " a new one starts afresh. (Lightning's BackboneFinetuning resumed after its"
+            " unfreeze epoch leaves the backbone frozen: unfreeze it again to train it.)"
+        )
+    else:
+        check_saved_layers(owner, saved, current, (state.get("config") or {}).get("preset"))
     engine_state["selection"] = owner.spec.adopt_selection_state(
         engine_state["selection"], engine.selection.state_dict(), warn
     )
     engine.load_state_dict(engine_state)
+
+
+def differs_by_trainable(state: dict[str, Any], partition: Any) -> bool:
+    """Whether a checkpoint's layers differ from ``partition``'s by the trainable tensors
+    only: they share some, and group those alike (the same model and options)."""
+    saved = state.get("layer_tensors")
+    if saved is None or saved == partition.signature():
+        return False
+    if "tensor_names" not in state or "layer_names" not in state:
+        return False
+    saved = {n: layer for layer, group in zip(state["layer_names"], saved) for n in group}
+    now = {n: layer for layer, group in zip(partition.names, partition.signature())
+           for n in group}  # fmt: skip
+    saved_active = set(state["tensor_names"]) - set(saved)
+    now_active = set(partition.always_active_names)
+    shared = saved.keys() & now.keys()
+    return (
+        bool(shared)
+        and all(saved[n] == now[n] for n in shared)
+        and not (saved_active & now.keys())
+        and not (now_active & saved.keys())
+    )
+
+
+def _changed_tensors(old: list[str], new: list[str], shown: int = 4) -> str:
+    gained = [n for n in new if n not in set(old)]
+    lost = [n for n in old if n not in set(new)]
+    parts = []
+    for names, what in ((gained, "trainable now"), (lost, "frozen now")):
+        if names:
+            more = " and more" if len(names) > shown else ""
+            parts.append(f"{len(names)} tensors {what} ({', '.join(names[:shown])}{more})")
+    return "; ".join(parts)
 
 
 def check_saved_layers(callback: Any, saved: Any, current: list[list[str]],

@@ -116,6 +116,9 @@ class DepthCut(WrappedSelection, Seeded):
         self.inner.load_state_dict(state.get("inner", {}))
         self.load_generator_state(state)
 
+    def carry_state(self, state: dict[str, Any], index: list[int]) -> dict[str, Any]:
+        return {**state, "inner": self.inner.carry_state(state.get("inner", {}), index)}
+
 
 @dataclass(kw_only=True, eq=False)
 class CostAwareSLSAMSpec(SLSAMSpec):

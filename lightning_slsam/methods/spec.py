@@ -34,6 +34,7 @@ from lightning_slsam.core.partition import (
     LayerPartition,
     LayerSpec,
     build_partition,
+    describe_change,
     find_new_head,
 )
 from lightning_slsam.core.perturbation import PERTURBATION_NORMS, SAMPerturbation
@@ -264,6 +265,26 @@ class MethodSpec:
         # A method that freezes other layers each step freezes a compiled region whole.
         regions = compiled_regions(module) if self.samples_layers else []
         return build_partition(module, self.layers, active, self.always_frozen, regions)
+
+    def follow_trainable(
+        self, engine: SparseSAMEngine, module: torch.nn.Module, warn: Warn = warnings.warn
+    ) -> tuple[SparseSAMEngine, str]:
+        """``engine`` carried over to ``module``'s trainable set now, and a sentence saying
+        what changed.
+
+        For tensors whose ``requires_grad`` the model or another callback switched between
+        steps (Lightning's ``BackboneFinetuning`` unfreezing a backbone, say): a tensor
+        that became trainable is sampled like any layer from the next step on, one the
+        model froze leaves the layers; every other layer keeps its state
+        (:meth:`~lightning_slsam.core.engine.SparseSAMEngine.carry_state`). The same
+        generators continue, so a run resumed across the change draws what it would have.
+        """
+        old, partition = engine.partition, self.partition(module, warn)
+        new = self.build_engine(module, seed=0, partition=partition, warn=warn)
+        state = new.carry_state(engine.state_dict(), old.names, old.tensor_names())
+        new.load_state_dict(state)
+        new.last_grad.update(engine.last_grad)  # tensors kept: the same objects, by id
+        return new, describe_change(old, partition)
 
     def build_engine(
         self,

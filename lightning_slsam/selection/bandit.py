@@ -308,6 +308,39 @@ class LayerBandit(LayerSelection, Seeded):
             "num_skipped": self.num_skipped,
         }
 
+    def carry_state(self, state: dict, index: list[int]) -> dict:
+        """A bandit's state over other layers, for this bandit's layers (``index[i]``: layer
+        ``i``'s position there, -1 for a new one).
+
+        A kept layer keeps its probability; a new layer starts where every layer starts,
+        at ``layer_ratio``. When layers left (or, under a compute budget, changed their
+        cost) the probabilities are projected back onto the budget, as after an update.
+
+        Example:
+            >>> import torch
+            >>> old = LayerBandit(4, layer_ratio=0.5, generator=torch.Generator().manual_seed(0))
+            >>> _ = old.update(torch.tensor([True, True, False, False]),
+            ...                torch.tensor([1.0, 3.0, 0.0, 0.0]))
+            >>> new = LayerBandit(6, layer_ratio=0.5)
+            >>> state = new.carry_state(old.state_dict(), [0, 1, 2, 3, -1, -1])
+            >>> new.load_state_dict(state)
+            >>> torch.equal(new.probs[:4], old.probs), new.probs[4:].tolist()
+            (True, [0.5, 0.5])
+        """
+        old = torch.as_tensor(state["probs"]).detach().to("cpu", torch.float64).reshape(-1)
+        start = self._budget / self._n if self._costs is None else self._ratio
+        probs = torch.tensor([float(old[j]) if j >= 0 else start for j in index],
+                             dtype=torch.float64)  # fmt: skip
+        weights = torch.ones(self._n, dtype=torch.float64) if self._costs is None else self._costs
+        if abs(float((weights * probs).sum()) - self._budget) > 1e-12 * self._budget:
+            log_u = torch.log(probs)
+            probs = (
+                kl_projection(log_u, self._budget, self._p_min, 1.0)
+                if self._costs is None
+                else weighted_kl_projection(log_u, self._costs, self._budget, self._p_min, 1.0)
+            )
+        return {**state, "probs": probs, "num_layers": self._n, "costs": self.costs}
+
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output; ``num_layers`` must match this bandit's."""
         if int(state["num_layers"]) != self._n:

@@ -143,6 +143,12 @@ class LayerSelection:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
+    def carry_state(self, state: dict[str, Any], index: list[int]) -> dict[str, Any]:
+        """:meth:`state_dict`'s output of this rule over other layers, for these layers:
+        ``index[i]`` is layer ``i``'s position there (-1: a new layer). Default: the state
+        holds nothing per layer, and is kept as it is."""
+        return state
+
 
 class WrappedSelection(LayerSelection):
     """A rule that changes the draw of another rule, ``inner``: its probabilities are
@@ -176,6 +182,9 @@ class WrappedSelection(LayerSelection):
         return self.inner.update(
             active, norms, self.inclusion() if inclusion is None else inclusion
         )
+
+    def carry_state(self, state: dict[str, Any], index: list[int]) -> dict[str, Any]:
+        return self.inner.carry_state(state, index)  # a wrapper's state is its inner's
 
 
 class AllLayers(LayerSelection):

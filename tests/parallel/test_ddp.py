@@ -32,6 +32,8 @@ METHODS = [
 PRECISION_METHODS = [m for m in METHODS if m != "slsam_ablation"]
 #: Methods trained on a model whose blocks are compiled (layer sampling: each block a layer).
 COMPILED = ["slsam_paper", "slsam", "top_slsam", "esam"]
+#: Methods trained with Lightning's BackboneFinetuning unfreezing the first layer at step 4.
+UNFREEZE = ["slsam_paper", "slsam"]
 # ESAM's data selection ranks each process's own samples: not the one-process choice.
 PER_RANK_DATA = {"esam"}
 # Methods whose step 1 runs two passes (S2-SAM, LookSAM and RST's runs reuse or skip it).
@@ -57,12 +59,14 @@ def runs(tmp_path_factory):
           for p in ("bf16-mixed", "bf16-true")),
         # Regional compilation: every layer-sampling method's graphs traced once per state.
         ["--methods", ",".join(COMPILED), *fork, "--compile", "--steps", "8"],
+        ["--methods", ",".join(UNFREEZE), *fork, "--unfreeze", "--steps", "8"],
         ["--methods", "slsam_paper", "--devices", "2", *spawn],
         # The default sanity check, then validation after every step.
         ["--methods", "slsam_paper", "--devices", "2", *spawn, "--validate"],
         ["--methods", methods, "--devices", "1"],
         ["--methods", precision_methods, "--devices", "1", "--fp16"],
         ["--methods", ",".join(COMPILED), "--devices", "1", "--compile", "--steps", "8"],
+        ["--methods", ",".join(UNFREEZE), "--devices", "1", "--unfreeze", "--steps", "8"],
     ], out, timeout=1500)  # fmt: skip
     launch(WORKER, [["--methods", "slsam_paper", "--devices", "2", "--strategy", "ddp", *validate]
                     for validate in ([], ["--validate"])], out)  # fmt: skip
@@ -133,6 +137,27 @@ def test_compiled_blocks_under_ddp_match_one_process_without_recompiles(runs, me
 def _active(record: dict, mask: torch.Tensor) -> tuple[int, int]:
     numel = torch.tensor(record["numel"])
     return int(numel[mask].sum()), int(mask.sum())
+
+
+@pytest.mark.parametrize("method", UNFREEZE)
+def test_tensors_unfrozen_mid_run_under_ddp_are_sampled_alike_on_every_rank(runs, method):
+    tag = f"{method}_ddp_fork_2_unfreeze"
+    r0, r1, one = runs(tag, 0), runs(tag, 1), runs(f"{method}_ddp_fork_1_unfreeze")
+    assert _same_ranks(r0, r1)
+    assert [len(m) for m in r0["masks"]] == [len(m) for m in one["masks"]]
+    assert all(torch.equal(a, b) for a, b in zip(r0["masks"], one["masks"], strict=True))
+    assert _max_diff(r0, one) < 1e-5
+    # Sampled from step 4 on (frozen before): drawn in some steps, not in all.
+    head = 2 if method == "slsam" else 0  # the default preset's head rule: none found here
+    assert [len(m) for m in r0["masks"]] == [6 + head * 0] * 4 + [8] * 4
+    assert r0["layer_names"][:2] == ["net.0.weight", "net.0.bias"]
+    drawn = [bool(m[:2].any()) for m in r0["masks"][4:]]
+    assert any(drawn)
+    # Only the drawn layers' gradients travel: the first layer's only when drawn.
+    numel = torch.tensor(r0["numel"])
+    for mask, sent in zip(r0["masks"][4:], r0["bytes"][4:], strict=True):
+        active = int(numel[mask].sum()), int(mask.sum())
+        assert sent == 4 * (2 * (active[0] + active[1]) + 4)
 
 
 def test_only_active_layers_gradients_travel(runs):
