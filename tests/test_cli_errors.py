@@ -128,7 +128,7 @@ def test_compare_help_names_the_methods_and_every_default(capsys):
         assert re.search(rf"\b{name}\b", methods), name
     for option, default in (("--seeds SEEDS", "3"), ("--monitor MONITOR", "val_acc"),
                             ("--mode {max,min}", "max"), ("--out OUT", "runs/compare"),
-                            ("--methods METHODS", "adamw,sam,slsam")):  # fmt: skip
+                            ("--methods METHODS", "adamw,sam,slsam_paper,slsam")):  # fmt: skip
         help_text = text[text.index(option) + len(option) :][:200]
         assert f"(default: {default})" in help_text, (option, help_text)
 

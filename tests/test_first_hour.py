@@ -57,7 +57,7 @@ def test_help_and_the_missing_subcommand_error_list_compare():
     shown = console("--help")
     assert shown.returncode == 0
     assert "{fit,validate,test,predict,compare}" in first_line(shown.stdout)
-    assert re.search(r"^\s+compare\s+train several methods", shown.stdout, re.M)
+    assert re.search(r"^\s+compare\s+Train several methods", shown.stdout, re.M)
     missing = console()
     assert "{fit,validate,test,predict,compare}" in first_line(missing.stderr)
 

@@ -21,6 +21,7 @@ __all__ = [
     "CONFIG_FLAGS",
     "SUBCOMMANDS",
     "asks_help",
+    "callback_entry",
     "check_callback_options",
     "check_sam_trainer",
     "missing_run",
@@ -88,12 +89,13 @@ def check_callback_options(args: list[str]) -> str | None:
             if callbacks is not None:
                 listed = callbacks if isinstance(callbacks, list) else [callbacks]
                 entries = [
-                    (f"{value}: trainer.callbacks[{k}]", _entry(c)) for k, c in enumerate(listed)
+                    (f"{value}: trainer.callbacks[{k}]", callback_entry(c))
+                    for k, c in enumerate(listed)
                 ]
         elif arg in ("--trainer.callbacks", "--trainer.callbacks+"):
             loaded = yaml.safe_load(value)
             listed = loaded if isinstance(loaded, list) else [loaded]
-            new = [(f"{arg}={value}", _entry(c)) for c in listed]
+            new = [(f"{arg}={value}", callback_entry(c)) for c in listed]
             entries = new if arg == "--trainer.callbacks" else entries + new
         elif arg.startswith("--trainer.callbacks.") and entries:
             key = arg[len("--trainer.callbacks.") :].removeprefix("init_args.")
@@ -111,7 +113,14 @@ def check_callback_options(args: list[str]) -> str | None:
     return None
 
 
-def _entry(item: Any) -> dict[str, Any]:
+def callback_entry(item: Any) -> dict[str, Any]:
+    """A ``trainer.callbacks`` item of a YAML config (a class path, or a mapping) as
+    ``{"class_path": ..., "init_args": {...}}``; ``class_path`` is ``None`` for anything else.
+
+    Example:
+        >>> callback_entry("lightning_slsam.SAM")
+        {'class_path': 'lightning_slsam.SAM', 'init_args': {}}
+    """
     if isinstance(item, str):
         return {"class_path": item, "init_args": {}}
     if isinstance(item, dict):

@@ -7,6 +7,7 @@
     lightning-slsam fit --config my_run.yaml           # your own run
     lightning-slsam fit --demo --print_config          # show the demo's full configuration
     lightning-slsam compare --config task.yaml --methods adamw,sam,slsam --seeds 3
+    lightning-slsam --help                             # the command and its subcommands
 
 Model and datamodule are given by ``class_path`` (any ``LightningModule`` /
 ``LightningDataModule``); SL-SAM is switched on by listing
@@ -14,8 +15,9 @@ Model and datamodule are given by ``class_path`` (any ``LightningModule`` /
 model that inherits :class:`~lightning_slsam.SAMMixin`. The demo's values are used only
 with ``--demo``: they are never merged into a run silently. A typo or an invalid value in
 a SAM callback's options ends the command with one line naming the option, the class and
-the fix. After ``fit`` a short summary is printed: the final validation metrics, the
-method's mean active ratio and per-layer chart, and the log folder.
+the fix. After ``fit`` a short summary is printed (instead of the method's end-of-fit
+line): the final validation metrics, the method's mean active ratio, sampled layers and
+per-layer chart, and the log folder.
 """
 
 from __future__ import annotations
@@ -48,12 +50,38 @@ from lightning_slsam.parallel.ddp import release_process_group
 __all__ = ["SLSAMCLI", "demo_config_path", "main", "release_process_group"]
 
 _DEMO_FLAG = "--demo"
+#: ``lightning-slsam --help``: what the command is, its subcommands and where to start.
+DESCRIPTION = (
+    "Train Lightning models with Sparse-Layer SAM (SL-SAM), SAM and related sharpness-aware"
+    " methods: a LightningCLI whose SAM method is a callback in trainer.callbacks (the model"
+    " inheriting lightning_slsam.SAMMixin). fit trains; validate, test and predict run a"
+    " trained model on a data split; compare trains several methods side by side. Start with"
+    " `lightning-slsam fit --demo`: it fine-tunes the packaged MiniLM-L6 on Rotten Tomatoes"
+    " with SparseLayerSAM(), offline, in a few minutes on a CPU."
+)
+#: The line of each subcommand in ``lightning-slsam --help``.
+SUBCOMMAND_HELP = {
+    "fit": "Train a model, with a SAM method from trainer.callbacks (--demo: the packaged demo).",
+    "validate": "Run one evaluation epoch on the validation set.",
+    "test": "Run one evaluation epoch on the test set.",
+    "predict": "Run the model on the predict set and return its predictions.",
+}
+#: The top of ``lightning-slsam fit --help``.
+FIT_DESCRIPTION = (
+    "Train a model: the trainer, model and data come from --config files and flags; a SAM"
+    " method is a callback in trainer.callbacks (see the end of this help). --demo trains the"
+    " packaged demo instead of a run of your own: all-MiniLM-L6-v2 fine-tuned on Rotten"
+    " Tomatoes with SparseLayerSAM(), everything offline (the model and data ship in the"
+    " examples extra), a few minutes on 2 CPU cores. Its values (lightning_slsam/configs/"
+    "demo.yaml) are the base that every other flag overrides, e.g. `lightning-slsam fit"
+    " --demo --trainer.max_steps=100`; `--demo --print_config` shows them."
+)
 #: Where the step of the last validation loop is kept (in ``trainer.callback_metrics``,
 #: which ``ddp_spawn`` hands back to the launching process).
 VALIDATED_AT = "slsam/validated_at_step"
 _COMPARE_HELP = (
-    "train several methods over several seeds and write the comparison table and plots"
-    " (lightning-slsam compare --help)"
+    "Train several methods over several seeds and write the comparison table and plots"
+    " (lightning-slsam compare --help)."
 )
 
 
@@ -70,12 +98,18 @@ class SLSAMCLI(LightningCLI):
         # Lists `compare` (handled by main() before this parser runs) beside Lightning's
         # subcommands, so that --help and the missing-subcommand error show it; each
         # subcommand's --help ends with the SAM methods and how to see one's options.
+        parser.description = DESCRIPTION
         for subcommand in SUBCOMMANDS:
-            kwargs[subcommand] = {"epilog": methods_epilog(), **kwargs.get(subcommand, {})}
+            described = FIT_DESCRIPTION if subcommand == "fit" else SUBCOMMAND_HELP[subcommand]
+            kwargs[subcommand] = {
+                "description": described,
+                "epilog": methods_epilog(),
+                **kwargs.get(subcommand, {}),
+            }
         compare = LightningArgumentParser(description=_COMPARE_HELP)
         add_cli_subcommand(
             lambda: super(SLSAMCLI, self)._add_subcommands(parser, **kwargs),
-            parser, "compare", compare, _COMPARE_HELP,
+            parser, "compare", compare, _COMPARE_HELP, SUBCOMMAND_HELP,
         )  # fmt: skip
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
@@ -104,6 +138,11 @@ class SLSAMCLI(LightningCLI):
         # version here makes the children write where this process will look afterwards.
         if spawns_processes(self.trainer.strategy):
             _ = self.trainer.log_dir
+        # The run summary printed after fit says what the method's end-of-fit line says:
+        # printed once, the line is left out.
+        sam = find_sam_callback(self.trainer)
+        if sam is not None:
+            sam._fit_message = False
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         trainer = super().instantiate_trainer(**kwargs)
@@ -155,6 +194,12 @@ def run_summary(trainer: Any, log_dir: str | None) -> list[str]:
             f"  {type(sam).__name__} mean active ratio: {summary['mean_active_ratio']:.3f}x"
             " over the passes (SAM: 2.0x, AdamW: 1.0x)"
         )
+        engine = sam.engine  # None in the launching process under ddp_spawn
+        if engine is not None:
+            lines.append(
+                f"  {engine.partition.num_layers} sampled layers, {engine.never_selected()}"
+                f" never selected, {engine.num_skipped} skipped steps"
+            )
         if summary["out_of_sampling"]:
             lines.append(f"  {summary['out_of_sampling']}")
         lines.append(f"  per-layer chart: {summary['layer_frequency_png'] or 'not written'}")

@@ -16,6 +16,12 @@ its mean gradient norm, final entropy, layers at the floor). Plots: the metric a
 active ratio (the paper's Figure 1), each bandit method's per-layer activation frequency
 and final probability (its Figure 3), and the entropy and floor count over the steps.
 
+The task config's other callbacks run in every run. A SAM callback in it (a
+``trainer.callbacks`` entry of one of the package's SAM classes) is kept with its options for
+the method it is a configuration of (``SparseLayerSAM(layer_ratio=0.3)`` for ``slsam``),
+replaced by each other method's callback and dropped for ``adamw``; compare says which, one
+line per method, before training.
+
 ``--variant LABEL=METHOD`` adds a configuration of a method under its own name, e.g.
 ``--variant ranked=slsam_ablation --option ranked.bandit_loss=rank --methods slsam,ranked``.
 Extra arguments after ``--`` go to every ``fit`` run, e.g. ``-- --trainer.max_epochs=1``.
@@ -31,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
@@ -38,8 +45,9 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import Callback
 
+from lightning_slsam.cli.checks import callback_entry, resolve_callback
 from lightning_slsam.cli.report import plot, plot_selection, render, summarize
-from lightning_slsam.lightning.callback import normalized_entropy
+from lightning_slsam.lightning.callback import SAMCallback, normalized_entropy
 from lightning_slsam.lightning.callbacks import METHODS, class_path, make_callbacks
 from lightning_slsam.lightning.driver import find_sam_callback
 from lightning_slsam.lightning.record import rank_correlation
@@ -165,6 +173,93 @@ def _parse_options(
     return options
 
 
+@dataclass
+class TaskCallbacks:
+    """The task configs' ``trainer.callbacks`` (the last file that sets them, as ``fit``
+    stacks them): the SAM callback, if one is there, and the others."""
+
+    others: list[Any] = field(default_factory=list)
+    #: Where the SAM callback was among the entries (a method's callback goes there).
+    index: int = 0
+    #: ``"FILE: trainer.callbacks[K]"``, the entry (``class_path``, ``init_args``), the
+    #: callback it builds.
+    where: str = ""
+    entry: dict[str, Any] | None = None
+    callback: SAMCallback | None = None
+
+
+def _task_callbacks(parser: argparse.ArgumentParser, configs: list[str]) -> TaskCallbacks:
+    """Reads the task configs' ``trainer.callbacks``; a SAM callback's options are checked."""
+    path, listed = None, []
+    for config in configs:
+        with open(config) as handle:
+            loaded = yaml.safe_load(handle)
+        trainer = loaded.get("trainer") if isinstance(loaded, dict) else None
+        if isinstance(trainer, dict) and "callbacks" in trainer:
+            path, listed = config, trainer["callbacks"] or []
+    listed = listed if isinstance(listed, list) else [listed]
+    task = TaskCallbacks()
+    for k, item in enumerate(listed):
+        entry = callback_entry(item)
+        cls = resolve_callback(entry["class_path"])
+        if cls is None:
+            task.others.append(item)
+            continue
+        where = f"{path}: trainer.callbacks[{k}]"
+        if task.entry is not None:
+            parser.error(
+                f"{task.where} and {where} are both SAM callbacks; keep at most one (compare"
+                " runs each method's own callback)"
+            )
+        try:
+            task.callback = cls(**entry["init_args"])
+        except (TypeError, ValueError) as err:
+            parser.error(f"{where}: {err}")
+        task.index, task.where, task.entry = len(task.others), where, entry
+    return task
+
+
+def _method_of(callback: SAMCallback) -> str | None:
+    """The method name ``callback`` is a configuration of: the name of its class whose
+    implied options it has, the most specific one (``slsam_paper`` for
+    ``SparseLayerSAM(preset="paper")``, ``slsam`` for ``SparseLayerSAM(layer_ratio=0.3)``)."""
+    names = [
+        name
+        for name, (cls, implied) in METHODS.items()
+        if cls is type(callback) and all(getattr(callback, k) == v for k, v in implied.items())
+    ]
+    return max(names, key=lambda name: len(METHODS[name][1]), default=None)
+
+
+def sam_callback(
+    method: str, options: dict[str, Any], task: TaskCallbacks, base: str | None = None
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The SAM callback entry of ``method``'s runs (``None`` for AdamW) and, when the task
+    config holds a SAM callback, the line saying what the method does with it: keeps it
+    (with its options, then ``options``) for the method it is a configuration of, replaces
+    it with the method's own callback otherwise, drops it for AdamW."""
+    cls, implied = METHODS[base or method]
+    own = (
+        None
+        if cls is None
+        else {"class_path": class_path(cls), "init_args": {**implied, **options}}
+    )
+    if task.callback is None or task.entry is None:
+        return own, None
+    given = f"the config's {task.callback!r} ({task.where})"
+    if cls is None:
+        return None, f"== {method}: drops {given}: plain AdamW, no SAM callback"
+    if _method_of(task.callback) == (base or method):
+        init_args = {**implied, **task.entry["init_args"], **options}
+        runs = cls(**init_args)
+        kept = {"class_path": class_path(cls), "init_args": init_args}
+        return kept, (
+            f"== {method}: keeps {given}, a configuration of {base or method}, with its"
+            f" options: runs {runs!r}"
+        )
+    return own, f"== {method}: replaces {given} with its own callback {cls(**own['init_args'])!r}"
+
+
 def _method_config(
     method: str,
     seed: int,
@@ -173,14 +268,17 @@ def _method_config(
     mode: str,
     options: dict[str, Any],
     base: str | None = None,
+    task: TaskCallbacks | None = None,
 ) -> dict[str, Any]:
-    """The config of one run of ``method`` (a label of ``base`` when given)."""
-    cls, preset = METHODS[base or method]
-    preset = {**preset, **options}
+    """The config of one run of ``method`` (a label of ``base`` when given): the task
+    config's callbacks but a SAM one, the method's SAM callback (see :func:`sam_callback`),
+    and a recorder."""
+    task = task or TaskCallbacks()
+    sam, _ = sam_callback(method, options, task, base)
     run_dir = os.path.join(out, "runs", method, f"seed{seed}")
-    callbacks: list[dict[str, Any]] = []
-    if cls is not None:
-        callbacks.append({"class_path": class_path(cls), "init_args": preset})
+    callbacks: list[Any] = list(task.others)
+    if sam is not None:
+        callbacks.insert(task.index, sam)
     recorder = {"path": os.path.join(run_dir, "run.json"), "monitor": monitor, "mode": mode}
     callbacks.append({"class_path": f"{__name__}.RunRecorder", "init_args": recorder})
     return {
@@ -225,8 +323,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument(
         "--methods",
-        default="adamw,sam,slsam",
-        help="comma-separated method names or --variant labels (default: %(default)s);"
+        default="adamw,sam,slsam_paper,slsam",
+        help="comma-separated method names or --variant labels; by default AdamW, SAM, the"
+        " SL-SAM paper's method and what SparseLayerSAM() runs (default: %(default)s);"
         f" the methods: {', '.join(METHODS)}",
     )
     parser.add_argument(
@@ -287,6 +386,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not os.path.isfile(path):
             parser.error(f"--config {path!r} is not a file")
     options = _parse_options(parser, args.option, methods, variants)
+    # What each method does with a SAM callback of the task config (printed before training).
+    task, said = _task_callbacks(parser, args.config), []
+    for method in methods:
+        try:
+            _, line = sam_callback(method, options.get(method, {}), task, variants.get(method))
+        except (TypeError, ValueError) as err:
+            parser.error(f"--option for {method} with the options of {task.where}: {err}")
+        said += [line] if line else []
     if args.seeds < 1:
         parser.error("--seeds must be >= 1")
     os.makedirs(os.path.join(args.out, "configs"), exist_ok=True)
@@ -294,12 +401,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     first, origin = _first_seed(args.seed, args.config)
     seeds = list(range(first, first + args.seeds))
     print(f"== seeds {', '.join(map(str, seeds))} ({origin})", flush=True)
+    for line in said:
+        print(line, flush=True)
     runs = [(seed, m) for seed in seeds for m in methods]
     records: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     started, trained = time.perf_counter(), 0
     for index, (seed, method) in enumerate(runs, 1):
         config = _method_config(method, seed, args.out, args.monitor, args.mode,
-                                options.get(method, {}), variants.get(method))  # fmt: skip
+                                options.get(method, {}), variants.get(method), task)  # fmt: skip
         config_path = os.path.join(args.out, "configs", f"{method}_seed{seed}.yaml")
         run_json = config["trainer"]["callbacks"][-1]["init_args"]["path"]
         # The task and the extra arguments, as a comment: --resume reuses a run only if

@@ -92,6 +92,18 @@ PROGRESS_BAR = {
     "sl_ratio": "slsam/active_ratio",
     "sl_entropy": "slsam/entropy",
 }
+#: The progress bar's counts: shown as integers (``sl_layers=19``, not ``19.000``).
+PROGRESS_BAR_COUNTS = frozenset({"sl_layers"})
+
+
+class _Count(int):
+    """A count on the progress bar: an ``int`` that stays one where the bar formats every
+    number with decimals (the Rich bar's ``.3f``; the tqdm bar's ``.3g`` shows ints as is)."""
+
+    def __format__(self, spec: str) -> str:
+        if spec[-1:] in tuple("eEfFgG%"):
+            spec = spec[:-1].partition(".")[0] + "d"
+        return int.__format__(self, spec)
 
 
 def step_metrics(
@@ -163,6 +175,9 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
     method: ClassVar[str] = "sam"
 
     _options_root: ClassVar[bool] = True  # where accepted_options stops looking
+    # The line logged at the end of fit; off where a run summary is printed instead (the
+    # lightning-slsam command's, which says the same and more).
+    _fit_message: bool = True
     #: The method's specification class (its options and how it builds its engine).
     spec_class: ClassVar[type[MethodSpec]] = SAMSpec
 
@@ -340,9 +355,14 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
         metrics.update(self.selection_metrics())
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
-        # Short names for the progress bar only (loggers get the namespaced ones above).
+        # Short names for the progress bar only (loggers get the namespaced ones above). A
+        # logged number turns into a float: the counts go to the bar's dict as ints (a name
+        # logged without prog_bar=True stays there as written until the next fit).
         for name, key in PROGRESS_BAR.items():
-            pl_module.log(name, metrics[key], prog_bar=True, logger=False, batch_size=1)
+            count = name in PROGRESS_BAR_COUNTS
+            pl_module.log(name, metrics[key], prog_bar=not count, logger=False, batch_size=1)
+            if count:
+                trainer.progress_bar_metrics[name] = _Count(round(metrics[key]))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.perturbation.pool = BackupPool()  # the weight backups are not needed after fit
@@ -361,7 +381,8 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
         # The summary also goes to callback_metrics: under ddp_spawn they are what the
         # launching process gets back (see summary()).
         trainer.callback_metrics[RATIO_METRIC] = torch.tensor(self.mean_active_ratio)
-        rank_zero_info(fit_message(type(self).__name__, self.engine, self.frequency_plot_path))
+        if self._fit_message:
+            rank_zero_info(fit_message(type(self).__name__, self.engine, self.frequency_plot_path))
 
     def summary(self, trainer: pl.Trainer) -> dict[str, Any]:
         """After ``fit``: the run's mean active ratio, per-layer chart and the tensors out of

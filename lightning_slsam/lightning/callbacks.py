@@ -304,10 +304,12 @@ class CostAwareSLSAM(SparseLayerSAM):
 
 
 class SLSAMAblation(SparseLayerSAM):
-    """SL-SAM with each setting of its presets given alone (``None``: the preset's): the
-    budget, the bandit's loss and step size, the head rule and the update-scaling cap. What
-    the results scripts use to measure each part of the default, and what reruns a config
-    saved by an earlier version; users choose a ``preset`` of :class:`SparseLayerSAM`.
+    """SL-SAM with each setting of its presets given alone (``None``: the preset's).
+
+    The settings: the budget, the bandit's loss and step size, the head rule and the
+    update-scaling cap. What the results scripts use to measure each part of the default,
+    and what reruns a config saved by an earlier version; users choose a ``preset`` of
+    :class:`SparseLayerSAM`.
 
     Example:
         >>> SLSAMAblation(preset="paper", bandit_loss="rank").spec.setting("alpha_p")

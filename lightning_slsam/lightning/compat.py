@@ -101,27 +101,47 @@ def spawns_processes(strategy: Any) -> bool:
 
 
 def add_cli_subcommand(
-    add_lightning_subcommands: Callable[[], None], parser: Any, name: str, subparser: Any, help: str
+    add_lightning_subcommands: Callable[[], None],
+    parser: Any,
+    name: str,
+    subparser: Any,
+    help: str,
+    helps: dict[str, str] | None = None,
 ) -> None:
     """Run ``LightningCLI._add_subcommands`` (``add_lightning_subcommands``) and add one
     more subcommand beside ``fit``, ``validate``, ... so that ``--help`` and the
-    missing-subcommand error list it.
+    missing-subcommand error list it; ``helps`` replaces the line ``--help`` shows for
+    Lightning's subcommands (by name).
 
     Lightning 2.6.6: ``_add_subcommands`` adds its subcommands to the action returned by
-    ``parser.add_subcommands()``; that action is captured here.
+    ``parser.add_subcommands()``; that action is captured here. Each subcommand's line is
+    the first paragraph of the Trainer method's docstring, which ``--help`` cuts off
+    mid-sentence for ``test`` and ``predict``.
     """
     added: list[Any] = []
     original = parser.add_subcommands
+    helps = helps or {}
 
     def capture(*args: Any, **options: Any) -> Any:
-        added.append(original(*args, **options))
-        return added[-1]
+        action = original(*args, **options)
+        add_subcommand = action.add_subcommand
+
+        def with_help(command: str, command_parser: Any, **kwargs: Any) -> Any:
+            if command in helps:
+                kwargs["help"] = helps[command]
+            return add_subcommand(command, command_parser, **kwargs)
+
+        action.add_subcommand = with_help
+        added.append(action)
+        return action
 
     parser.add_subcommands = capture
     try:
         add_lightning_subcommands()
     finally:
         del parser.add_subcommands
+        for action in added:
+            del action.add_subcommand
     if added:
         added[0].add_subcommand(name, subparser, help=help)
 

@@ -153,3 +153,127 @@ def test_compare_rejects_bad_variants(tmp_path):
         with pytest.raises(SystemExit):
             main(["compare", "--config", TASK, "--methods", "slsam", "--variant", variant,
                   "--out", str(tmp_path)])  # fmt: skip
+
+
+def test_the_default_methods_are_adamw_sam_and_both_sl_sam_configurations(capsys):
+    # "slsam" is what SparseLayerSAM() runs; "slsam_paper" the paper's method.
+    from lightning_slsam import METHODS, SparseLayerSAM
+    from lightning_slsam.cli.compare import main as compare_main
+
+    with pytest.raises(SystemExit):
+        compare_main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    default = text[text.index("(default: ") + len("(default: ") :].split(")")[0].split(",")
+    assert set(default) == {"adamw", "sam", "slsam_paper", "slsam"}
+    assert METHODS["slsam"] == (SparseLayerSAM, {})
+    assert METHODS["slsam_paper"] == (SparseLayerSAM, {"preset": "paper"})
+
+
+@pytest.fixture
+def task_with_sam(tmp_path):
+    """A config stacked on the task that holds a SAM callback and another callback."""
+    path = tmp_path / "with_sam.yaml"
+    path.write_text(
+        "trainer:\n  callbacks:\n"
+        "    - class_path: lightning.pytorch.callbacks.LearningRateMonitor\n"
+        "    - class_path: lightning_slsam.SparseLayerSAM\n      init_args: {layer_ratio: 0.5}\n"
+    )
+    return str(path)
+
+
+def test_compare_says_what_each_method_does_with_the_configs_sam_callback(
+    tmp_path, capsys, monkeypatch, task_with_sam
+):
+    import subprocess
+
+    from lightning_slsam.cli import compare
+
+    started = []
+
+    def no_training(command, *args, **kwargs):
+        started.append(command)
+        return subprocess.CompletedProcess(command, 1)
+
+    monkeypatch.setattr(compare.subprocess, "run", no_training)
+    with pytest.raises(SystemExit, match="the adamw run with seed 42 failed"):
+        main(["compare", "--config", TASK, "--config", task_with_sam, "--seeds", "1",
+              "--option", "sam.rho=0.05", "--out", str(tmp_path / "cmp")])  # fmt: skip
+    printed = capsys.readouterr().out.splitlines()
+    given = f"the config's SparseLayerSAM(layer_ratio=0.5) ({task_with_sam}: trainer.callbacks[1])"
+    lines = [line for line in printed if line.startswith("== ") and "config's" in line]
+    assert lines == [
+        f"== adamw: drops {given}: plain AdamW, no SAM callback",
+        f"== sam: replaces {given} with its own callback SAM(rho=0.05)",
+        f"== slsam_paper: replaces {given} with its own callback SparseLayerSAM(preset='paper')",
+        f"== slsam: keeps {given}, a configuration of slsam, with its options:"
+        " runs SparseLayerSAM(layer_ratio=0.5)",
+    ]
+    # Printed before the first run started.
+    assert len(started) == 1 and printed.index(lines[-1]) < printed.index(
+        next(line for line in printed if line.startswith("== run 1/4"))
+    )
+
+
+def test_each_methods_config_keeps_the_other_callbacks_and_its_sam_callback(
+    tmp_path, capsys, task_with_sam
+):
+    import argparse
+
+    import yaml
+
+    from lightning_slsam.cli.compare import _method_config, _task_callbacks
+
+    task = _task_callbacks(argparse.ArgumentParser(), [TASK, task_with_sam])
+    monitor = {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"}
+    expected = {
+        "adamw": None,
+        "sam": {"class_path": "lightning_slsam.SAM", "init_args": {}},
+        "slsam_paper": {"class_path": "lightning_slsam.SparseLayerSAM",
+                        "init_args": {"preset": "paper"}},
+        "slsam": {"class_path": "lightning_slsam.SparseLayerSAM",
+                  "init_args": {"layer_ratio": 0.5}},
+    }  # fmt: skip
+    for method, sam in expected.items():
+        config = _method_config(method, 42, str(tmp_path), "val_acc", "max", {}, None, task)
+        callbacks = config["trainer"]["callbacks"]
+        assert callbacks[0] == monitor and callbacks[-1]["class_path"].endswith("RunRecorder")
+        assert callbacks[1:-1] == ([sam] if sam else []), method
+    # As the fit command reads them: this config, stacked on the task's, is the run's.
+    path = tmp_path / "slsam.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", TASK, "--config", task_with_sam, "--config", str(path),
+              "--print_config"])  # fmt: skip
+    assert done.value.code in (0, None)
+    run = yaml.safe_load(capsys.readouterr().out)["trainer"]["callbacks"]
+    assert [c["class_path"] for c in run] == [
+        "lightning.pytorch.callbacks.LearningRateMonitor",
+        "lightning_slsam.SparseLayerSAM",
+        "lightning_slsam.cli.compare.RunRecorder",
+    ]
+    assert run[1]["init_args"]["layer_ratio"] == 0.5
+
+
+def test_compare_refuses_two_sam_callbacks_or_bad_options_in_the_config(tmp_path, monkeypatch):
+    import subprocess
+
+    from lightning_slsam.cli import compare
+
+    started = []
+
+    def no_training(command, *args, **kwargs):
+        started.append(command)
+        return subprocess.CompletedProcess(command, 1)
+
+    monkeypatch.setattr(compare.subprocess, "run", no_training)
+    two = tmp_path / "two.yaml"
+    two.write_text("trainer:\n  callbacks: [lightning_slsam.SAM, lightning_slsam.RST]\n")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "trainer:\n  callbacks:\n    - class_path: lightning_slsam.SparseLayerSAM\n"
+        "      init_args: {layer_ratio: 3}\n"
+    )
+    for config in (two, bad):
+        with pytest.raises(SystemExit) as done:
+            main(["compare", "--config", TASK, "--config", str(config), "--out", str(tmp_path)])
+        assert done.value.code == 2 and started == [], config  # before any run

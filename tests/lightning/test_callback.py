@@ -74,3 +74,29 @@ def test_estimated_stepping_batches_counts_the_plugins_accumulation(
     t = trainer(callbacks=[cb, Probe()], max_epochs=max_epochs, max_steps=max_steps)
     t.fit(LitModel(make_mlp()), loader(make_data(80), 8))  # 10 batches: groups of 4, 4, 2
     assert seen["estimate"] == expected == t.global_step
+
+
+@pytest.mark.parametrize("bar", ["rich", "tqdm"])
+def test_the_progress_bar_shows_the_layer_count_as_an_integer(bar):
+    # Lightning's bars format numbers with decimals (Rich: ".3f"): `sl_layers` is a count.
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+    from tqdm import tqdm
+
+    progress = RichProgressBar() if bar == "rich" else TQDMProgressBar()
+    model = LitModel(make_mlp())
+    cb = SparseLayerSAM(layer_ratio=0.5, seed=0)
+    t = trainer(callbacks=[cb, progress], max_steps=3, enable_progress_bar=True)
+    t.fit(model, loader(make_data(64), 16))
+
+    shown = t.progress_bar_callback.get_metrics(t, model)
+    layers = shown["sl_layers"]
+    assert isinstance(layers, int) and layers == int(cb.active_mask.sum()) > 0
+    if bar == "rich":
+        assert f"{layers:{progress.theme.metrics_format}}" == str(layers)  # not "4.000"
+    else:
+        assert tqdm.format_num(layers) == str(layers)
+    assert isinstance(shown["sl_ratio"], float) and isinstance(shown["sl_entropy"], float)
+    # Loggers keep the namespaced float; the short name stays a callback metric.
+    assert t.logged_metrics["slsam/active_layers"].dtype == torch.float32
+    assert "sl_layers" not in t.logged_metrics
+    assert float(t.callback_metrics["sl_layers"]) == layers
