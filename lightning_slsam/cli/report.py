@@ -4,9 +4,12 @@ the metric-against-active-ratio plot and the selection plots, from the runs' rec
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["mean_std", "plot", "plot_selection", "render", "summarize"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["mean_std", "plot", "plot_selection", "render", "selection_figure", "summarize"]
 
 
 def _stats(values: list[float]) -> tuple[float, float | None]:
@@ -123,17 +126,27 @@ def plot(rows: dict[str, dict[str, Any]], monitor: str, path: str) -> None:
 
 
 def plot_selection(records: dict[str, list[dict[str, Any]]], path: str) -> bool:
+    """Save :func:`selection_figure` as a PNG at ``path``. Returns False (no file) when no
+    method has a learning selection."""
+    fig = selection_figure(records)
+    if fig is None:
+        return False
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def selection_figure(records: dict[str, list[dict[str, Any]]]) -> Figure | None:
     """Entropy of the layer distribution and layers at the floor over the steps, per method
-    (mean over the seeds). Returns False (no file) when no method has a learning selection."""
+    (mean over the seeds); ``None`` when no method has a learning selection. The step axes
+    have whole-number ticks and the floor count starts at 0."""
     traced = {m: runs for m, runs in records.items() if any(r.get("floor_layers") for r in runs)}
     if not traced:
-        return False
-    import matplotlib
+        return None
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_e, ax_f) = plt.subplots(1, 2, figsize=(12, 4.6), constrained_layout=True)
+    fig = Figure(figsize=(12, 4.6), layout="constrained")
+    ax_e, ax_f = fig.subplots(1, 2)
     for n, (method, runs) in enumerate(traced.items()):
         # Ten colours, then the same colours dashed: every line stays distinguishable.
         style = {"color": f"C{n % 10}", "ls": "-" if n < 10 else "--", "lw": 1.3}
@@ -144,14 +157,16 @@ def plot_selection(records: dict[str, list[dict[str, Any]]], path: str) -> bool:
             ax.plot(range(1, length + 1), mean, label=method, **style)
     ax_e.set_ylabel("normalised entropy (1.0 = uniform)")
     ax_f.set_ylabel("layers at the floor p_min")
+    # A count: from 0, in whole layers, at least up to 1 when no layer reached the floor.
+    ax_f.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_f.set_ylim(0, max(ax_f.get_ylim()[1], 1))
     for ax in (ax_e, ax_f):
         ax.set_xlabel("training step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     # One legend for both panels, below them, so no line is hidden behind it.
     fig.legend(*ax_e.get_legend_handles_labels(), loc="outside lower center", fontsize=8,
                ncol=min(len(traced), 4), frameon=False)  # fmt: skip
     ax_e.set_title("How far the layer distribution moved from uniform")
     ax_f.set_title("How many layers the bandit pushed to the floor")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return fig

@@ -377,6 +377,7 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
                 self.partition,
                 plot=self.plot,
                 title=f"{type(self).__name__}: how often each layer was trained",
+                layer_ratio=getattr(self.spec, "layer_ratio", None),
             )
         # The summary also goes to callback_metrics: under ddp_spawn they are what the
         # launching process gets back (see summary()).

@@ -16,6 +16,7 @@ import glob
 import math
 import os
 import re
+import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,8 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
     from lightning_slsam.core.engine import SparseSAMEngine
     from lightning_slsam.core.partition import LayerPartition
 
@@ -31,15 +34,19 @@ __all__ = [
     "RECORD_STEM",
     "ROLES",
     "FixedTensor",
+    "common_affixes",
     "fit_message",
     "fit_summary",
     "fixed_tensors",
     "fresh_stem",
+    "layer_frequency_figure",
     "newest_chart",
     "out_of_sampling",
     "plot_layer_frequency",
     "rank_correlation",
+    "ratio_label",
     "record_dir",
+    "short_labels",
     "write_layer_frequency_csv",
     "write_record",
 ]
@@ -110,71 +117,320 @@ def write_layer_frequency_csv(
     return path
 
 
+#: The longest tick label of the per-layer chart, in characters (see :func:`short_labels`).
+LABEL_WIDTH = 36
+_ELLIPSIS = "\u2026"
+#: Inches a rotated tick label of the per-layer chart needs beside the next one.
+_LABEL_PITCH = 0.15
+#: The chart's colours by role (``ROLES``): the tick labels of fixed tensors take theirs.
+_COLOURS = {"sampled": "#4C72B0", "always_active": "#2E8540", "always_frozen": "#C44E52"}
+
+
+def _units(name: str) -> list[str]:
+    """A name's dotted parts, a number joined to the part before it (``layer.3``,
+    ``blocks.11``), so that an index never loses the word it counts."""
+    units: list[str] = []
+    for part in name.split("."):
+        if part.isdigit() and units:
+            units[-1] += "." + part
+        else:
+            units.append(part)
+    return units
+
+
+def common_affixes(names: Sequence[str]) -> tuple[str, str]:
+    """The dotted prefix and suffix all ``names`` share, each name keeping a part at least:
+    what :func:`short_labels` leaves out of the labels.
+
+    Example:
+        >>> common_affixes(["base_model.model.layer.0.lora_A.default.weight",
+        ...                 "base_model.model.layer.0.lora_B.default.weight"])
+        ('base_model.model.layer.0.', '.default.weight')
+        >>> common_affixes(["0.weight", "0.bias", "2.weight"])
+        ('', '')
+    """
+    if not names:
+        return "", ""
+    units = [_units(name) for name in names]
+    first, shortest = units[0], min(len(u) for u in units)
+    head = tail = 0
+    while head < shortest - 1 and all(u[head] == first[head] for u in units):
+        head += 1
+    while head + tail < shortest - 1 and all(u[-1 - tail] == first[-1 - tail] for u in units):
+        tail += 1
+    prefix, suffix = ".".join(first[:head]), ".".join(first[len(first) - tail :])
+    return prefix + "." * bool(prefix), "." * bool(suffix) + suffix
+
+
+def short_labels(
+    names: Sequence[str], width: int = LABEL_WIDTH, shared: Sequence[str] | None = None
+) -> list[str]:
+    """Distinct labels of at most ``width`` characters (at least 10) for layer ``names``.
+
+    The dotted prefix and suffix common to the ``shared`` names (:func:`common_affixes`;
+    default: all ``names``) are left out of their labels, the other names are shortened
+    whole: the chart passes the sampled layers, so that a tensor taken out of sampling
+    does not set what the sampled layers' labels keep.
+    A name still too long loses its commonest parts first, never its last one (``…``
+    marks the gap), so the rare parts that tell layers apart stay: the block's index,
+    ``query``, ``lora_A``, ``weight``, ``bias``. Parts that tell two otherwise equal
+    labels apart are kept; a label still too long is cut in its middle. Two different
+    names never get the same label: where shortening alone would merge them, the labels
+    start with the layer's position in ``names``.
+
+    Example:
+        >>> names = [f"base_model.model.bert.encoder.layer.{i}.attention.self.{m}"
+        ...          f".lora_{ab}.default.weight" for i in (0, 1) for m in ("query", "value")
+        ...          for ab in "AB"]
+        >>> short_labels(names)[:2]
+        ['layer.0.attention.self.query.lora_A', 'layer.0.attention.self.query.lora_B']
+        >>> short_labels(names, width=20)[:2]
+        ['layer.0…query.lora_A', 'layer.0…query.lora_B']
+        >>> short_labels(["0.weight", "0.bias", "2.weight"])
+        ['0.weight', '0.bias', '2.weight']
+        >>> head = "base_model.model.classifier.modules_to_save.default.weight"
+        >>> short_labels([*names[:2], head], shared=names)
+        ['layer.0.attention.self.query.lora_A', 'layer.0.attention.self.query.lora_B',
+         '…classifier.modules_to_save…weight']
+        >>> short_labels(["a" * 40 + "x", "a" * 40 + "y"], width=12)
+        ['aaa…aaaaaaax', 'aaa…aaaaaaay']
+        >>> short_labels(["x" * 20 + "1" + "y" * 20, "x" * 20 + "2" + "y" * 20], width=12)
+        ['0:xxx…yyyyyy', '1:xxx…yyyyyy']
+    """
+    if width < 10:
+        raise ValueError(f"`width` must be at least 10, got {width}.")
+    shared = names if shared is None else shared
+    prefix, suffix = common_affixes(shared)
+    inner = set(shared)
+    units = [_units(_strip(n, prefix, suffix) if n in inner else n) for n in names]
+    # How many names hold each part: the commoner a part, the less it tells layers apart.
+    holders: dict[str, int] = {}
+    for name in names:
+        for part in set(_units(name)):
+            holders[part] = holders.get(part, 0) + 1
+    kept: list[set[str]] = [set() for _ in names]
+    while True:
+        labels = [_fit(parts, holders, keep, width) for parts, keep in zip(units, kept)]
+        merged = _merged(labels)
+        grown = False
+        for group in merged:
+            sets = [set(units[i]) for i in group]
+            telling = sets[0].union(*sets[1:]) - sets[0].intersection(*sets[1:])
+            for i in group:
+                grown |= not telling & set(units[i]) <= kept[i]
+                kept[i] |= telling & set(units[i])
+        if not grown:
+            break
+    for i in (i for group in merged for i in group):
+        head = f"{i}:"
+        labels[i] = head + _fit(units[i], holders, kept[i], width - len(head))
+    return labels
+
+
+def _strip(name: str, prefix: str, suffix: str) -> str:
+    """``name`` without ``prefix`` and ``suffix``, the affixes of a group it belongs to."""
+    return name[len(prefix) : len(name) - len(suffix)]
+
+
+def _merged(labels: list[str]) -> list[list[int]]:
+    """The groups of positions that share a label."""
+    positions: dict[str, list[int]] = {}
+    for i, label in enumerate(labels):
+        positions.setdefault(label, []).append(i)
+    return [group for group in positions.values() if len(group) > 1]
+
+
+def _fit(parts: list[str], holders: dict[str, int], keep: set[str], width: int) -> str:
+    """``parts`` joined, leaving out the commonest (then the outermost) ones until it fits;
+    never the last part, nor those in ``keep``."""
+    shown = [True] * len(parts)
+    order = sorted(
+        (k for k in range(len(parts) - 1) if parts[k] not in keep),
+        key=lambda k: (-holders[parts[k]], k),
+    )
+    label = _join(parts, shown)
+    for k in order:
+        if len(label) <= width:
+            break
+        shown[k] = False
+        label = _join(parts, shown)
+    return _cut(label, width)
+
+
+def _join(parts: list[str], shown: list[bool]) -> str:
+    """The shown parts joined by dots, each run of left-out parts as one ``…``."""
+    text, gap = "", False
+    for part, show in zip(parts, shown):
+        if show:
+            text += (_ELLIPSIS if gap else "." if text else "") + part
+        gap = not show
+    return text + (_ELLIPSIS if gap else "")
+
+
+def _cut(text: str, width: int) -> str:
+    """``text`` cut in its middle to ``width`` characters, keeping more of its end."""
+    if len(text) <= width:
+        return text
+    head = (width - 1) // 3
+    return text[:head] + _ELLIPSIS + text[len(text) - (width - 1 - head) :]
+
+
+def ratio_label(probs: Tensor, layer_ratio: float | None, numel: Sequence[int] = ()) -> str:
+    """The legend of the chart's dashed line, drawn at the mean final draw probability.
+
+    That mean is ``layer_ratio`` under a budget of layers (``preset="paper"``). Under a
+    budget of parameters (``preset="default"``) ``layer_ratio`` is the parameter-weighted
+    mean and the plain mean differs: the label says which it is.
+
+    Example:
+        >>> import torch
+        >>> ratio_label(torch.tensor([0.1, 0.3]), 0.2)
+        'layer_ratio 0.2 (= mean draw probability)'
+        >>> ratio_label(torch.tensor([0.1, 0.5]), 0.2, numel=[300, 100])
+        'mean draw probability 0.3 (layer_ratio 0.2 is a fraction of the parameters)'
+        >>> ratio_label(torch.ones(3), None)
+        'mean draw probability 1'
+    """
+    mean = float(probs.double().mean())
+    if layer_ratio is None:
+        return f"mean draw probability {mean:.3g}"
+    if math.isclose(mean, layer_ratio, rel_tol=1e-3, abs_tol=1e-6):
+        return f"layer_ratio {layer_ratio:g} (= mean draw probability)"
+    text = f"mean draw probability {mean:.3g} (layer_ratio {layer_ratio:g}"
+    if len(numel) == probs.numel():
+        size = torch.tensor(numel, dtype=torch.float64)
+        weighted = float((probs.double() * size).sum() / size.sum())
+        if math.isclose(weighted, layer_ratio, rel_tol=1e-3, abs_tol=1e-6):
+            return text + " is a fraction of the parameters)"
+    return text + ")"
+
+
+def layer_frequency_figure(
+    names: Sequence[str],
+    counts: Tensor,
+    steps: int,
+    probs: Tensor,
+    layer_ratio: float | None,
+    title: str = "SL-SAM: how often each layer was trained",
+    fixed: Sequence[FixedTensor] = (),
+    numel: Sequence[int] = (),
+) -> Figure:
+    """The activation-frequency chart: a bar per layer next to their histogram.
+
+    The ``fixed`` tensors follow the sampled layers: an always-active one as a bar of
+    another colour at 1, an always-frozen one as a cross at 0; the histogram counts the
+    sampled layers only. The dashed line marks the mean final draw probability, labelled
+    against the user's ``layer_ratio`` by :func:`ratio_label` (with the sampled layers'
+    parameter counts ``numel``). The figure widens with the number of layers up to a cap;
+    the tick labels are :func:`short_labels`, every layer's while they fit, else every
+    k-th. The legend sits below the panels.
+    """
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    freq = (counts.double() / max(steps, 1)).numpy()
+    n = len(names)
+    total = n + len(fixed)
+    roles = ["sampled"] * n + [role for _, _, role in fixed]
+    all_names = [str(s) for s in names] + [name for name, _, _ in fixed]
+    labels = short_labels(all_names, shared=[str(s) for s in names])
+    # Sizes in inches: a tick label needs _LABEL_PITCH; past the cap, every k-th is shown.
+    bar_width = min(max(total * _LABEL_PITCH, 6.0), 16.0)
+    every = math.ceil(total * _LABEL_PITCH / bar_width)
+    ticks = list(range(0, total, every))
+    label_height = 0.065 * max(len(labels[i]) for i in ticks) + 0.2
+    # Wider charts get taller bars too, so that their shape reads at a glance.
+    fig = Figure(
+        figsize=(bar_width + 4.6, 4.4 + 0.12 * (bar_width - 6.0) + label_height),
+        layout="constrained",
+    )
+    ax_bar, ax_hist = fig.subplots(1, 2, width_ratios=[bar_width, 3.2])
+    # Up to 200 layers a bar each with a gap; past that touching bars, drawn as one
+    # outline (a patch each would take seconds to draw).
+    width, blue = (0.8 if total <= 200 else 1.0), _COLOURS["sampled"]
+    if total <= 200:
+        bars = ax_bar.bar(range(n), freq, width=width, color=blue, label="activation frequency")
+    else:
+        edges = [i - 0.5 for i in range(n + 1)]
+        bars = ax_bar.stairs(freq, edges, fill=True, color=blue, label="activation frequency")
+    legend = [bars]
+    active = [i for i, role in enumerate(roles) if role == "always_active"]
+    frozen = [i for i, role in enumerate(roles) if role == "always_frozen"]
+    if active:
+        green, label = _COLOURS["always_active"], "always active (not sampled)"
+        legend.append(
+            ax_bar.bar(active, [1.0] * len(active), width=width, color=green, label=label)
+        )
+    if frozen:
+        red, label = _COLOURS["always_frozen"], "always frozen (not sampled)"
+        legend += ax_bar.plot(
+            frozen, [0.0] * len(frozen), "x", color=red, clip_on=False, label=label
+        )
+    dot = 5 if total <= 60 else 3 if total <= 200 else 2
+    legend += ax_bar.plot(range(n), probs.numpy(), "o", color="#DD8452", ms=dot,
+                          label="final draw probability")  # fmt: skip
+    mean, label = float(probs.double().mean()), ratio_label(probs, layer_ratio, numel)
+    legend.append(ax_bar.axhline(mean, color="k", ls="--", lw=1, label=label))
+    ax_bar.set_xlim(-0.5, total - 0.5)
+    ax_bar.set_ylim(0, 1.02)
+    ax_bar.set_xticks(ticks, [labels[i] for i in ticks], rotation=90, fontsize=7)
+    for tick, i in zip(ax_bar.get_xticklabels(), ticks):
+        tick.set_color(_COLOURS[roles[i]] if roles[i] != "sampled" else "black")
+    ax_bar.set_xlabel(_axis_label([str(s) for s in names], every, bar_width))
+    ax_bar.set_ylabel(f"fraction of {steps} steps")
+    ax_hist.hist(freq, bins=20, range=(0, 1), color=_COLOURS["sampled"], edgecolor="white")
+    ax_hist.set_xlabel("activation frequency")
+    ax_hist.set_ylabel("layers")
+    ax_hist.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_hist.set_ylim(bottom=0)
+    ax_hist.set_title(f"{n} sampled layers" if fixed else f"{n} layers")
+    ax_bar.set_title(title)
+    # Below the panels and their labels: it hides no bar and no name.
+    texts = [str(handle.get_label()) for handle in legend]
+    fig.legend(handles=legend, loc="outside lower center", frameon=False, fontsize=9,
+               ncol=_legend_columns(texts, fig.get_figwidth()))  # fmt: skip
+    return fig
+
+
+def _legend_columns(texts: list[str], width: float) -> int:
+    """The most columns in which a 9-point legend of ``texts`` fits ``width`` inches
+    (matplotlib fills the columns top to bottom)."""
+    for columns in range(len(texts), 1, -1):
+        rows = math.ceil(len(texts) / columns)
+        chunks = [texts[k : k + rows] for k in range(0, len(texts), rows)]
+        if sum(0.7 + 0.075 * max(map(len, chunk)) for chunk in chunks) <= width - 0.4:
+            return columns
+    return 1
+
+
+def _axis_label(sampled: Sequence[str], every: int, width: float) -> str:
+    """The layer axis' title: which layers are labelled and what the labels leave out,
+    wrapped to ``width`` inches (a 10-point character is about 0.08 inch)."""
+    notes = [f"one label per {every} layers"] if every > 1 else []
+    prefix, suffix = common_affixes(sampled)
+    dropped = " and ".join(f"'{_cut(part, 40)}'" for part in (prefix, suffix) if part)
+    if dropped:
+        notes.append(f"sampled layers' names without {dropped}")
+    if not notes:
+        return "layer in model order"
+    return "layer in model order\n" + textwrap.fill(f"({'; '.join(notes)})", int(width / 0.08))
+
+
 def plot_layer_frequency(
     path: str,
     names: Sequence[str],
     counts: Tensor,
     steps: int,
     probs: Tensor,
-    layer_ratio: float,
+    layer_ratio: float | None,
     title: str = "SL-SAM: how often each layer was trained",
     fixed: Sequence[FixedTensor] = (),
+    numel: Sequence[int] = (),
 ) -> str:
-    """Save the activation-frequency chart (bars per layer plus their histogram) as PNG.
-
-    The ``fixed`` tensors follow the sampled layers: an always-active one as a bar of
-    another colour at 1, an always-frozen one as a cross at 0; the histogram counts the
-    sampled layers only.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    freq = (counts.double() / max(steps, 1)).numpy()
-    n = len(names)
-    total = n + len(fixed)
-    fig, (ax_bar, ax_hist) = plt.subplots(
-        1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [3, 1]}, constrained_layout=True
-    )
-    width = 0.8 if total <= 60 else 1.0
-    ax_bar.bar(range(n), freq, width=width, color="#4C72B0", label="activation frequency")
-    active = [n + k for k, (_, _, role) in enumerate(fixed) if role == "always_active"]
-    frozen = [n + k for k, (_, _, role) in enumerate(fixed) if role == "always_frozen"]
-    if active:
-        ax_bar.bar(active, [1.0] * len(active), width=width, color="#55A868",
-                   label="always active (not sampled)")  # fmt: skip
-    if frozen:
-        ax_bar.plot(frozen, [0.0] * len(frozen), "x", color="#C44E52", clip_on=False,
-                    label="always frozen (not sampled)")  # fmt: skip
-    ax_bar.plot(
-        range(n),
-        probs.numpy(),
-        "o",
-        ms=3 if n > 60 else 5,
-        color="#DD8452",
-        label="final probability",
-    )
-    ax_bar.axhline(layer_ratio, color="k", ls="--", lw=1, label=f"target ratio {layer_ratio:g}")
-    ax_bar.set_xlim(-0.5, total - 0.5)
-    ax_bar.set_ylim(0, 1.02)
-    ax_bar.set_xlabel("layer (model order)")
-    ax_bar.set_ylabel(f"fraction of {steps} steps")
-    ax_bar.set_title(title)
-    # Below the panels, so that no bar is hidden behind it.
-    fig.legend(*ax_bar.get_legend_handles_labels(), loc="outside lower center", ncol=4,
-               fontsize=8, frameon=False)  # fmt: skip
-    if total <= 40:
-        labels = [str(s) for s in names] + [name for name, _, _ in fixed]
-        ax_bar.set_xticks(range(total), labels, rotation=90, fontsize=6)
-    ax_hist.hist(freq, bins=20, range=(0, 1), color="#4C72B0", edgecolor="white")
-    ax_hist.set_xlabel("activation frequency")
-    ax_hist.set_ylabel("layers")
-    ax_hist.yaxis.get_major_locator().set_params(integer=True)
-    ax_hist.set_title(f"{n} sampled layers" if fixed else f"{n} layers")
+    """Save :func:`layer_frequency_figure` as a PNG at ``path``; returns ``path``."""
+    fig = layer_frequency_figure(names, counts, steps, probs, layer_ratio, title, fixed, numel)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 
@@ -267,10 +523,17 @@ def fixed_tensors(partition: LayerPartition) -> list[FixedTensor]:
 
 
 def write_record(
-    stem: str, engine: SparseSAMEngine, partition: LayerPartition, plot: bool, title: str
+    stem: str,
+    engine: SparseSAMEngine,
+    partition: LayerPartition,
+    plot: bool,
+    title: str,
+    layer_ratio: float | None,
 ) -> tuple[str, str | None]:
     """Write ``stem.csv`` (and ``stem.png`` if ``plot``): each layer's activation count,
-    frequency, probability and mean gradient norm. Returns both paths."""
+    frequency, probability and mean gradient norm. ``layer_ratio`` is the method's option
+    (``None`` for a method without one), named in the chart's legend. Returns both
+    paths."""
     steps = engine.num_steps - engine.num_skipped
     probs = engine.selection.probs
     fixed = fixed_tensors(partition)
@@ -292,8 +555,9 @@ def write_record(
             engine.counts,
             steps,
             probs,
-            float(probs.mean()),
+            layer_ratio,
             title=title,
             fixed=fixed,
+            numel=partition.numel,
         )
     return csv_path, png_path
