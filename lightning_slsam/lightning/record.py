@@ -90,9 +90,13 @@ def write_layer_frequency_csv(
     probs: Tensor,
     mean_norms: Tensor | None = None,
     fixed: Sequence[FixedTensor] = (),
+    layer_steps: Tensor | None = None,
 ) -> str:
     """Write one row per layer: index, name, role, parameters, activations, frequency,
     final p and (when given) the layer's mean first-pass gradient norm.
+
+    A layer's frequency is over the ``steps``, or over its own ``layer_steps[i]`` when
+    given (a layer that joined mid-run could be drawn in fewer).
 
     The sampled layers come first (role ``sampled``), then the ``fixed`` tensors: an
     always-active one was trained in every step (frequency 1), an always-frozen one in
@@ -105,7 +109,8 @@ def write_layer_frequency_csv(
         writer.writerow(header + (["mean_grad_norm"] if mean_norms is not None else []))
         for i, name in enumerate(names):
             count = int(counts[i])
-            freq = count / steps if steps else 0.0
+            own = steps if layer_steps is None else int(layer_steps[i])
+            freq = count / own if own else 0.0
             row = [i, name, "sampled", int(numel[i]), count, f"{freq:.6f}", f"{probs[i]:.6f}"]
             if mean_norms is not None:
                 row.append(f"{float(mean_norms[i]):.6g}")
@@ -314,6 +319,7 @@ def layer_frequency_figure(
     title: str = "SL-SAM: how often each layer was trained",
     fixed: Sequence[FixedTensor] = (),
     numel: Sequence[int] = (),
+    layer_steps: Tensor | None = None,
 ) -> Figure:
     """The activation-frequency chart: a bar per layer next to their histogram.
 
@@ -328,7 +334,9 @@ def layer_frequency_figure(
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    freq = (counts.double() / max(steps, 1)).numpy()
+    # A layer that joined mid-run: the fraction of the steps it could be drawn in.
+    own = torch.full((len(names),), steps) if layer_steps is None else layer_steps
+    freq = (counts.double() / own.double().clamp(min=1)).numpy()
     n = len(names)
     total = n + len(fixed)
     roles = ["sampled"] * n + [role for _, _, role in fixed]
@@ -426,9 +434,12 @@ def plot_layer_frequency(
     title: str = "SL-SAM: how often each layer was trained",
     fixed: Sequence[FixedTensor] = (),
     numel: Sequence[int] = (),
+    layer_steps: Tensor | None = None,
 ) -> str:
     """Save :func:`layer_frequency_figure` as a PNG at ``path``; returns ``path``."""
-    fig = layer_frequency_figure(names, counts, steps, probs, layer_ratio, title, fixed, numel)
+    fig = layer_frequency_figure(
+        names, counts, steps, probs, layer_ratio, title, fixed, numel, layer_steps
+    )
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=120)
     return path
@@ -546,6 +557,7 @@ def write_record(
         probs,
         engine.mean_norms(),
         fixed=fixed,
+        layer_steps=engine.layer_steps(),
     )
     png_path = None
     if plot:
@@ -559,5 +571,6 @@ def write_record(
             title=title,
             fixed=fixed,
             numel=partition.numel,
+            layer_steps=engine.layer_steps(),
         )
     return csv_path, png_path

@@ -4,6 +4,7 @@ state carried over and resume exact across the change."""
 
 from __future__ import annotations
 
+import csv
 import logging
 
 import lightning as L
@@ -80,6 +81,12 @@ def test_tensors_unfrozen_by_backbone_finetuning_are_sampled_from_then_on(caplog
     engine = sam.engine
     assert engine.joined.tolist() == [8, 8, 8, 8, 0, 0]
     assert engine.layer_steps().tolist() == [12, 12, 12, 12, 20, 20]
+    # The record: a joined layer's frequency is over the 12 steps it could be drawn in.
+    with open(sam.frequency_csv_path) as handle:
+        rows = {r["layer"]: r for r in csv.DictReader(handle)}
+    for i, name in enumerate(BACKBONE + HEAD):
+        want = int(engine.counts[i]) / (12 if name in BACKBONE else 20)
+        assert float(rows[name]["frequency"]) == pytest.approx(want, abs=1e-6)
     assert int(engine.counts[:4].max()) <= 12 and int(engine.counts[:4].sum()) > 0
     # The bandit grew: every layer has a probability, and the budget holds.
     spec = sam.spec
