@@ -1,6 +1,6 @@
 """The full benchmark, in one command: every model, every method, memory and overheads.
 
-    python benchmarks/run_all.py          # (or `make bench`) about 11 minutes on 2 CPU cores
+    python benchmarks/run_all.py          # (or `make bench`) about 30 minutes on 2 CPU cores
 
 For each model (CPU: MiniLM-L6, a DeiT-Small-architecture ViT, a small Llama; GPU: the real
 DeiT-Small and RoBERTa-base shapes) it measures, for AdamW, a hand-written SAM loop, SAM,
