@@ -11,7 +11,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export MPLBACKEND := Agg
 
-.PHONY: install demo test lint docs docs-serve format bench bench-fsdp2 bench-compile clean
+.PHONY: install demo test lint docs docs-serve format bench bench-gpu bench-fsdp2 bench-compile clean
 
 install: $(STAMP)
 
@@ -48,6 +48,12 @@ test: install lint docs
 
 bench: install
 	$(PY) benchmarks/run_all.py
+
+# On one GPU: step time, memory, host syncs at the SL-SAM paper's sizes, within 420 s
+# (benchmarks/results/gpu/<device>.md; docs/performance.md has the command for a machine
+# without a package index).
+bench-gpu: install
+	$(PY) benchmarks/gpu.py
 
 # SAM vs SL-SAM per-rank peak memory under FSDP2 and DDP (2 gloo CPU processes, ~15 min).
 bench-fsdp2: install

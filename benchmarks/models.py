@@ -12,8 +12,11 @@ CPU workloads (issue-sized so the whole benchmark stays under 15 minutes on 2 co
 * ``llama`` -- a small Llama (hidden 384, 6 layers, 6 heads, vocab 8192, tied embeddings),
   random init, causal LM on random tokens of length 128, batch 8.
 
-GPU workloads (the papers' shapes): ``deit_small`` (224x224, batch 128) and
-``roberta_base`` (sequence 128, batch 16), both random init.
+GPU workloads (the SL-SAM paper's shapes, random init, built on the device):
+``deit_small`` (224x224, batch 128), ``roberta_base`` and ``roberta_base_512`` (batch 16,
+sequence 128 / 512), ``llama_3b`` (Llama-3.2-3B's published configuration, bf16 weights,
+batch 2, sequence 2048) and ``llama_1b`` (Llama-3.2-1B's, for GPUs with less memory).
+``benchmarks/gpu.py --smoke`` runs the same families at toy sizes (``smoke_*``).
 """
 
 from __future__ import annotations
@@ -127,20 +130,91 @@ def llama(count: int, device: str) -> Workload:
                     " sequence 128, random init")  # fmt: skip
 
 
-def roberta_base(count: int, device: str) -> Workload:
+def _roberta(count: int, device: str, seq: int, batch: int, label: str, **config) -> Workload:
     from transformers import RobertaConfig, RobertaForSequenceClassification
 
     torch.manual_seed(0)
-    model = RobertaForSequenceClassification(RobertaConfig(num_labels=2))
+    with torch.device(device):
+        model = RobertaForSequenceClassification(RobertaConfig(num_labels=2, **config))
+    vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     batches = [
-        {"input_ids": torch.randint(3, 50265, (16, 128), generator=gen).to(device),
-         "attention_mask": torch.ones(16, 128, dtype=torch.long).to(device),
-         "labels": torch.randint(0, 2, (16,), generator=gen).to(device)}
+        {"input_ids": torch.randint(3, vocab, (batch, seq), generator=gen).to(device),
+         "attention_mask": torch.ones(batch, seq, dtype=torch.long).to(device),
+         "labels": torch.randint(0, 2, (batch,), generator=gen).to(device)}
         for _ in range(count)
     ]  # fmt: skip
-    return Workload("roberta_base", model.to(device).train(), batches, _classification_loss,
-                    "RoBERTa-base (125M), batch 16, sequence 128, random init")  # fmt: skip
+    size = sum(p.numel() for p in model.parameters()) / 1e6
+    return Workload(label, model.train(), batches, _classification_loss,
+                    f"RoBERTa{'-base' if not config else ''} ({size:.1f}M), batch {batch},"
+                    f" sequence {seq}, random init")  # fmt: skip
+
+
+def roberta_base(count: int, device: str) -> Workload:
+    return _roberta(count, device, 128, 16, "roberta_base")
+
+
+def roberta_base_512(count: int, device: str) -> Workload:
+    return _roberta(count, device, 512, 16, "roberta_base_512")
+
+
+#: Llama-3.2-3B's and -1B's published configurations (tied embeddings, 128256 tokens).
+LLAMA_3B = dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24,
+                num_key_value_heads=8, intermediate_size=8192)  # fmt: skip
+LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, intermediate_size=8192)  # fmt: skip
+
+
+def _llama(count: int, device: str, seq: int, batch: int, label: str, dtype: torch.dtype,
+           vocab: int = 128256, **shape) -> Workload:  # fmt: skip
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, max_position_embeddings=max(seq, 128),
+                         tie_word_embeddings=True, rope_theta=500000.0, **shape)  # fmt: skip
+    with torch.device(device):  # initialised where it trains: no 13 GB float32 copy on the host
+        model = LlamaForCausalLM(config).to(dtype)
+    gen = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, vocab, (batch, seq), generator=gen).to(device)}
+               for _ in range(count)]  # fmt: skip
+    size = sum(p.numel() for p in model.parameters()) / 1e9
+    kind = str(dtype).removeprefix("torch.")
+    return Workload(label, model.train(), batches, _causal_lm_loss,
+                    f"Llama, hidden {config.hidden_size}, {config.num_hidden_layers} layers"
+                    f" ({size:.2f}B), {kind} weights, causal LM, batch {batch}, sequence {seq},"
+                    " random init")  # fmt: skip
+
+
+def llama_3b(count: int, device: str) -> Workload:
+    return _llama(count, device, 2048, 2, "llama_3b", torch.bfloat16, **LLAMA_3B)
+
+
+def llama_1b(count: int, device: str) -> Workload:
+    return _llama(count, device, 2048, 2, "llama_1b", torch.bfloat16, **LLAMA_1B)
+
+
+# Toy sizes of the GPU families, for `benchmarks/gpu.py --smoke` on a CPU.
+def smoke_deit(count: int, device: str) -> Workload:
+    return _vit(count, device, 32, 8, 4, "smoke_deit")
+
+
+def smoke_roberta(count: int, device: str) -> Workload:
+    return _roberta(count, device, 32, 4, "smoke_roberta", **_TINY_ROBERTA)
+
+
+def smoke_roberta_long(count: int, device: str) -> Workload:
+    return _roberta(count, device, 64, 4, "smoke_roberta_long", **_TINY_ROBERTA)
+
+
+def smoke_llama(count: int, device: str) -> Workload:
+    return _llama(count, device, 64, 2, "smoke_llama", torch.bfloat16, vocab=512,
+                  hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128)  # fmt: skip
+
+
+_TINY_ROBERTA = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, intermediate_size=128,
+                     max_position_embeddings=80)  # fmt: skip
 
 
 WORKLOADS: dict[str, Callable[[int, str], Workload]] = {
@@ -149,6 +223,13 @@ WORKLOADS: dict[str, Callable[[int, str], Workload]] = {
     "llama": llama,
     "deit_small": deit_small,
     "roberta_base": roberta_base,
+    "roberta_base_512": roberta_base_512,
+    "llama_3b": llama_3b,
+    "llama_1b": llama_1b,
+    "smoke_deit": smoke_deit,
+    "smoke_roberta": smoke_roberta,
+    "smoke_roberta_long": smoke_roberta_long,
+    "smoke_llama": smoke_llama,
 }
 
 
