@@ -177,11 +177,12 @@ def _llama(count: int, device: str, seq: int, batch: int, label: str, dtype: tor
     gen = torch.Generator().manual_seed(0)
     batches = [{"input_ids": torch.randint(0, vocab, (batch, seq), generator=gen).to(device)}
                for _ in range(count)]  # fmt: skip
-    size = sum(p.numel() for p in model.parameters()) / 1e9
+    count_ = sum(p.numel() for p in model.parameters())
+    size = f"{count_ / 1e9:.2f}B" if count_ >= 1e8 else f"{count_ / 1e6:.2f}M"
     kind = str(dtype).removeprefix("torch.")
     return Workload(label, model.train(), batches, _causal_lm_loss,
                     f"Llama, hidden {config.hidden_size}, {config.num_hidden_layers} layers"
-                    f" ({size:.2f}B), {kind} weights, causal LM, batch {batch}, sequence {seq},"
+                    f" ({size}), {kind} weights, causal LM, batch {batch}, sequence {seq},"
                     " random init")  # fmt: skip
 
 
