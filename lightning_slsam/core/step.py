@@ -24,6 +24,7 @@ shell around them -- drawing the layers, counting, saving -- is
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -50,6 +51,7 @@ __all__ = [
     "gradient_pass",
     "plain_step",
     "sam_step",
+    "scale_update",
     "single_step",
 ]
 
@@ -79,6 +81,10 @@ class Loop:
             from are divided by it. Everything else SAM computes is scale-free.
         averager: averages gradients across processes (DDP); ``None`` on one process.
         check_draw: check on this step that every process drew the same layers.
+        after_update: for a loop whose optimizer steps after the SAM step returns (the
+            Hugging Face Trainer's: it clips, steps and schedules itself), takes the work
+            due right after the optimizer's update (the update scaling) and runs it then;
+            ``None``: ``optimizer_step`` made the update, and that work runs at once.
     """
 
     forward_backward: Passes
@@ -87,6 +93,7 @@ class Loop:
     grad_scale: Callable[[], Tensor] | None = None
     averager: GradientAverager | None = None
     check_draw: bool = False
+    after_update: Callable[[Callable[[], None]], None] | None = None
 
 
 @dataclass
@@ -413,10 +420,8 @@ def commit(
             before = pool.copy(scaled)
         loop.optimizer_step(False)
         if scaled:
-            with torch.no_grad():  # w <- w + (f - 1) * (w - w_before)
-                torch._foreach_sub_(before, scaled)
-                torch._foreach_mul_(before, extra)
-                torch._foreach_sub_(scaled, before)
+            update = functools.partial(scale_update, scaled, before, extra)
+            loop.after_update(update) if loop.after_update is not None else update()
         norms = host[k:].double()
         record_norms(update_mask, norms)
         if result.drawn:
@@ -433,3 +438,12 @@ def commit(
     )
     loop.optimizer_step(True)
     return False
+
+
+def scale_update(params: list[Tensor], before: list[Tensor], factors: list[float]) -> None:
+    """Make the optimizer's update ``factors`` times larger: ``w <- w + (f - 1) (w - w0)``
+    with ``w0`` the weights before it (``before``, overwritten); ``factors`` holds ``f - 1``."""
+    with torch.no_grad():
+        torch._foreach_sub_(before, params)
+        torch._foreach_mul_(before, factors)
+        torch._foreach_sub_(params, before)

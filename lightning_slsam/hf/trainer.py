@@ -1,0 +1,409 @@
+"""SAM methods inside the Hugging Face ``Trainer``: :class:`SAMTrainer` and its mixin.
+
+The Trainer keeps its own loop; the mixin changes what happens between fetching an
+optimizer step's micro-batches and the Trainer's clipping and optimizer step:
+
+- the Trainer fetches the micro-batches of one optimizer step at once
+  (``get_batch_samples``); the mixin runs the method's whole step when the last of them
+  arrives in ``training_step``: every pass (SAM's two, on the drawn layers) goes over all of
+  them, so the perturbation comes from the whole accumulated gradient, as one batch of
+  ``per_device_train_batch_size * gradient_accumulation_steps`` would give it;
+- each micro-batch's loss is the one the Trainer's own ``training_step`` computes (its
+  ``compute_loss``, the accumulation and token-count normalisation, the precision's
+  autocast) and goes back through ``accelerator.backward`` (fp16's loss scaling included;
+  the engine reads the scale to unscale its norms);
+- the step leaves the second pass's gradients on the drawn layers and nothing else; the
+  Trainer then clips them (``max_grad_norm``), steps its optimizer once (a gradient scaler
+  skips on an overflow), steps its LR scheduler and zeroes the gradients, as always. Work
+  due after the update (the default preset's update scaling) runs in a post-step hook of
+  the optimizer;
+- under DDP (``torchrun`` / ``accelerate launch``) the step runs inside ``no_sync`` and the
+  engine averages the active layers' gradients itself;
+- the method's state (selection, counters, generators) is written beside every checkpoint
+  (``slsam_state.pt``) and read back by ``train(resume_from_checkpoint=...)``;
+- ``slsam/*`` metrics go to the Trainer's reporters with each training log.
+
+The Trainer's other features keep their meaning. What cannot hold is refused when the
+Trainer is built: DeepSpeed and FSDP (they own the parameters' gradients and the optimizer
+step), ``DataParallel`` over several GPUs in one process, and the LOMO optimizers (they
+update inside the backward pass).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from lightning_slsam.core.engine import SparseSAMEngine
+from lightning_slsam.core.passes import (
+    PER_SAMPLE_NEEDED,
+    Passes,
+    first_tensor,
+    skip_with_scaler,
+    split_per_sample,
+    subset_batch,
+)
+from lightning_slsam.core.step import Loop, StepResult
+from lightning_slsam.lightning.callback import step_metrics
+from lightning_slsam.lightning.compat import loss_scale_reader
+from lightning_slsam.lightning.setup_checks import apply_method_state, method_state
+from lightning_slsam.methods.registry import lookup, method_spec
+from lightning_slsam.methods.spec import MethodSpec
+from lightning_slsam.parallel.ddp import GradientAverager, ddp_averager
+
+__all__ = ["STATE_FILE", "SAMTrainer", "SAMTrainerMixin"]
+
+#: The method's state in each checkpoint folder.
+STATE_FILE = "slsam_state.pt"
+
+#: Optimizers that update inside the backward pass, where SAM needs the gradient first.
+_FUSED_OPTIMIZERS = ("lomo", "adalomo")
+
+#: Model heads whose per-sample losses the mixin computes itself (ESAM's sample choice).
+_PER_SAMPLE_HEADS = ("ForSequenceClassification", "ForImageClassification",
+                     "ForTokenClassification", "ForCausalLM")  # fmt: skip
+
+
+class SAMTrainerMixin:
+    """Runs a SAM method of the registry inside a ``transformers.Trainer`` (or a subclass:
+    list the mixin first, ``class MySFT(SAMTrainerMixin, SFTTrainer)``).
+
+    Args:
+        *args: the Trainer's positional arguments.
+        sam: the method: a name of :data:`~lightning_slsam.METHODS` (``"slsam"``, what
+            ``SparseLayerSAM()`` runs; ``"slsam_paper"``, the paper's SL-SAM; ``"sam"``,
+            ``"rst"``, ...) or a specification with its options,
+            ``method_spec("slsam", rho=0.05, layer_ratio=0.2)``
+            (:func:`~lightning_slsam.methods.registry.method_spec`). Its ``seed`` defaults
+            to ``TrainingArguments.seed``.
+        **kwargs: the Trainer's keyword arguments.
+
+    Attributes:
+        sam_engine: the method's engine (:class:`~lightning_slsam.core.engine.
+            SparseSAMEngine`): ``last_result``, ``counts``, ``selection.probs``, ...
+        sam_spec: the method's validated specification.
+    """
+
+    def __init__(self, *args: Any, sam: str | MethodSpec = "slsam", **kwargs: Any) -> None:
+        spec = _spec(sam)  # checked before the Trainer is built: nothing is set up yet
+        super().__init__(*args, **kwargs)
+        trainer: Any = self
+        _check_supported(trainer)
+        self.sam_method = sam if isinstance(sam, str) else type(sam).name
+        self.sam_spec = spec
+        model = trainer.model
+        seed = spec.seed if spec.seed is not None else int(trainer.args.seed)
+        self.sam_engine: SparseSAMEngine = spec.build_engine(model, seed=seed)
+        if self.sam_engine.needs_per_sample and not _gives_per_sample(self, model):
+            raise ValueError(
+                f"{PER_SAMPLE_NEEDED} With SAMTrainer: {type(_base_model(model)).__name__} is"
+                f" none of the heads whose per-sample losses SAMTrainer computes (models"
+                f" ending in {', '.join(_PER_SAMPLE_HEADS)}); override"
+                " `per_sample_loss(outputs, inputs)` to return them, or pass"
+                " `sam=method_spec('esam', data_ratio=1.0)`."
+            )
+        self._sam_window: tuple[list[Any], Any] | None = None
+        self._sam_position = 0
+        self._sam_model: Any = None
+        self._sam_items: Any = None
+        self._sam_per_sample: list[Tensor | None] | None = None
+        self._sam_pending: Any = None
+        self._sam_hooked: Any = None
+        self._sam_averager: tuple[Any, GradientAverager] | None = None
+        trainer.add_callback(_SAMCheckpoint(self))
+
+    # -- the step ----------------------------------------------------------------------
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, *args: Any,
+                          **kwargs: Any) -> Any:  # fmt: skip
+        """The Trainer's fetch of one optimizer step's micro-batches, kept for the step."""
+        batches, items = super().get_batch_samples(  # type: ignore[misc]
+            epoch_iterator, num_batches, *args, **kwargs
+        )
+        self._sam_window, self._sam_position = (list(batches), items), 0
+        return batches, items
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Tensor:
+        """Runs the method's step once the optimizer step's last micro-batch arrives; returns
+        the loss the Trainer logs (that step's first-pass loss, 0 for earlier micro-batches)."""
+        window = self._sam_window
+        position = self._sam_position
+        if window is None or position >= len(window[0]) or window[0][position] is not inputs:
+            window, position = ([inputs], num_items_in_batch), 0  # called on its own
+        self._sam_position = position + 1
+        if position + 1 < len(window[0]):
+            return torch.zeros((), device=self.args.device)  # type: ignore[attr-defined]
+        self._sam_window = None
+        result = self._sam_step(model, *window)
+        loss = result.loss if result.loss is not None else torch.zeros(())
+        return loss.to(self.args.device)  # type: ignore[attr-defined]
+
+    def _sam_step(self, model: Any, micro_batches: list[Any], items: Any) -> StepResult:
+        trainer: Any = self
+        engine = self.sam_engine
+        unwrapped = trainer.accelerator.unwrap_model(model)
+        if engine.freezer.trainable_changed(unwrapped):
+            # Tensors unfrozen (or frozen) since the last step: sampled from now on.
+            self.sam_engine, change = self.sam_spec.follow_trainable(engine, unwrapped, _warn)
+            engine = self.sam_engine
+            _info(f"SAMTrainer({self.sam_spec.label}), before step {engine.num_steps}: {change}")
+        self._sam_hook_optimizer()
+        self._sam_pending = None
+        self._sam_model, self._sam_items = model, items
+        passes = Passes(
+            micro_batches, self._sam_loss, trainer.accelerator.backward, size=_size,
+            subset=_subset, needs_per_sample=engine.needs_per_sample,
+        )  # fmt: skip
+        scaler = getattr(trainer.accelerator, "scaler", None)
+        ddp = _ddp(model)
+        averager = None
+        first = False
+        if ddp is not None:
+            if self._sam_averager is None or self._sam_averager[0] is not ddp:
+                self._sam_averager = (ddp, ddp_averager(ddp, unwrapped))
+                first = True
+            averager = self._sam_averager[1]
+        loop = Loop(
+            passes, functools.partial(model.zero_grad, set_to_none=True),
+            functools.partial(self._sam_optimizer_step, scaler=scaler),
+            loss_scale_reader(scaler), averager, check_draw=first,
+            after_update=self._sam_after_update,
+        )  # fmt: skip
+        try:
+            with ddp.no_sync() if ddp is not None else nullcontext():
+                return engine.step(loop)
+        finally:
+            self._sam_model = self._sam_items = None
+
+    def _sam_loss(self, batch: Any) -> tuple[Tensor, Tensor | None]:
+        """One micro-batch's loss, as the Trainer's own ``training_step`` computes it (its
+        backward is taken over by the pass loop), with the per-sample losses if needed."""
+        trainer: Any = self
+        accelerator = trainer.accelerator
+        taken: list[Tensor] = []
+        self._sam_per_sample = [] if self.sam_engine.needs_per_sample else None
+        accelerator.backward = lambda loss, **kwargs: taken.append(loss)
+        try:
+            super().training_step(self._sam_model, batch, self._sam_items)  # type: ignore[misc]
+        finally:
+            del accelerator.backward  # the Accelerator's own method again
+        per_sample = self._sam_per_sample[-1] if self._sam_per_sample else None
+        self._sam_per_sample = None
+        loss, given = split_per_sample(taken[0])
+        return loss, given if given is not None else per_sample
+
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:  # fmt: skip
+        """The Trainer's ``compute_loss``; during a pass that needs per-sample losses
+        (ESAM), also records them (:meth:`per_sample_loss`)."""
+        if getattr(self, "_sam_per_sample", None) is None:
+            return super().compute_loss(  # type: ignore[misc]
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        loss, outputs = super().compute_loss(  # type: ignore[misc]
+            model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
+        )
+        if not (isinstance(loss, Tensor) and loss.dim() == 1):
+            self._sam_per_sample.append(self.per_sample_loss(outputs, inputs).detach())
+        return (loss, outputs) if return_outputs else loss
+
+    def per_sample_loss(self, outputs: Any, inputs: Any) -> Tensor:
+        """Each sample's loss from the model's ``outputs`` on ``inputs`` (ESAM chooses the
+        second pass's samples by them): cross-entropy of a classification head, the mean
+        next-token loss of a causal LM (labels ``-100`` ignored). Override for other heads."""
+        logits, labels = outputs["logits"], inputs["labels"]
+        if logits.dim() == 2 and labels.dim() == 1:
+            if logits.shape[-1] == 1:  # regression
+                return (logits.squeeze(-1).float() - labels.float()).pow(2)
+            return torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none")
+        if _is_causal(self.model):  # type: ignore[attr-defined]
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        tokens = torch.nn.functional.cross_entropy(
+            logits.float().transpose(1, 2), labels, reduction="none", ignore_index=-100
+        )
+        counted = (labels != -100).sum(1).clamp(min=1)
+        return tokens.sum(1) / counted
+
+    # -- the update, made by the Trainer after the step ---------------------------------
+    def _sam_optimizer_step(self, skip: bool, scaler: Any) -> None:
+        """The Trainer steps the optimizer after ``training_step``; a skipped step leaves
+        every gradient ``None`` (nothing moves), and makes a gradient scaler back off."""
+        if skip and scaler is not None:
+            skip_with_scaler(_inner_optimizer(self.optimizer))  # type: ignore[attr-defined]
+
+    def _sam_after_update(self, work: Any) -> None:
+        self._sam_pending = work
+
+    def _sam_hook_optimizer(self) -> None:
+        optimizer = _inner_optimizer(self.optimizer)  # type: ignore[attr-defined]
+        if optimizer is None or self._sam_hooked is optimizer:
+            return
+        optimizer.register_step_post_hook(self._sam_run_pending)
+        self._sam_hooked = optimizer
+
+    def _sam_run_pending(self, *args: Any) -> None:
+        work, self._sam_pending = self._sam_pending, None
+        if work is not None:
+            work()
+
+    # -- logs and checkpoints -------------------------------------------------------------
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's log, with the method's ``slsam/*`` metrics of the last step beside
+        each training loss."""
+        engine = self.sam_engine
+        if "loss" in logs and engine.last_result is not None:
+            distributed = int(self.args.world_size) > 1  # type: ignore[attr-defined]
+            metrics = step_metrics(engine.last_result, engine, distributed)
+            done = max(engine.num_steps - engine.num_skipped, 1)
+            metrics["slsam/mean_active_ratio"] = engine.active_ratio_sum / done
+            logs = {**logs, **{k: round(v, 4) for k, v in metrics.items()}}
+        super().log(logs, *args, **kwargs)  # type: ignore[misc]
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any,
+              **kwargs: Any) -> Any:  # fmt: skip
+        """The Trainer's ``train``; resuming reads the method's state from the checkpoint."""
+        path = resume_from_checkpoint
+        if path is True:
+            path = get_last_checkpoint(self.args.output_dir)  # type: ignore[attr-defined]
+        if isinstance(path, str):
+            self.load_sam_state(path)
+        return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+
+    def sam_state_dict(self) -> dict[str, Any]:
+        """The method's state (what ``slsam_state.pt`` holds)."""
+        engine = self.sam_engine
+        return method_state(self.sam_method, self.sam_spec, engine, engine.partition)
+
+    def load_sam_state(self, checkpoint: str) -> None:
+        """Restore the method's state saved in the folder ``checkpoint``."""
+        file = os.path.join(checkpoint, STATE_FILE)
+        if not os.path.isfile(file):
+            _warn(
+                f"{checkpoint} holds no {STATE_FILE} (saved without SAMTrainer?): the"
+                f" method's selection and counters start afresh."
+            )
+            return
+        state = torch.load(file, map_location="cpu", weights_only=False)
+        engine = self.sam_engine
+        apply_method_state(self, state, engine, engine.partition, _warn)
+
+    @property
+    def spec(self) -> MethodSpec:
+        """The method's specification (named so for the checkpoint checks)."""
+        return self.sam_spec
+
+
+class SAMTrainer(SAMTrainerMixin, Trainer):
+    """A ``transformers.Trainer`` that trains with a SAM method of the registry.
+
+    ``SAMTrainer(model=..., args=..., train_dataset=..., sam="slsam")``; every other
+    argument is the Trainer's. See :class:`SAMTrainerMixin` for ``sam`` and
+    docs/huggingface.md for a walk-through.
+    """
+
+
+class _SAMCheckpoint(TrainerCallback):
+    """Writes the method's state into every checkpoint folder the Trainer saves."""
+
+    def __init__(self, trainer: SAMTrainerMixin) -> None:
+        self.trainer = trainer
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not args.should_save:
+            return
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if os.path.isdir(folder):
+            torch.save(self.trainer.sam_state_dict(), os.path.join(folder, STATE_FILE))
+
+
+def _spec(sam: str | MethodSpec) -> MethodSpec:
+    if isinstance(sam, MethodSpec):
+        return sam
+    if not isinstance(sam, str):
+        raise TypeError(
+            f"`sam` must be a method name or a MethodSpec (method_spec('slsam', rho=0.05)),"
+            f" got {type(sam).__name__}."
+        )
+    spec_class, _ = lookup(sam)  # a ValueError naming the closest method
+    if spec_class is None:
+        raise ValueError(
+            f"`sam={sam!r}` is plain AdamW, which needs no SAMTrainer: use transformers.Trainer."
+        )
+    return method_spec(sam)
+
+
+def _check_supported(trainer: Any) -> None:
+    args = trainer.args
+    why = None
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        why = ("DeepSpeed", "it partitions the gradients and runs the optimizer step itself, so"
+               " a layer cannot be frozen, perturbed and updated alone")  # fmt: skip
+    elif getattr(trainer, "is_fsdp_enabled", False) or args.fsdp:
+        why = ("FSDP", "its flat parameters cannot be frozen or perturbed a layer at a time")
+    elif int(args.n_gpu) > 1:
+        why = (f"DataParallel over {args.n_gpu} GPUs in one process", "its replicas are"
+               " rebuilt every forward, outside the layers the method freezes")  # fmt: skip
+    elif str(getattr(args.optim, "value", args.optim)) in _FUSED_OPTIMIZERS:
+        optim = str(getattr(args.optim, "value", args.optim))
+        why = (f"optim={optim!r}", "it updates the weights inside the backward pass,"
+               " before SAM has the gradient it perturbs with")  # fmt: skip
+    if why is not None:
+        raise ValueError(
+            f"SAMTrainer does not support {why[0]}: {why[1]}. Run one process per GPU"
+            " (`torchrun` or `accelerate launch`: DDP), on one device, and with a torch"
+            " optimizer (the default AdamW, or any other torch.optim optimizer)."
+        )
+
+
+def _inner_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer under accelerate's wrapper (whose hooks fire on each update)."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _ddp(model: Any) -> Any:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model if isinstance(model, DistributedDataParallel) else None
+
+
+def _base_model(model: Any) -> Any:
+    get = getattr(model, "get_base_model", None)  # PEFT
+    return get() if callable(get) else model
+
+
+def _is_causal(model: Any) -> bool:
+    return type(_base_model(model)).__name__.endswith("ForCausalLM")
+
+
+def _gives_per_sample(trainer: SAMTrainerMixin, model: Any) -> bool:
+    if type(trainer).per_sample_loss is not SAMTrainerMixin.per_sample_loss:
+        return True
+    return type(_base_model(model)).__name__.endswith(_PER_SAMPLE_HEADS)
+
+
+def _size(batch: Any) -> int:
+    first = first_tensor(batch)
+    return int(first.shape[0]) if first is not None and first.dim() else 1
+
+
+def _subset(batch: Any, index: Tensor) -> Any:
+    return subset_batch(batch, index, _size(batch))
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def _info(message: str) -> None:
+    from transformers.utils import logging
+
+    logging.get_logger("lightning_slsam.hf").warning(message)

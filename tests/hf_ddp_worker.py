@@ -1,0 +1,78 @@
+"""SAMTrainer under DDP (torchrun, 2 gloo processes on CPU) or in one process: each rank
+saves its final weights, the steps' active layers and the bytes it all-reduced.
+
+SGD, whose update is linear in the gradient: AdamW divides a tensor's near-zero gradient
+by its own root mean square, turning the last bits of a sum taken in another order into
+a visible step.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/hf_ddp_worker.py \
+        --out DIR --batch 4
+    python tests/hf_ddp_worker.py --out DIR --batch 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from hf_helpers import classification_data, tiny_classifier, training_args
+from transformers import TrainerCallback
+
+from lightning_slsam.hf import SAMTrainer
+
+
+class _Steps(TrainerCallback):
+    def __init__(self) -> None:
+        self.trainer = None
+        self.masks: list[list[bool]] = []
+        self.allreduce: list[int] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        result = self.trainer.sam_engine.last_result
+        self.masks.append(result.active_mask.tolist())
+        self.allreduce.append(result.allreduce_bytes)
+
+
+class _Recording(SAMTrainer):
+    """Keeps the labels of each step's micro-batches."""
+
+    def get_batch_samples(self, epoch_iterator, num_batches, *args, **kwargs):
+        batches, items = super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
+        self.labels = [*getattr(self, "labels", []), [b["input_ids"].tolist() for b in batches]]
+        return batches, items
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--batch", type=int, required=True)
+    parser.add_argument("--method", default="slsam")
+    args = parser.parse_args()
+    steps = _Steps()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    backend = {"ddp_backend": "gloo"} if world > 1 else {}
+    model = tiny_classifier(0)
+    # BERT's loss ignores the token count the Trainer hands it: without this, the Trainer
+    # scales each process's mean loss by the process count (with or without SAM).
+    model.accepts_loss_kwargs = False
+    trainer = _Recording(
+        model=model, train_dataset=classification_data(96),
+        args=training_args(os.path.join(args.out, "run"), per_device_train_batch_size=args.batch,
+                           max_steps=5, optim="sgd", learning_rate=0.5, **backend),
+        sam=args.method, callbacks=[steps],
+    )  # fmt: skip
+    steps.trainer = trainer
+    trainer.train()
+    rank = int(os.environ.get("RANK", "0"))
+    torch.save(
+        {"weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+         "masks": steps.masks, "allreduce": steps.allreduce, "inputs": trainer.labels,
+         "trainable_bytes": sum(p.numel() * p.element_size() for p in trainer.model.parameters()),
+         "world": world},
+        os.path.join(args.out, f"rank{rank}_of{world}.pt"),
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
