@@ -7,6 +7,7 @@ Add :class:`SAMMixin` to a LightningModule's bases and a method callback to the 
 (:class:`SLSAMRST`, :class:`SLSAMLookSAM`, :class:`CostAwareSLSAM`); :func:`make_callback`
 by name. In a Lightning Fabric loop, :class:`FabricSAM` runs any of them over the model and
 optimizer that ``fabric.setup`` returned; in a plain PyTorch loop, :func:`make_engine`.
+:class:`ForgettingMonitor` logs how much a language model forgets while it is fine-tuned.
 
 A method of one's own is a :class:`MethodSpec` (or :class:`LayerSubsetSpec`) subclass,
 often with a :class:`LayerSelection` rule, added by :func:`register_method` and shelled by a
@@ -32,6 +33,7 @@ _LIGHTNING_MODULES = (
     "lightning_slsam.lightning.callback",
     "lightning_slsam.lightning.mixin",
     "lightning_slsam.lightning.fabric",
+    "lightning_slsam.lightning.forgetting",
 )
 
 if TYPE_CHECKING:
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
         make_callback,
     )
     from lightning_slsam.lightning.fabric import FabricSAM
+    from lightning_slsam.lightning.forgetting import ForgettingMonitor
     from lightning_slsam.lightning.mixin import SAMMixin
 
 
@@ -88,6 +91,7 @@ __all__ = [
     "SSAMF",
     "CostAwareSLSAM",
     "FabricSAM",
+    "ForgettingMonitor",
     "LayerSelection",
     "LayerSubsetSpec",
     "LookSAM",

@@ -137,10 +137,10 @@ def test_no_import_cycles():
 #: The subpackages from the bottom up: each may import those of lower levels only. The
 #: pure-PyTorch part (parallel, selection, core, methods) under the Lightning layer; the
 #: command line and the packaged tasks and recipes above it.
-LEVELS = (("parallel",), ("selection",), ("core",), ("methods",), ("lightning",),
+LEVELS = (("parallel", "monitor"), ("selection",), ("core",), ("methods",), ("lightning",),
           ("cli", "tasks", "recipes", "hf"))  # fmt: skip
 #: The subpackages that import nothing else of the package.
-SELF_CONTAINED = ("parallel", "selection")
+SELF_CONTAINED = ("parallel", "selection", "monitor")
 
 
 def _subpackage(module: str) -> str | None:
@@ -239,7 +239,8 @@ EXTENSION_POINTS = {"MethodSpec", "LayerSubsetSpec", "LayerSelection", "SAMCallb
                     "register_method"}  # fmt: skip
 #: The user API besides the method callbacks: the module mixin, the front-ends, the
 #: registry by name, the version.
-USER_API = {"SAMMixin", "FabricSAM", "make_callback", "make_engine", "METHODS", "__version__"}
+USER_API = {"SAMMixin", "FabricSAM", "make_callback", "make_engine", "METHODS", "__version__",
+            "ForgettingMonitor"}  # fmt: skip
 
 
 def test_the_top_level_exports_the_user_api_and_the_extension_points_only():
