@@ -3,6 +3,9 @@
     python benchmarks/short_runs_time.py                      # vision 92 and 276, text 454
     python benchmarks/short_runs_time.py --tasks vision92 --configs sam,slsam_paper,slsam_scale
 
+Tasks on the same task config (vision 92 and 276 steps) are measured in one run as long as
+the longest: the shorter is its first steps.
+
 The comparisons of ``docs/results.md`` (``examples/scripts/compare_short_runs.sh``) train
 each configuration in a process of its own, one after the other, over hours; on a shared
 machine their epoch times drift with the load. This benchmark gives the time figures the
@@ -12,7 +15,9 @@ what it costs over the run), one step of each configuration per round in a rotat
 so a slow spell of the machine slows all of them alike.
 
 The configurations are the comparison's, read from its script (one table for both), plus
-the baselines (AdamW without a callback, SAM, the paper's SL-SAM, Random-SL-SAM). Reported per
+the baselines (AdamW without a callback, SAM, the paper's SL-SAM, Random-SL-SAM) and the
+other methods with their defaults (ESAM, RST, LookSAM, S2-SAM, SL-S2-SAM, cost-aware
+SL-SAM). Reported per
 configuration: the mean step time over the run (over whole periods of its step schedule,
 ``step_cost.summarize``, the rule of ``make bench`` too), its ratio to SAM's, and the active
 ratio.
@@ -55,6 +60,8 @@ TASKS = {
 #: label: (method, options), as the comparison script's baselines.
 BASELINES = {"adamw": ("adamw", {}), "sam": ("sam", {}), "slsam_paper": ("slsam_paper", {}),
              "random_slsam": ("random_slsam", {})}  # fmt: skip
+#: the other methods with their defaults, as docs/results/choosing compares them
+METHODS = {name: (name, {}) for name in ("esam", "rst", "looksam", "s2sam", "sl_s2sam", "slsam_depth")}
 TIME_GOAL = 0.70
 
 
@@ -136,39 +143,73 @@ def make_step(method: str, options: dict[str, Any], module, loss, lr) -> Callabl
     return step
 
 
-def measure(task: str, labels: list[str], limit: int | None = None) -> dict[str, Any]:
-    """Every configuration of ``labels`` on ``task``; ``limit`` stops after that many steps
-    (to try the script)."""
-    config, epochs = TASKS[task]
-    table = {**BASELINES, **script_variants()}
-    module, batches, loss, lr = load_task(config, epochs)
-    steps = {label: make_step(*table[label], copy.deepcopy(module), loss, lr) for label in labels}
-    batches = batches[:limit] if limit else batches
-    print(f"== {task}: {len(batches)} steps x {len(labels)} configurations", flush=True)
-    kinds: dict[str, list[str | None]] = {}
-    times = interleaved(steps, batches, warmup=0, kinds=kinds)
-    figures = {
-        label: summarize(times[label], 0, schedule_of(steps[label].engine), kinds.get(label))
+def _recorded(step: Callable) -> Callable:
+    """``step`` that also keeps, after each call, its engine's running active-ratio sum and
+    counted steps (so a run's first N steps can be summarised on their own)."""
+    engine = step.engine  # type: ignore[attr-defined]
+
+    def recorded(batch):
+        step(batch)
+        if engine is not None:
+            recorded.sums.append(  # type: ignore[attr-defined]
+                (engine.active_ratio_sum, engine.num_steps - engine.num_skipped)
+            )
+
+    recorded.engine = engine  # type: ignore[attr-defined]
+    recorded.sums = []  # type: ignore[attr-defined]
+    return recorded
+
+
+def measure(
+    tasks: list[str], labels: list[str], limit: int | None = None
+) -> list[dict[str, Any]]:
+    """Every configuration of ``labels`` on ``tasks``, which share one task config and differ
+    only in their epochs: one interleaved run as long as the longest, each task summarised
+    over its first steps (the same batches and the same steps a run of its own would take:
+    the batches are drawn in order from one seed, and the steps have no schedule of their
+    own). ``limit`` stops after that many steps (to try the script)."""
+    config = TASKS[tasks[0]][0]
+    table = {**BASELINES, **METHODS, **script_variants()}
+    module, batches, loss, lr = load_task(config, max(TASKS[t][1] for t in tasks))
+    steps = {
+        label: _recorded(make_step(*table[label], copy.deepcopy(module), loss, lr))
         for label in labels
     }
-    sam = figures["sam"]["mean_s"] if "sam" in figures else None
-    rows = {}
-    for label in labels:
-        engine = steps[label].engine
-        figure = figures[label]
-        done = max(engine.num_steps - engine.num_skipped, 1) if engine is not None else 1
-        rows[label] = {
-            "method": table[label][0],
-            "options": table[label][1],
-            "mean_step_s": figure["mean_s"],
-            "median_step_s": figure["median_s"],
-            "timed_steps": figure["steps"],
-            "kinds": figure["kinds"],
-            "enough": figure["enough"],
-            "ratio_to_sam": figure["mean_s"] / sam if sam else None,
-            "active_ratio": 1.0 if engine is None else engine.active_ratio_sum / done,
+    batches = batches[:limit] if limit else batches
+    print(f"== {', '.join(tasks)}: {len(batches)} steps x {len(labels)} configurations", flush=True)
+    kinds: dict[str, list[str | None]] = {}
+    times = interleaved(steps, batches, warmup=0, kinds=kinds)
+    results = []
+    for task in tasks:
+        n = len(batches) * TASKS[task][1] // max(TASKS[t][1] for t in tasks)
+        figures = {
+            label: summarize(
+                times[label][:n],
+                0,
+                schedule_of(steps[label].engine),
+                kinds[label][:n] if label in kinds else None,
+            )
+            for label in labels
         }
-    return {"task": task, "config": config, "steps": len(batches), "configs": rows}
+        sam = figures["sam"]["mean_s"] if "sam" in figures else None
+        rows = {}
+        for label in labels:
+            figure = figures[label]
+            sums = steps[label].sums  # type: ignore[attr-defined]
+            total, done = sums[n - 1] if sums else (1.0, 1)
+            rows[label] = {
+                "method": table[label][0],
+                "options": table[label][1],
+                "mean_step_s": figure["mean_s"],
+                "median_step_s": figure["median_s"],
+                "timed_steps": figure["steps"],
+                "kinds": figure["kinds"],
+                "enough": figure["enough"],
+                "ratio_to_sam": figure["mean_s"] / sam if sam else None,
+                "active_ratio": total / max(done, 1),
+            }
+        results.append({"task": task, "config": config, "steps": n, "configs": rows})
+    return results
 
 
 def render(results: list[dict[str, Any]]) -> str:
@@ -212,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--limit", type=int, help="stop each run after this many steps")
     args = parser.parse_args(argv)
     tasks = args.tasks.split(",")
-    known = {**BASELINES, **script_variants()}
+    known = {**BASELINES, **METHODS, **script_variants()}
     labels = list(known) if args.configs == "all" else args.configs.split(",")
     bad = [t for t in tasks if t not in TASKS] + [c for c in labels if c not in known]
     if bad:
@@ -223,8 +264,8 @@ def main(argv: list[str] | None = None) -> None:
         labels.insert(0, "sam")
     load = os.getloadavg()[0]  # other work on the machine when the measurement began
     results = []
-    for task in tasks:
-        results.append(measure(task, labels, args.limit))
+    for config in dict.fromkeys(TASKS[t][0] for t in tasks):  # tasks on one config: one run
+        results += measure([t for t in tasks if TASKS[t][0] == config], labels, args.limit)
     stamp = (
         f"Machine: {machine()['processor']}, {torch.get_num_threads()} threads, torch"
         f" {torch.__version__}, {dt.date.today().isoformat()}, load average {load:.1f} at the"

@@ -173,11 +173,32 @@ def test_the_short_run_benchmark_uses_the_same_rule(monkeypatch):
     monkeypatch.setattr(short_runs_time, "load_task", lambda config, epochs: (
         tiny_net(), tiny_batches(12), lambda m, b, index=None: tiny_loss(m, b), 1e-3))  # fmt: skip
     monkeypatch.setattr(short_runs_time, "interleaved", fake_clock)
-    monkeypatch.setitem(short_runs_time.BASELINES, "looksam", ("looksam", {}))
-    result = short_runs_time.measure("vision92", ["sam", "adamw", "looksam"])
+    [result] = short_runs_time.measure(["vision92"], ["sam", "adamw", "looksam"])
     rows = result["configs"]
     assert rows["looksam"]["mean_step_s"] == pytest.approx(1.2)
     assert rows["looksam"]["ratio_to_sam"] == pytest.approx(0.6)
     assert rows["adamw"]["timed_steps"] == 12 and rows["looksam"]["timed_steps"] == 10
     text = short_runs_time.render([result])
     assert step_cost.RULE in text and "| looksam (10: 2 sam + 8 reuse) | 1.200 | 0.600 |" in text
+
+
+def test_tasks_on_one_config_are_the_first_steps_of_one_run(monkeypatch):
+    # vision 92 (4 epochs) and 276 (12 epochs): one run of 3 epochs' batches here (3 steps
+    # each), the shorter summarised over its first third.
+    epochs_asked = []
+
+    def load(config, epochs):
+        epochs_asked.append(epochs)
+        return tiny_net(), tiny_batches(epochs * 3 // 4), lambda m, b, i=None: tiny_loss(m, b), 1e-3
+
+    monkeypatch.setattr(short_runs_time, "load_task", load)
+    monkeypatch.setattr(short_runs_time, "interleaved", fake_clock)
+    short, long = short_runs_time.measure(["vision92", "vision276"], ["sam", "slsam_paper"])
+    assert epochs_asked == [12]  # one model, one run
+    assert (short["steps"], long["steps"]) == (3, 9)
+    assert short["configs"]["sam"]["timed_steps"] == 3
+    assert long["configs"]["sam"]["timed_steps"] == 9
+    # the active ratio of the first steps alone, not of the whole run
+    paper = [short["configs"]["slsam_paper"], long["configs"]["slsam_paper"]]
+    assert 0 < paper[0]["active_ratio"] < 2 and 0 < paper[1]["active_ratio"] < 2
+    assert short["configs"]["sam"]["active_ratio"] == pytest.approx(2.0)
