@@ -61,7 +61,9 @@ TASKS = {
 BASELINES = {"adamw": ("adamw", {}), "sam": ("sam", {}), "slsam_paper": ("slsam_paper", {}),
              "random_slsam": ("random_slsam", {})}  # fmt: skip
 #: the other methods with their defaults, as docs/results/choosing compares them
-METHODS = {name: (name, {}) for name in ("esam", "rst", "looksam", "s2sam", "sl_s2sam", "slsam_depth")}
+METHODS = {
+    name: (name, {}) for name in ("esam", "rst", "looksam", "s2sam", "sl_s2sam", "slsam_depth")
+}
 TIME_GOAL = 0.70
 
 
@@ -160,9 +162,7 @@ def _recorded(step: Callable) -> Callable:
     return recorded
 
 
-def measure(
-    tasks: list[str], labels: list[str], limit: int | None = None
-) -> list[dict[str, Any]]:
+def measure(tasks: list[str], labels: list[str], limit: int | None = None) -> list[dict[str, Any]]:
     """Every configuration of ``labels`` on ``tasks``, which share one task config and differ
     only in their epochs: one interleaved run as long as the longest, each task summarised
     over its first steps (the same batches and the same steps a run of its own would take:

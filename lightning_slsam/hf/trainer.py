@@ -118,7 +118,7 @@ class SAMTrainerMixin:
         self._sam_pending: Any = None
         self._sam_hooked: Any = None
         self._sam_averager: tuple[Any, GradientAverager] | None = None
-        trainer.add_callback(_SAMCheckpoint(self))
+        trainer.add_callback(_SAMCallback(self))
 
     # -- the step ----------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, *args: Any,
@@ -309,11 +309,20 @@ class SAMTrainer(SAMTrainerMixin, Trainer):
     """
 
 
-class _SAMCheckpoint(TrainerCallback):
-    """Writes the method's state into every checkpoint folder the Trainer saves."""
+class _SAMCallback(TrainerCallback):
+    """Says at train begin when the run is too short for the method's layer draws (the guard
+    rail, :mod:`lightning_slsam.selection.coverage`), and writes the method's state into every
+    checkpoint folder the Trainer saves."""
 
     def __init__(self, trainer: SAMTrainerMixin) -> None:
         self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.is_world_process_zero and state.max_steps > 0:
+            steps = state.max_steps - state.global_step
+            message = self.trainer.sam_spec.coverage_warning(self.trainer.sam_engine, steps)
+            if message is not None:
+                _warn(message)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not args.should_save:

@@ -303,6 +303,16 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
         except ValueError as err:  # options that do not fit this model or run
             raise MisconfigurationException(str(err)) from None
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The guard rail: too few updates per sampled layer for the run's length, where the
+        # committed comparisons lost accuracy (lightning_slsam.selection.coverage).
+        if self.engine is None:
+            return
+        steps = estimated_stepping_batches(trainer) - trainer.global_step
+        message = self.spec.coverage_warning(self.engine, steps, type(self).__name__)
+        if message is not None:
+            rank_zero_warn(message)
+
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:

@@ -50,6 +50,7 @@ from lightning_slsam.methods.options import (
     patterns,
     unknown_option,
 )
+from lightning_slsam.selection.coverage import coverage_message, expected_updates
 from lightning_slsam.selection.rules import AllLayers, LayerSelection
 
 __all__ = [
@@ -239,6 +240,15 @@ class MethodSpec:
         cap = self.setting("max_update_scale")
         return None if cap <= 1.0 else float(cap)
 
+    def coverage_warning(
+        self, engine: SparseSAMEngine, steps: float, name: str | None = None
+    ) -> str | None:
+        """The guard rail's line for a run with ``steps`` steps left, or ``None``: whether its
+        sampled layers can expect too few updates (:mod:`lightning_slsam.selection.coverage`),
+        said by ``name`` (default: :attr:`label`). A method that trains every layer has
+        nothing to check."""
+        return None
+
     def options(self) -> dict[str, Any]:
         """The method's options as given (after validation), by name."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
@@ -359,12 +369,25 @@ class LayerSubsetSpec(MethodSpec):
     """
 
     samples_layers: ClassVar[bool] = True
+    #: Whether the layers are drawn at random, so that the guard rail can count the updates
+    #: each can expect (Top-SL-SAM's greedy pick draws nothing).
+    draws_layers: ClassVar[bool] = True
     #: What each value of the ``preset`` option sets (empty: the method has no presets),
     #: and each in words (the run summary prints them).
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
     PRESET_WORDS: ClassVar[dict[str, str]] = {}
 
     layer_ratio: float = option(0.2, RATIO)
+
+    def coverage_warning(
+        self, engine: SparseSAMEngine, steps: float, name: str | None = None
+    ) -> str | None:
+        if not self.draws_layers or engine.selection.always_all:
+            return None
+        figure = expected_updates(engine.selection.inclusion(), steps, self.update_scale)
+        return coverage_message(
+            name or self.label, figure, steps, self.layer_ratio, self.update_scale
+        )
 
     def setting(self, name: str) -> Any:
         if self.PRESETS:

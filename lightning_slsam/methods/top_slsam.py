@@ -69,6 +69,7 @@ class TopSLSAMSpec(LayerSubsetSpec):
 
     name: ClassVar[str] = "top_slsam"
     label: ClassVar[str] = "TopSLSAM"
+    draws_layers: ClassVar[bool] = False
 
     def selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
         return TopKSelection(num_layers, max(1, round(self.layer_ratio * num_layers)))

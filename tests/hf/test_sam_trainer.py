@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -327,3 +328,24 @@ def test_two_ddp_processes_equal_one_and_average_only_the_active_layers(tmp_path
     # Only the drawn layers' gradients travel: less than the whole model's every step.
     assert all(0 < b < ranks[0]["trainable_bytes"] for b in ranks[0]["allreduce"])
     assert one["allreduce"] == [0] * 5
+
+
+def test_a_run_too_short_for_the_layer_draws_is_said_at_train_begin(tmp_path):
+    # The guard rail (lightning_slsam.selection.coverage), as SparseLayerSAM says it: the
+    # default's sampled layers expect 0.6 of an update per step, under 60 before 100 steps.
+    from lightning_slsam.hf.trainer import _SAMCallback
+
+    trainer = SAMTrainer(model=tiny_classifier(0), args=training_args(tmp_path, max_steps=2),
+                         train_dataset=classification_data(16), sam="slsam")  # fmt: skip
+    [hook] = [c for c in trainer.callback_handler.callbacks if isinstance(c, _SAMCallback)]
+    for max_steps, global_step, fires in ((99, 0, True), (100, 0, False), (130, 40, True)):
+        state = SimpleNamespace(is_world_process_zero=True, max_steps=max_steps,
+                                global_step=global_step)  # fmt: skip
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hook.on_train_begin(trainer.args, state, None)
+        lines = [str(w.message) for w in caught if "full updates" in str(w.message)]
+        assert len(lines) == fires, (max_steps, global_step)
+    expected = r"SparseLayerSAM: each sampled layer can expect about \d+ full updates over these 2 "
+    with pytest.warns(UserWarning, match=expected):
+        trainer.train()
