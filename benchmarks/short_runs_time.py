@@ -21,8 +21,8 @@ SL-SAM). Reported per
 configuration: the mean step time over the run (over whole periods of its step schedule,
 ``step_cost.summarize``, the rule of ``make bench`` too), its ratio to SAM's, and the active
 ratio.
-Writes ``benchmarks/results/short_runs_time.{md,json}``; a task measured by an earlier
-invocation keeps its table there unless this one measures it again.
+Writes ``benchmarks/results/short_runs_time.{md,json}`` as each run ends; a task measured by
+an earlier invocation keeps its table there unless this one measures it again.
 """
 
 from __future__ import annotations
@@ -262,31 +262,36 @@ def main(argv: list[str] | None = None) -> None:
         )
     if "sam" not in labels:
         labels.insert(0, "sam")
-    load = os.getloadavg()[0]  # other work on the machine when the measurement began
-    results = []
-    for config in dict.fromkeys(TASKS[t][0] for t in tasks):  # tasks on one config: one run
-        results += measure([t for t in tasks if TASKS[t][0] == config], labels, args.limit)
-    stamp = (
-        f"Machine: {machine()['processor']}, {torch.get_num_threads()} threads, torch"
-        f" {torch.__version__}, {dt.date.today().isoformat()}, load average {load:.1f} at the"
-        " start."
-    )
     os.makedirs(args.out, exist_ok=True)
-    # A task measured earlier (another invocation, e.g. one task per quiet spell) keeps its
-    # table unless measured again; each table carries its own machine line.
-    for result in results:
-        result["stamp"] = stamp
-    previous = os.path.join(args.out, "short_runs_time.json")
+    for config in dict.fromkeys(TASKS[t][0] for t in tasks):  # tasks on one config: one run
+        group = [t for t in tasks if TASKS[t][0] == config]
+        load = os.getloadavg()[0]  # other work on the machine when the measurement began
+        results = measure(group, labels, args.limit)
+        stamp = (
+            f"Machine: {machine()['processor']}, {torch.get_num_threads()} threads, torch"
+            f" {torch.__version__}, {dt.date.today().isoformat()}, load average {load:.1f} at"
+            " the start."
+        )
+        for result in results:
+            result["stamp"] = stamp
+        print(save(results, args.out))  # each run's tables as soon as it ends
+
+
+def save(results: list[dict[str, Any]], out: str) -> str:
+    """Write ``results`` into ``out``'s tables, keeping the tasks an earlier invocation (or
+    an earlier run of this one) measured and these did not; returns the Markdown."""
+    previous = os.path.join(out, "short_runs_time.json")
+    measured = {r["task"] for r in results}
     if os.path.exists(previous):
         with open(previous) as handle:
-            kept = [r for r in json.load(handle)["results"] if r["task"] not in tasks]
+            kept = [r for r in json.load(handle)["results"] if r["task"] not in measured]
         results = sorted(kept + results, key=lambda r: list(TASKS).index(r["task"]))
     text = render(results)
-    with open(os.path.join(args.out, "short_runs_time.md"), "w") as handle:
+    with open(os.path.join(out, "short_runs_time.md"), "w") as handle:
         handle.write(text)
-    with open(os.path.join(args.out, "short_runs_time.json"), "w") as handle:
+    with open(previous, "w") as handle:
         json.dump({"machine": machine(), "results": results}, handle, indent=2)
-    print(text)
+    return text
 
 
 if __name__ == "__main__":
