@@ -5,6 +5,7 @@ tensors, and refuses what it cannot run when it is built."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -332,13 +333,16 @@ def test_two_ddp_processes_equal_one_and_average_only_the_active_layers(tmp_path
 
 def test_a_run_too_short_for_the_layer_draws_is_said_at_train_begin(tmp_path):
     # The guard rail (lightning_slsam.selection.coverage), as SparseLayerSAM says it: the
-    # default's sampled layers expect 0.6 of an update per step, under 60 before 100 steps.
+    # default's sampled layers expect 0.6 of an update per step; a resumed run counts the
+    # steps left.
     from lightning_slsam.hf.trainer import _SAMCallback
+    from lightning_slsam.selection.coverage import FLOOR
 
     trainer = SAMTrainer(model=tiny_classifier(0), args=training_args(tmp_path, max_steps=2),
                          train_dataset=classification_data(16), sam="slsam")  # fmt: skip
     [hook] = [c for c in trainer.callback_handler.callbacks if isinstance(c, _SAMCallback)]
-    for max_steps, global_step, fires in ((99, 0, True), (100, 0, False), (130, 40, True)):
+    under, at = math.floor(FLOOR / 0.6) - 1, math.ceil(FLOOR / 0.6) + 1
+    for max_steps, global_step, fires in ((under, 0, True), (at, 0, False), (at + 10, 20, True)):
         state = SimpleNamespace(is_world_process_zero=True, max_steps=max_steps,
                                 global_step=global_step)  # fmt: skip
         with warnings.catch_warnings(record=True) as caught:

@@ -31,16 +31,18 @@ def test_expected_updates_is_the_median_layers_full_updates():
 
 
 def test_the_message_fires_under_the_floor_only_and_names_the_fixes():
-    below = coverage_message("SparseLayerSAM", FLOOR - 1, 295, 0.2, None)
+    below = coverage_message("SparseLayerSAM", FLOOR - 1, 4 * FLOOR, 0.2, None)
     assert below is not None
-    assert "about 59 full updates over these 295 steps" in below
-    assert "layer_ratio=0.25` or more" in below  # 60 / 295 = 0.203, rounded up to 0.05
+    assert f"about {FLOOR - 1:.0f} full updates over these {4 * FLOOR:.0f} steps" in below
+    assert "layer_ratio=0.25` or more" in below  # FLOOR / (4 * FLOOR), rounded up to 0.05
     assert "docs/results/choosing/coverage.md" in below and "RST or LookSAM" in below
-    assert coverage_message("SparseLayerSAM", FLOOR, 300, 0.2, None) is None
+    assert coverage_message("SparseLayerSAM", FLOOR, 5 * FLOOR, 0.2, None) is None
     assert coverage_message("SparseLayerSAM", None, math.inf, 0.2, None) is None
     # a run too short for any ratio to reach the floor says so
     short = coverage_message("SparseLayerSAM", 4.0, 20, 0.2, None)
-    assert short is not None and "a larger `layer_ratio` cannot reach it" in short
+    assert short is not None and "no `layer_ratio` reaches it in this run" in short
+    barely = coverage_message("SparseLayerSAM", FLOOR * 0.2, FLOOR, 0.2, None)
+    assert barely is not None and "only `layer_ratio=1` (every layer, every step)" in barely
 
 
 def _lines_at_train_start(callback, max_steps: int, max_epochs: int = -1) -> list[str]:
@@ -61,33 +63,43 @@ def _lines_at_train_start(callback, max_steps: int, max_epochs: int = -1) -> lis
     return [str(w.message) for w in caught if "full updates" in str(w.message)]
 
 
+#: The last step count under the floor and the first at it, for a layer receiving ``share``
+#: of a full update per step.
+def _under(share: float) -> int:
+    return math.floor(FLOOR / share) - 1
+
+
+def _at(share: float) -> int:
+    return math.ceil(FLOOR / share) + 1
+
+
 @pytest.mark.parametrize(
     ("callback", "max_steps", "fires"),
     [
-        # the paper's method: 0.2 of a layer per step -> 60 updates need 300 steps
-        (SparseLayerSAM(preset="paper"), 295, True),
-        (SparseLayerSAM(preset="paper"), 300, False),
-        # the default scales updates up to 3x: 0.6 of an update per step -> 100 steps
-        (SparseLayerSAM(), 99, True),
-        (SparseLayerSAM(), 100, False),
-        (SparseLayerSAM(layer_ratio=0.5), 99, False),  # the larger ratio the line suggests
-        (RandomSLSAM(), 295, True),
-        (RandomSLSAM(preset="default"), 100, False),
+        # the paper's method: 0.2 of an update per layer and step
+        (SparseLayerSAM(preset="paper"), _under(0.2), True),
+        (SparseLayerSAM(preset="paper"), _at(0.2), False),
+        # the default scales updates up to 3x: 0.6 of an update per step
+        (SparseLayerSAM(), _under(0.6), True),
+        (SparseLayerSAM(), _at(0.6), False),
+        (SparseLayerSAM(layer_ratio=0.5), _under(0.6), False),  # a larger ratio, as the line says
+        (RandomSLSAM(), _under(0.2), True),
+        (RandomSLSAM(preset="default"), _at(0.6), False),
         # a depth cut draws the layers near the input less often: fewer updates than the
         # default at the same length
-        (CostAwareSLSAM(), 100, True),
+        (CostAwareSLSAM(), _at(0.6), True),
         (TopSLSAM(), 10, False),  # a greedy pick has no draw to count
         (SparseLayerSAM(layer_ratio=1.0), 10, False),  # every layer every step
     ],
     ids=[
-        "paper-295",
-        "paper-300",
-        "default-99",
-        "default-100",
+        "paper-under",
+        "paper-at",
+        "default-under",
+        "default-at",
         "ratio-0.5",
-        "random-295",
-        "random-default-100",
-        "cost-aware-100",
+        "random-under",
+        "random-default-at",
+        "cost-aware",
         "top",
         "all-layers",
     ],
@@ -97,12 +109,14 @@ def test_the_line_fires_exactly_under_the_floor(callback, max_steps, fires):
     assert len(lines) == (1 if fires else 0), lines
     if fires:
         assert lines[0].startswith(type(callback).__name__ + ": each sampled layer can expect")
+        assert f"over these {max_steps} steps" in lines[0]
 
 
 def test_a_run_sized_in_epochs_counts_its_steps():
-    # 4 batches per epoch: 100 epochs of the paper's method is 400 steps, 80 updates
-    assert _lines_at_train_start(SparseLayerSAM(preset="paper"), -1, max_epochs=100) == []
-    assert len(_lines_at_train_start(SparseLayerSAM(preset="paper"), -1, max_epochs=70)) == 1
+    # 4 batches per epoch: the paper's method gets 0.8 of an update per layer and epoch
+    enough, short = _at(0.8), _under(0.8)
+    assert _lines_at_train_start(SparseLayerSAM(preset="paper"), -1, max_epochs=enough) == []
+    assert len(_lines_at_train_start(SparseLayerSAM(preset="paper"), -1, max_epochs=short)) == 1
 
 
 def test_the_floor_agrees_with_the_table_it_cites():
