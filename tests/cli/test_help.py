@@ -45,7 +45,10 @@ def shown_defaults(text: str) -> dict[str, str]:
     for flag, lines in blocks:
         name = flag.removeprefix("--trainer.callbacks.")
         if flag.startswith("--trainer.callbacks.") and "." not in name:
-            found = re.search(r".*, default: (.*)\)$", words(" ".join(lines)))
+            # jsonargparse appends the subclasses of a Sequence type that some imported
+            # module declares (more_itertools' numeric_range, once imported): not a default
+            text = re.sub(r", known subclasses: [^,)]*", "", words(" ".join(lines)))
+            found = re.search(r".*, default: (.*)\)$", text)
             assert found, (flag, lines)
             defaults[name] = found.group(1)
     return defaults
