@@ -228,27 +228,29 @@ def plot(result: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(TASKS), figsize=(6 * len(TASKS), 5.2))
+    fig, axes = plt.subplots(1, len(TASKS), figsize=(6 * len(TASKS), 5.6))
+    markers = "oosDv^<>PXh*"
+    style = {m: (plt.get_cmap("tab10")(i % 10), markers[i]) for i, m in enumerate(ACCURACY)}
     for ax, (task, entry) in zip(axes, result["tasks"].items()):
         rows = {m: r for m, r in entry["rows"].items() if r["time"] is not None}
-        for r in rows.values():
-            color = "tab:red" if r["frontier"] else "tab:gray"
-            ax.errorbar(r["time"], r["mean"], yerr=0 if r["n"] < 2 else r["sd"], fmt="o",
-                        color=color, capsize=3)  # fmt: skip
-            ax.annotate(f"{r['name']} (n={r['n']})", (r["time"], r["mean"]), fontsize=8,
-                        xytext=(4, 4), textcoords="offset points")  # fmt: skip
         line = [rows[m] for m in entry["frontier"]]
-        ax.plot([r["time"] for r in line], [r["mean"] for r in line], "-", color="tab:red",
-                alpha=0.6, label="Pareto frontier")  # fmt: skip
+        ax.plot([r["time"] for r in line], [r["mean"] for r in line], "--", color="k",
+                lw=1, alpha=0.7, label="Pareto frontier", zorder=1)  # fmt: skip
+        for method, r in rows.items():
+            color, marker = style[method]
+            ax.errorbar(r["time"], r["mean"], yerr=0 if r["n"] < 2 else r["sd"], fmt=marker,
+                        color=color, capsize=3, ms=8 if r["frontier"] else 6,
+                        mec="k" if r["frontier"] else color,
+                        label=f"{r['name']} (n={r['n']})", zorder=2)  # fmt: skip
         sam = entry["rows"]["sam"]
         ax.axhspan(sam["mean"] - sam["sd"], sam["mean"] + sam["sd"], color="tab:blue",
-                   alpha=0.12, label="SAM ± sd")  # fmt: skip
-        ax.axvline(PRESET_TIME, color="k", ls=":", lw=1, label=f"{PRESET_TIME}x SAM")
-        ax.set_title(TASKS[task])
-        ax.set_xlabel("mean step time / SAM's")
+                   alpha=0.10, label="SAM ± sd", zorder=0)  # fmt: skip
+        ax.axvline(PRESET_TIME, color="k", ls=":", lw=1, label=f"{PRESET_TIME}x SAM's time")
+        ax.set_title(f"{TASKS[task]} (frontier: black edges)")
+        ax.set_xlabel("mean step time / SAM's (interleaved, whole run)")
         ax.set_ylabel("best val_acc (mean ± sd over seeds)")
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right", fontsize=8)
+        ax.legend(loc="lower right", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
