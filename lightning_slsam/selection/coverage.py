@@ -77,5 +77,5 @@ def coverage_message(
         f"{name}: each sampled layer can expect about {figure:.0f} full updates over these"
         f" {steps:.0f} steps (median over layers; layer_ratio={layer_ratio:g}), under"
         f" {FLOOR:.0f}: {EVIDENCE}. Options: {ratio}, a longer run, or a method that updates"
-        " every layer each step (RST or LookSAM, see docs/choosing.md)."
+        " every layer each step (RST, or LookSAM on a CNN: see docs/choosing.md)."
     )

@@ -35,7 +35,7 @@ def test_the_message_fires_under_the_floor_only_and_names_the_fixes():
     assert below is not None
     assert f"about {FLOOR - 1:.0f} full updates over these {4 * FLOOR:.0f} steps" in below
     assert "layer_ratio=0.25` or more" in below  # FLOOR / (4 * FLOOR), rounded up to 0.05
-    assert "docs/results/choosing/coverage.md" in below and "RST or LookSAM" in below
+    assert "docs/results/choosing/coverage.md" in below and "RST, or LookSAM on a CNN" in below
     assert coverage_message("SparseLayerSAM", FLOOR, 5 * FLOOR, 0.2, None) is None
     assert coverage_message("SparseLayerSAM", None, math.inf, 0.2, None) is None
     # a run too short for any ratio to reach the floor says so
