@@ -60,15 +60,33 @@ TIME: dict[str, tuple[str, str]] = {
 PRESET_TIME = 0.5  # a named preset: SAM's accuracy at no more than this time on two tasks
 
 
-def accuracy(folder: str, label: str) -> list[float]:
+def runs(folder: str, label: str) -> list[dict[str, Any]]:
+    """The ``run.json`` records of ``RESULTS/folder/runs/label/seed*``."""
     base = os.path.join(RESULTS, folder, "runs", label)
-    best = []
+    records = []
     for seed in sorted(os.listdir(base)) if os.path.isdir(base) else []:
         path = os.path.join(base, seed, "run.json")
         if os.path.isfile(path):
             with open(path) as handle:
-                best.append(float(json.load(handle)["best"]))
-    return best
+                records.append(json.load(handle))
+    return records
+
+
+def accuracy(folder: str, label: str) -> list[float]:
+    """Each seed's best validation accuracy."""
+    return [float(r["best"]) for r in runs(folder, label)]
+
+
+def spread(values: list[float]) -> tuple[float, float]:
+    """Mean and sample sd (nan for one value)."""
+    sd = statistics.stdev(values) if len(values) > 1 else float("nan")
+    return statistics.fmean(values), sd
+
+
+def matches_sam(mean: float, sam: list[float]) -> bool:
+    """The rule of these tables: a mean at least SAM's mean minus SAM's seed sd."""
+    sam_mean, sam_sd = spread(sam)
+    return mean >= sam_mean - sam_sd
 
 
 def times() -> dict[str, dict[str, float]]:
@@ -113,17 +131,16 @@ def table() -> dict[str, Any]:
                 "name": name,
                 "source": "/".join(where[task]),
                 "n": len(best),
-                "mean": statistics.fmean(best),
-                "sd": statistics.stdev(best) if len(best) > 1 else float("nan"),
+                "mean": spread(best)[0],
+                "sd": spread(best)[1],
                 "time": ratio.get(task, {}).get(method),
             }
         for method, row in rows.items():
             # against the SAM of the row's own comparison (the GPU rows: the GPU's SAM)
             folder = ACCURACY[method][1][task][0]
             sam = accuracy(folder, "sam") or accuracy(_SHORT[task], "sam")
-            mean, sd = statistics.fmean(sam), statistics.stdev(sam)
-            row["sam"], row["sam_sd"] = mean, sd
-            row["matches_sam"] = row["mean"] >= mean - sd
+            row["sam"], row["sam_sd"] = spread(sam)
+            row["matches_sam"] = matches_sam(row["mean"], sam)
         timed = {m: (r["time"], r["mean"]) for m, r in rows.items() if r["time"] is not None}
         on = frontier(timed)
         for method, row in rows.items():

@@ -21,12 +21,12 @@ import argparse
 import importlib
 import json
 import os
-import statistics
 import sys
 from typing import Any
 
 import torch
 import yaml
+from choosing import accuracy, matches_sam, runs, spread  # the same runs, the same rule
 
 from lightning_slsam import make_engine
 from lightning_slsam.selection.coverage import FLOOR, expected_updates
@@ -79,22 +79,6 @@ FOLDERS = {
 }
 
 
-def _runs(folder: str, label: str) -> list[dict[str, Any]]:
-    base = os.path.join(RESULTS, folder, "runs", label)
-    runs = []
-    for seed in sorted(os.listdir(base)) if os.path.isdir(base) else []:
-        path = os.path.join(base, seed, "run.json")
-        if os.path.isfile(path):
-            with open(path) as handle:
-                runs.append(json.load(handle))
-    return runs
-
-
-def _spread(runs: list[dict[str, Any]]) -> tuple[float, float]:
-    best = [float(r["best"]) for r in runs]
-    return statistics.fmean(best), statistics.stdev(best) if len(best) > 1 else float("nan")
-
-
 def _module(kind: str, cache: dict[str, torch.nn.Module]) -> torch.nn.Module:
     if kind not in cache:
         with open(os.path.join(ROOT, TASK_CONFIGS[kind])) as handle:
@@ -120,24 +104,24 @@ def figure(label: str, kind: str, steps: int, cache: dict[str, torch.nn.Module])
 def table() -> list[dict[str, Any]]:
     rows, cache = [], {}
     for folder, (task, kind, sam_folder, renames) in FOLDERS.items():
-        sam = _runs(sam_folder, "sam")
+        sam = accuracy(sam_folder, "sam")
         base = os.path.join(RESULTS, folder, "runs")
         if not sam or not os.path.isdir(base):
             continue
-        sam_mean, sam_sd = _spread(sam)
+        sam_mean, sam_sd = spread(sam)
         for label in sorted(os.listdir(base)):
             name = renames.get(label, label)
-            runs = _runs(folder, label)
-            if name not in LABELS or not runs:
+            records = runs(folder, label)
+            if name not in LABELS or not records:
                 continue
-            steps = max(int(r["global_step"]) for r in runs)
-            mean, sd = _spread(runs)
+            steps = max(int(r["global_step"]) for r in records)
+            mean, sd = spread([float(r["best"]) for r in records])
             rows.append({
                 "task": task, "folder": folder, "label": label, "configuration": name,
-                "steps": steps, "figure": figure(name, kind, steps, cache), "n": len(runs),
+                "steps": steps, "figure": figure(name, kind, steps, cache), "n": len(records),
                 "best": mean, "best_sd": sd, "sam": sam_mean, "sam_sd": sam_sd, "n_sam": len(sam),
                 "gap_points": 100 * (mean - sam_mean),
-                "under_sam": mean < sam_mean - sam_sd,
+                "under_sam": not matches_sam(mean, sam),
             })  # fmt: skip
     return sorted(rows, key=lambda r: (r["figure"], r["task"], r["folder"]))
 

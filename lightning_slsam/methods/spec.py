@@ -369,9 +369,6 @@ class LayerSubsetSpec(MethodSpec):
     """
 
     samples_layers: ClassVar[bool] = True
-    #: Whether the layers are drawn at random, so that the guard rail can count the updates
-    #: each can expect (Top-SL-SAM's greedy pick draws nothing).
-    draws_layers: ClassVar[bool] = True
     #: What each value of the ``preset`` option sets (empty: the method has no presets),
     #: and each in words (the run summary prints them).
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
@@ -382,7 +379,7 @@ class LayerSubsetSpec(MethodSpec):
     def coverage_warning(
         self, engine: SparseSAMEngine, steps: float, name: str | None = None
     ) -> str | None:
-        if not self.draws_layers or engine.selection.always_all:
+        if engine.selection.always_all:
             return None
         figure = expected_updates(engine.selection.inclusion(), steps, self.update_scale)
         return coverage_message(

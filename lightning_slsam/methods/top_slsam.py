@@ -69,7 +69,10 @@ class TopSLSAMSpec(LayerSubsetSpec):
 
     name: ClassVar[str] = "top_slsam"
     label: ClassVar[str] = "TopSLSAM"
-    draws_layers: ClassVar[bool] = False
 
     def selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
         return TopKSelection(num_layers, max(1, round(self.layer_ratio * num_layers)))
+
+    def coverage_warning(self, engine: object, steps: float, name: str | None = None) -> None:
+        """Nothing to check: the greedy pick has no draw whose updates could be counted."""
+        return None
