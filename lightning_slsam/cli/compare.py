@@ -371,6 +371,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="folder for the runs, the table and the plots (default: %(default)s)",
     )
     args = parser.parse_args(argv)
+    # After `--` every word goes to each run's fit; compare's own options there (a misplaced
+    # --resume) would reach fit and fail there, once per run. --config is fit's too.
+    own = {o for a in parser._actions for o in a.option_strings} - {"--config", "-h", "--help"}
+    misplaced = [word for word in extra if word.split("=", 1)[0] in own]
+    if misplaced:
+        parser.error(
+            f"{misplaced[0].split('=', 1)[0]} is an option of compare, but it comes after `--`,"
+            " where the words go to every run's `fit`: put it before `--`"
+        )
     if args.render:
         return _render_saved(args.render, args.monitor)
     if not args.config:
@@ -418,6 +427,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.resume and _same_file(config_path, config_text) and os.path.isfile(run_json):
             print(f"== run {index}/{len(runs)}: {method}, seed {seed} (kept)", flush=True)
         else:
+            # A run that fails puts the earlier configuration back: its finished run (if any)
+            # stays what --resume keeps.
+            earlier = _read(config_path)
             with open(config_path, "w") as handle:
                 handle.write(config_text)
             eta = ""
@@ -430,6 +442,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        "--config", config_path, *extra]  # fmt: skip
             done = subprocess.run(command)
             if done.returncode != 0:
+                if earlier is None:
+                    os.remove(config_path)
+                else:
+                    with open(config_path, "w") as handle:
+                        handle.write(earlier)
                 raise SystemExit(
                     f"the {method} run with seed {seed} failed (exit {done.returncode})"
                 )
@@ -459,11 +476,15 @@ def _first_seed(given: int | None, configs: list[str]) -> tuple[int, str]:
     return 42, "default: no integer seed_everything in the config"
 
 
-def _same_file(path: str, text: str) -> bool:
+def _read(path: str) -> str | None:
     if not os.path.isfile(path):
-        return False
+        return None
     with open(path) as handle:
-        return handle.read() == text
+        return handle.read()
+
+
+def _same_file(path: str, text: str) -> bool:
+    return _read(path) == text
 
 
 def _render_saved(out: str, monitor: str) -> dict[str, Any]:

@@ -79,6 +79,21 @@ def test_compare_runs_every_method_and_seed_interleaved_resumes_and_writes_the_t
     # --resume keeps every finished run with an unchanged configuration.
     main([*args[: -len(TINY) - 1], "--resume", "--", *TINY])
     assert capsys.readouterr().out.count("(kept)") == 6
+    # A run that fails (here: fit refuses an argument) leaves its finished run's
+    # configuration as it was, so --resume still keeps all six.
+    saved = (out / "configs" / "adamw_seed42.yaml").read_text()
+    with pytest.raises(SystemExit, match="the adamw run with seed 42 failed"):
+        main([*args[: -len(TINY) - 1], "--", *TINY, "--trainer.no_such_option=1"])
+    assert (out / "configs" / "adamw_seed42.yaml").read_text() == saved
+    main([*args[: -len(TINY) - 1], "--resume", "--", *TINY])
+    assert capsys.readouterr().out.count("(kept)") == 6
+    # compare's own option after `--` is refused before anything runs or is written.
+    with pytest.raises(SystemExit) as refused:
+        main([*args[: -len(TINY) - 1], "--", *TINY, "--resume"])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert "--resume is an option of compare" in err and "put it before `--`" in err
+    assert (out / "configs" / "adamw_seed42.yaml").read_text() == saved
 
 
 def test_compare_runs_a_variant_of_the_ablation_class(tmp_path, capsys):
