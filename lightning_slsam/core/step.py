@@ -159,7 +159,8 @@ class MethodParts:
       (LookSAM).
 
     ``shards`` is the :mod:`~lightning_slsam.parallel.shards` seam (whole tensors, or FSDP2
-    shards).
+    shards). A hook reports a warning through :attr:`warn` (the engine's builder sets it:
+    Lightning's rank-zero warning under the callback).
 
     State the parts own is saved with the engine's: :meth:`state_dict` returns plain values
     and per-tensor stores (dicts keyed by the tensor's position in the partition, gathered
@@ -175,6 +176,8 @@ class MethodParts:
     ascent_masks: Callable[[list[Tensor], Whole], list[Tensor]] | None = None
     after_sam_step: Callable[..., None] | None = None
     adjust_grads: Callable[[list[Tensor], list[Tensor], Whole], None] | None = None
+    #: How a hook reports a warning.
+    warn: Callable[[str], None] = warnings.warn
 
     def kind(self, step: int) -> str:
         """The kind of step ``step`` (0-based count of optimizer steps): one of

@@ -101,7 +101,7 @@ class SAMTrainerMixin:
         self.sam_spec = spec
         model = trainer.model
         seed = spec.seed if spec.seed is not None else int(trainer.args.seed)
-        self.sam_engine: SparseSAMEngine = spec.build_engine(model, seed=seed)
+        self.sam_engine: SparseSAMEngine = spec.build_engine(model, seed=seed, warn=_warn)
         if self.sam_engine.needs_per_sample and not _gives_per_sample(self, model):
             raise ValueError(
                 f"{PER_SAMPLE_NEEDED} With SAMTrainer: {type(_base_model(model)).__name__} is"

@@ -189,7 +189,7 @@ class FabricSAM:
             compile_blocks_instead(model._forward_module)
         self.partition = self.spec.partition(module)
         self.engine: SparseSAMEngine = self.spec.build_engine(
-            module, seed=seed, partition=self.partition
+            module, seed=seed, partition=self.partition, warn=_warn
         )
         self._check_parameters(module)
         if self.spec.samples_layers:

@@ -4,12 +4,20 @@ the SAM gradient orthogonal to the plain gradient; the steps in between run one 
 add ``alpha * ||g|| / ||g_v|| * g_v`` to their gradient (Active Ratio ``1 + 1/interval``:
 1.2x at 5).
 
+That added component has norm ``alpha * ||g||`` whatever SAM's own correction was. Where the
+SAM gradient is nearly parallel to the gradient -- a pretrained Transformer fine-tuned with a
+small ``rho`` -- a reuse step adds many times what the SAM step did, and the committed runs
+lost there (MiniLM did not train at ``alpha=0.7``). At the first SAM step the parts measure
+``ratio = ||g_v|| / ||g||`` and warn when ``alpha / ratio`` exceeds :data:`AMPLIFICATION_LIMIT`
+(:func:`amplification_message`).
+
 >>> [Lookahead(interval=3, alpha=0.7, eps=1e-12).kind(t) for t in range(5)]
 ['sam', 'reuse', 'reuse', 'sam', 'reuse']
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -22,7 +30,50 @@ from lightning_slsam.methods.options import number
 from lightning_slsam.methods.spec import MethodSpec, option
 from lightning_slsam.parallel.shards import Whole
 
-__all__ = ["LookSAMSpec", "Lookahead"]
+__all__ = ["AMPLIFICATION_LIMIT", "LookSAMSpec", "Lookahead", "amplification_message"]
+
+#: The largest ``alpha / ratio`` (a reuse step's added component over the SAM step's own
+#: orthogonal part, measured at the first SAM step) the committed runs support
+#: (``docs/results/looksam_alpha/amplification.md``, ``examples/scripts/looksam_table.py``):
+#: every configuration at 1.9 or less matched SAM (the vision runs at 0.1-0.7, MiniLM at
+#: ``alpha=0.1``: 1.2-2.5 per run) and every one at 6.7 or more lost (MiniLM at 0.35: one run
+#: in three did not train, 4.1-8.7 per run; MiniLM at 0.7: none trained; the tiny Llama at
+#: 0.7: 4 points under SAM, 27). The line sits between the largest run of a matching
+#: configuration and the smallest of a losing one.
+AMPLIFICATION_LIMIT = 3.0
+
+#: What the message cites.
+EVIDENCE = (
+    "on MiniLM alpha=0.35 (about 7x) left one run in three untrained and alpha=0.7 (13x)"
+    " every run, on a small Llama 27x learned 4 points less, while 1.9x or less matched SAM"
+    " (docs/results/looksam_alpha/amplification.md)"
+)
+
+
+def amplification_message(alpha: float, ratio: float) -> str | None:
+    """The warning for a reuse weight ``alpha`` where the SAM step's orthogonal component
+    is ``ratio`` of the gradient's norm, or ``None`` when ``alpha / ratio`` is at most
+    :data:`AMPLIFICATION_LIMIT` (or nothing is reused).
+
+    >>> amplification_message(0.7, 0.5) is None  # a CNN's first SAM step
+    True
+    >>> print(amplification_message(0.7, 0.04)[:139])
+    LookSAM: at the first SAM step the SAM gradient's component orthogonal to the gradient
+    was 0.04 of the gradient's norm, and each reuse step
+    """
+    if alpha == 0 or ratio <= 0 or alpha / ratio <= AMPLIFICATION_LIMIT:
+        return None
+    suggested = AMPLIFICATION_LIMIT * ratio
+    digits = max(0, 1 - math.floor(math.log10(suggested)))  # two significant digits, down
+    suggested = math.floor(suggested * 10**digits) / 10**digits
+    return (
+        f"LookSAM: at the first SAM step the SAM gradient's component orthogonal to the"
+        f" gradient was {ratio:.3g} of the gradient's norm, and each reuse step adds"
+        f" alpha={alpha:g} of the gradient's norm along it: {alpha / ratio:.0f} times what the"
+        f" SAM step added, over {AMPLIFICATION_LIMIT:g}: {EVIDENCE}. Options:"
+        f" alpha={suggested:g} or less, interval=1 (SAM), or another method"
+        " (docs/choosing.md)."
+    )
 
 
 class Lookahead(MethodParts):
@@ -36,6 +87,8 @@ class Lookahead(MethodParts):
         self.alpha = float(alpha)
         self.eps = float(eps)
         self.vertical: dict[int, Tensor] = {}
+        #: ``||g_v|| / ||g||`` at these parts' first SAM step (``None`` before it).
+        self.orthogonal_ratio: float | None = None
         #: The SAM step keeps the first pass's gradients for the store (``alpha > 0``).
         self.keeps_first_grads = self.alpha > 0
         self.after_sam_step = self.store if self.keeps_first_grads else None
@@ -63,6 +116,12 @@ class Lookahead(MethodParts):
         vertical = torch._foreach_sub(gs, torch._foreach_mul(g, coeff.to(g[0].dtype)))
         for (param, _, _), v in zip(pairs, vertical):
             self.vertical[id(param)] = v
+        if self.orthogonal_ratio is None:  # one host read per run
+            norm = torch.linalg.vector_norm(shards.norms(vertical, like=[x[2] for x in pairs]))
+            self.orthogonal_ratio = float(norm.double() / (g_sq.sqrt() + self.eps))
+            message = amplification_message(self.alpha, self.orthogonal_ratio)
+            if message is not None:
+                self.warn(message)
 
     @torch.no_grad()
     def adjust_grads(self, params: list[Tensor], grads: list[Tensor], shards: Whole) -> None:

@@ -322,11 +322,13 @@ class MethodSpec:
             raise ValueError(
                 f"{err} (the model has {partition.num_layers} layers with layers={self.layers!r})"
             ) from None
+        parts = self.parts(torch.Generator().manual_seed(seed + 1))
+        parts.warn = warn
         return SparseSAMEngine(
             partition,
             selection,
             self.perturbation,
-            self.parts(torch.Generator().manual_seed(seed + 1)),
+            parts,
             module=module,
             bn_stats=self.bn_stats,
             replay_dropout=self.replay_dropout,
