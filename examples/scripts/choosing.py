@@ -89,6 +89,15 @@ def matches_sam(mean: float, sam: list[float]) -> bool:
     return mean >= sam_mean - sam_sd
 
 
+def save(out: str, stem: str, data: Any, text: str) -> None:
+    """A results table: ``out/stem.json`` (``data``) and ``out/stem.md`` (``text``)."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{stem}.json"), "w") as handle:
+        json.dump(data, handle, indent=1)
+    with open(os.path.join(out, f"{stem}.md"), "w") as handle:
+        handle.write(text)
+
+
 def times() -> dict[str, dict[str, float]]:
     """task -> method -> time / SAM."""
     out: dict[str, dict[str, float]] = {}
@@ -278,12 +287,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=OUT)
     args = parser.parse_args(argv)
     result = table()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "pareto.json"), "w") as handle:
-        json.dump(result, handle, indent=1)
     text = render(result)
-    with open(os.path.join(args.out, "pareto.md"), "w") as handle:
-        handle.write(text)
+    save(args.out, "pareto", result, text)
     plot(result, os.path.join(args.out, "pareto.png"))
     print(text)
 

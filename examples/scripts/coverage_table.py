@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
 from typing import Any
 
 import torch
 import yaml
-from choosing import accuracy, matches_sam, runs, spread  # the same runs, the same rule
+from choosing import accuracy, matches_sam, runs, save, spread  # the same runs, the same rule
 
 from lightning_slsam import make_engine
 from lightning_slsam.selection.coverage import FLOOR, expected_updates
@@ -176,12 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=OUT)
     args = parser.parse_args(argv)
     rows = table()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "coverage.json"), "w") as handle:
-        json.dump({"floor": FLOOR, "rows": rows}, handle, indent=1)
     text = render(rows)
-    with open(os.path.join(args.out, "coverage.md"), "w") as handle:
-        handle.write(text)
+    save(args.out, "coverage", {"floor": FLOOR, "rows": rows}, text)
     print(text)
 
 

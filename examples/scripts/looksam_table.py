@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import yaml
-from choosing import RESULTS, matches_sam, runs, spread  # the same runs, the same rule
+from choosing import RESULTS, matches_sam, runs, save, spread  # the same runs, the same rule
 
 from lightning_slsam import LookSAM
 from lightning_slsam.methods.looksam import AMPLIFICATION_LIMIT
@@ -169,12 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     rows = table()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "amplification.json"), "w") as handle:
-        json.dump({"limit": AMPLIFICATION_LIMIT, "rows": rows}, handle, indent=1)
     text = render(rows)
-    with open(os.path.join(args.out, "amplification.md"), "w") as handle:
-        handle.write(text)
+    save(args.out, "amplification", {"limit": AMPLIFICATION_LIMIT, "rows": rows}, text)
     print(text)
 
 
