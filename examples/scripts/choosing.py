@@ -19,6 +19,7 @@ from the GPU comparison ``docs/results/gpu/*``, its only multi-seed rows).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -58,6 +59,20 @@ TIME: dict[str, tuple[str, str]] = {
     **{name: ("choosing_time", name) for name in NEW},
 }
 PRESET_TIME = 0.5  # a named preset: SAM's accuracy at no more than this time on two tasks
+
+
+#: The task configs of the committed comparisons, by kind.
+TASK_CONFIGS = {
+    "vision": "examples/configs/tasks/efficientnet_digits.yaml",
+    "text": "examples/configs/tasks/minilm_rotten_tomatoes.yaml",
+    "lm": "examples/configs/tasks/glassllm_rotten_tomatoes.yaml",
+}
+
+
+def build(entry: dict[str, Any]) -> Any:
+    """The object a config entry names: ``{"class_path": ..., "init_args": {...}}``."""
+    module_name, _, name = entry["class_path"].rpartition(".")
+    return getattr(importlib.import_module(module_name), name)(**(entry.get("init_args") or {}))
 
 
 def runs(folder: str, label: str) -> list[dict[str, Any]]:

@@ -18,14 +18,21 @@ changed the draw itself (a dense warm-up).
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 from typing import Any
 
 import torch
 import yaml
-from choosing import accuracy, matches_sam, runs, save, spread  # the same runs, the same rule
+from choosing import (  # the same runs, the same rule
+    TASK_CONFIGS,
+    accuracy,
+    build,
+    matches_sam,
+    runs,
+    save,
+    spread,
+)
 
 from lightning_slsam import make_engine
 from lightning_slsam.selection.coverage import FLOOR, expected_updates
@@ -33,11 +40,6 @@ from lightning_slsam.selection.coverage import FLOOR, expected_updates
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "docs", "results")
 OUT = os.path.join(RESULTS, "choosing")
-TASK_CONFIGS = {
-    "vision": "examples/configs/tasks/efficientnet_digits.yaml",
-    "text": "examples/configs/tasks/minilm_rotten_tomatoes.yaml",
-    "lm": "examples/configs/tasks/glassllm_rotten_tomatoes.yaml",
-}
 _PAPER_ABLATION = {"preset": "paper", "bandit_loss": "rank", "head_always_active": True}
 _COMPUTE = {**_PAPER_ABLATION, "budget": "compute"}
 #: label -> (method, options) of today's classes, or ("uniform", {"cap": c}) for a retired
@@ -82,10 +84,8 @@ def _module(kind: str, cache: dict[str, torch.nn.Module]) -> torch.nn.Module:
     if kind not in cache:
         with open(os.path.join(ROOT, TASK_CONFIGS[kind])) as handle:
             entry = yaml.safe_load(handle)["model"]
-        module_name, _, name = entry["class_path"].rpartition(".")
-        cls = getattr(importlib.import_module(module_name), name)
         torch.manual_seed(0)
-        cache[kind] = cls(**(entry.get("init_args") or {}))
+        cache[kind] = build(entry)
     return cache[kind]
 
 

@@ -17,7 +17,6 @@ SAM's seed sd, the rule of ``choosing.py``).
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import tempfile
@@ -26,18 +25,21 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import yaml
-from choosing import RESULTS, matches_sam, runs, save, spread  # the same runs, the same rule
+from choosing import (  # the same runs, the same rule
+    RESULTS,
+    TASK_CONFIGS,
+    build,
+    matches_sam,
+    runs,
+    save,
+    spread,
+)
 
 from lightning_slsam import LookSAM
 from lightning_slsam.methods.looksam import AMPLIFICATION_LIMIT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OUT = os.path.join(ROOT, "docs", "results", "looksam_alpha")
-TASK_CONFIGS = {
-    "vision": "examples/configs/tasks/efficientnet_digits.yaml",
-    "text": "examples/configs/tasks/minilm_rotten_tomatoes.yaml",
-    "lm": "examples/configs/tasks/glassllm_rotten_tomatoes.yaml",
-}
 #: (task, task kind, results folder, run label, alpha, SAM's folder)
 ROWS = [
     ("vision92", "vision", "choosing/vision_92", "looksam", 0.7, "short_vision_92"),
@@ -50,18 +52,12 @@ ROWS = [
 ]
 
 
-def _build(entry: dict[str, Any]) -> Any:
-    module_name, _, name = entry["class_path"].rpartition(".")
-    cls = getattr(importlib.import_module(module_name), name)
-    return cls(**(entry.get("init_args") or {}))
-
-
 def first_ratio(kind: str, seed: int) -> float:
     """``||g_v|| / ||g||`` at the first SAM step of the task's run with ``seed``."""
     with open(os.path.join(ROOT, TASK_CONFIGS[kind])) as handle:
         spec = yaml.safe_load(handle)
     pl.seed_everything(seed, verbose=False)
-    model, data = _build(spec["model"]), _build(spec["data"])
+    model, data = build(spec["model"]), build(spec["data"])
     callback = LookSAM()
     with tempfile.TemporaryDirectory() as scratch:  # the fit's layer chart
         trainer = pl.Trainer(
