@@ -8,10 +8,12 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 
 import warnings
 
+import kernels
 import pytest
-import torch
+import tolerance
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+kernels.apply()  # two threads, or the variant the environment names (tests/kernels.py)
+tolerance.install_margin_record()  # with SLSAM_TEST_MARGINS set (tests/tolerance.py)
 
 
 @pytest.fixture(autouse=True)

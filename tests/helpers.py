@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 
+import kernels
 import lightning as L
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_slsam import SAMMixin
+
+kernels.apply()  # worker processes import this module: the variant reaches them too
 
 
 def make_data(n: int = 64, dim: int = 8, classes: int = 3, seed: int = 0) -> TensorDataset:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import kernels
 import torch
+
+kernels.apply()  # worker processes import this module: the variant reaches them too
 
 
 def tiny_classifier(seed: int = 0) -> Any:

@@ -1,0 +1,210 @@
+"""How the tests compare numbers: the one place for the rule.
+
+1. **Bit for bit only within one run.** ``torch.equal`` compares two computations made in
+   the same test run, on this machine: a resumed run against the uninterrupted one, one
+   process against two, a method against its hand-written form.
+2. **A stored reference gets a tolerance.** Numbers read from a file (``tests/fixtures``)
+   or made on another machine were rounded by that machine's kernels: float32 matmuls
+   summed in another order differ in the last bits (measured on the saved-config fixture:
+   3e-8 to 5e-8 after 6 AdamW steps on an AMD EPYC against the machine that wrote it).
+   :func:`load_stored` marks every floating-point tensor of a stored file, and a marked
+   tensor refuses ``torch.equal`` and ``==``: it is compared with
+   :func:`assert_matches_stored`, whose tolerance is stated beside the call. What must be
+   exact stays exact: integer and boolean tensors (draws, masks, counts, step kinds) are
+   not marked and compare with ``torch.equal``.
+3. **A tolerance leaves room.** No comparison should use more than a tenth of its
+   tolerance on any machine the suite has run on. With ``SLSAM_TEST_MARGINS=<folder>``
+   set, every comparison made through ``torch.allclose``, ``torch.testing.assert_close``,
+   ``pytest.approx`` or :func:`within` writes the share of its tolerance it used there
+   (``tests/margins.py`` reads them back).
+
+``tests/test_tolerance.py`` holds the rule: it fails when a test loads a stored file
+without :func:`load_stored`, or compares a stored float bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TESTS = Path(__file__).resolve().parent
+FIXTURES = TESTS / "fixtures"
+
+
+class StoredTensor(torch.Tensor):
+    """A floating-point tensor read from a stored reference: a tolerance, not bits."""
+
+    _REFUSED = {torch.equal, torch.eq, torch.Tensor.eq, torch.Tensor.__eq__, torch.Tensor.ne,
+                torch.Tensor.__ne__, torch.ne}  # fmt: skip
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in cls._REFUSED:
+            raise AssertionError(
+                "a stored reference was compared bit for bit: floats read from a file were "
+                "rounded by another machine's kernels; compare them with "
+                "tests/tolerance.py's assert_matches_stored(got, stored, rtol=..., atol=...), "
+                "stating the tolerance beside the call"
+            )
+        result = super().__torch_function__(func, types, args, kwargs or {})
+        # Arithmetic on a stored tensor gives plain tensors (only the file's values are marked).
+        return _unmark(result)
+
+
+def _unmark(value: Any) -> Any:
+    if isinstance(value, StoredTensor):
+        return value.as_subclass(torch.Tensor)
+    if isinstance(value, tuple | list):
+        return type(value)(_unmark(v) for v in value)
+    return value
+
+
+def _mark(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and not isinstance(value, StoredTensor):
+        return value.as_subclass(StoredTensor) if value.is_floating_point() else value
+    if isinstance(value, dict):
+        return {k: _mark(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_mark(v) for v in value)
+    return value
+
+
+def load_stored(path: str | Path, **kwargs: Any) -> Any:
+    """``torch.load`` of a stored reference, its floating-point tensors marked."""
+    return _mark(torch.load(path, **kwargs))
+
+
+def plain(value: Any) -> torch.Tensor:
+    """A stored tensor as a plain one (for code that needs its values, not a comparison)."""
+    return _unmark(value)
+
+
+def assert_matches_stored(
+    got: Any, stored: Any, *, rtol: float, atol: float, what: str = ""
+) -> None:
+    """``got`` equals a stored reference: floats within ``atol + rtol * |stored|``,
+    integers, booleans and everything else exactly. Nested dicts and lists compare key by
+    key."""
+    if isinstance(stored, dict):
+        assert isinstance(got, dict) and set(got) == set(stored), what
+        for k in stored:
+            assert_matches_stored(got[k], stored[k], rtol=rtol, atol=atol, what=f"{what}[{k}]")
+        return
+    if isinstance(stored, list | tuple):
+        assert len(got) == len(stored), what
+        for i, (g, s) in enumerate(zip(got, stored, strict=True)):
+            assert_matches_stored(g, s, rtol=rtol, atol=atol, what=f"{what}[{i}]")
+        return
+    if isinstance(stored, torch.Tensor) and stored.is_floating_point():
+        torch.testing.assert_close(got, plain(stored), rtol=rtol, atol=atol, msg=what or None)
+        return
+    if isinstance(stored, torch.Tensor):
+        assert got.dtype == stored.dtype and torch.equal(got, stored), what
+        return
+    assert got == stored, what
+
+
+def within(value: float, limit: float) -> bool:
+    """``value < limit`` for a measured difference against its tolerance, recorded as a
+    share of the tolerance when margins are being recorded."""
+    value = float(value)
+    _record("within", value / limit if limit else math.inf)
+    return value < limit
+
+
+# -- the margin record (SLSAM_TEST_MARGINS) ----------------------------------------------------
+
+_FOLDER = os.environ.get("SLSAM_TEST_MARGINS")
+
+
+def _site() -> str:
+    """The first frame in a test file: where the comparison is written."""
+    frame = sys._getframe(2)
+    here = str(Path(__file__))
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(str(TESTS)) and name != here and "/fixtures/" not in name:
+            return f"{Path(name).relative_to(TESTS.parent)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+def _record(kind: str, share: float) -> None:
+    if _FOLDER is None:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    row = {"test": test, "site": _site(), "kind": kind, "share": share}
+    with open(Path(_FOLDER) / f"margins-{os.getpid()}.jsonl", "a") as handle:
+        handle.write(json.dumps(row) + "\n")
+
+
+def _share(actual: Any, expected: Any, rtol: float, atol: float) -> float:
+    """max |actual - expected| / (atol + rtol * |expected|) (0 where both are equal)."""
+    with torch.no_grad():
+        a = torch.as_tensor(plain(actual)).detach().to("cpu", torch.float64)
+        e = torch.as_tensor(plain(expected)).detach().to("cpu", torch.float64)
+        diff = (a - e).abs()
+        finite = torch.isfinite(diff)
+        same = (a == e) | (torch.isnan(a) & torch.isnan(e))
+        if not bool((finite | same).all()):
+            return math.inf
+        share = torch.where(same, 0.0, diff / (atol + rtol * e.abs()))
+        return float(share.max()) if share.numel() else 0.0
+
+
+_DEFAULTS = {torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5),
+             torch.float32: (1.3e-6, 1e-5), torch.float64: (1e-7, 1e-7)}  # fmt: skip
+
+
+def _close_share(actual: Any, expected: Any, rtol: float | None, atol: float | None) -> float:
+    if isinstance(expected, dict):
+        return max((_close_share(actual[k], expected[k], rtol, atol) for k in expected), default=0)
+    if isinstance(expected, list | tuple) and not all(isinstance(v, int | float) for v in expected):
+        pairs = zip(actual, expected, strict=True)
+        return max((_close_share(a, e, rtol, atol) for a, e in pairs), default=0)
+    if rtol is None:
+        dtype = expected.dtype if isinstance(expected, torch.Tensor) else torch.float64
+        rtol, atol = _DEFAULTS.get(dtype, (0.0, 0.0))
+    return _share(actual, expected, rtol, atol)
+
+
+def install_margin_record() -> None:
+    """Record the share of its tolerance every comparison uses (``SLSAM_TEST_MARGINS``)."""
+    if _FOLDER is None:
+        return
+    import _pytest.approx
+
+    allclose, assert_close = torch.allclose, torch.testing.assert_close
+
+    def recorded_allclose(input, other, rtol=1e-5, atol=1e-8, equal_nan=False):
+        _record("allclose", _share(input, other, rtol, atol))
+        return allclose(input, other, rtol=rtol, atol=atol, equal_nan=equal_nan)
+
+    def recorded_assert_close(actual, expected, *args, rtol=None, atol=None, **kwargs):
+        with contextlib.suppress(Exception):  # shapes or types the comparison reports
+            _record("assert_close", _close_share(actual, expected, rtol, atol))
+        return assert_close(actual, expected, *args, rtol=rtol, atol=atol, **kwargs)
+
+    scalar_eq = _pytest.approx.ApproxScalar.__eq__
+
+    def recorded_eq(self, actual):
+        result = scalar_eq(self, actual)
+        try:
+            tolerance = self.tolerance
+            gap = abs(self.expected - actual)
+            share = 0.0 if gap == 0 else (gap / tolerance if tolerance else math.inf)
+            _record("approx", float(share))
+        except Exception:  # non-numeric values: compared exactly
+            pass
+        return result
+
+    torch.allclose = recorded_allclose
+    torch.testing.assert_close = recorded_assert_close
+    _pytest.approx.ApproxScalar.__eq__ = recorded_eq
