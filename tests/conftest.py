@@ -13,6 +13,7 @@ import pytest
 import tolerance
 
 kernels.apply()  # two threads, or the variant the environment names (tests/kernels.py)
+tolerance.guard_stored_loads()  # stored references compare within a tolerance
 tolerance.install_margin_record()  # with SLSAM_TEST_MARGINS set (tests/tolerance.py)
 
 

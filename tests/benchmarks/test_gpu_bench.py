@@ -69,15 +69,16 @@ def test_every_row_holds_the_figures_its_method_must_have(smoke):
 
 
 def test_the_paper_ratios_are_the_papers_tables():
-    # Table 1 (DeiT-Small), Table 4 (RoBERTa CoLA / MNLI), Table 6 (Llama-3.2-3B).
+    # Table 1 (DeiT-Small), Table 4 (RoBERTa CoLA / MNLI), Table 6 (Llama-3.2-3B): the
+    # tables' seconds and memory of SL-SAM over AdaSAM's, to 4 decimals.
     expected = {
-        "deit_small": (0.857, 0.917), "roberta_base": (0.832, 0.934),
-        "roberta_base_512": (0.743, 0.800), "llama_3b": (0.795, 0.924),
+        "deit_small": (0.8572, 0.9165), "roberta_base": (0.8319, 0.9345),
+        "roberta_base_512": (0.7425, 0.8001), "llama_3b": (0.7947, 0.9239),
     }  # fmt: skip
     for model, (time_ratio, memory_ratio) in expected.items():
         got = gpu.paper_ratios(model, "slsam_paper")
-        assert got == pytest.approx((time_ratio, memory_ratio), abs=6e-4), model
-    assert gpu.paper_ratios("deit_small", "adamw")[0] == pytest.approx(0.512, abs=6e-4)
+        assert (round(got[0], 4), round(got[1], 4)) == (time_ratio, memory_ratio), model
+    assert round(gpu.paper_ratios("deit_small", "adamw")[0], 4) == 0.5122
     assert gpu.paper_ratios("llama_1b", "slsam_paper") == (None, None)
     assert gpu.paper_ratios("llama_3b", "looksam") == (None, None)
 

@@ -123,37 +123,56 @@ def averaging_classifier():
     return model
 
 
+#: Where two runs sum the same gradients in another order (micro-batches against one batch,
+#: another front-end), they step with SGD: AdamW divides each update by its gradient's root
+#: mean square, so an element whose gradient is near zero turns last-bit differences into
+#: weight differences of up to the learning rate (measured here under AdamW: 1.25e-5 after 4
+#: steps of SAM, over the 1e-5 these tests allow). Under SGD the same runs differ by rounding.
+SGD = {"optim": "sgd", "learning_rate": 0.1}
+
+
+def moved(start, end):
+    """How far the largest weight change went (a comparison with a tolerance far below it
+    can fail)."""
+    return max(float((end[k] - start[k]).abs().max()) for k in start)
+
+
+@pytest.mark.kernels
 @pytest.mark.parametrize("sam", ["sam", "slsam"])
 def test_accumulating_2_x_8_equals_one_batch_of_16(tmp_path, sam):
     whole, whole_masks = run(tmp_path / "a", sam=sam, model=averaging_classifier(),
-                             per_device_train_batch_size=16)  # fmt: skip
+                             per_device_train_batch_size=16, **SGD)  # fmt: skip
     split, split_masks = run(
         tmp_path / "b", sam=sam, model=averaging_classifier(), per_device_train_batch_size=8,
-        gradient_accumulation_steps=2,
+        gradient_accumulation_steps=2, **SGD,
     )  # fmt: skip
     assert [len(s) for s in split.steps_seen] == [2] * 4
     assert [torch.equal(a, b) for a, b in zip(whole_masks, split_masks)] == [True] * 4
-    assert close(weights(whole.model), weights(split.model))
+    assert close(weights(whole.model), weights(split.model), atol=1e-6)
+    assert moved(weights(tiny_classifier(0)), weights(whole.model)) > 1e-3
     # The logged loss is the step's: the same under accumulation.
     losses = [[e["loss"] for e in t.state.log_history if "loss" in e] for t in (whole, split)]
     assert losses[0] == pytest.approx(losses[1], abs=1e-5)
 
 
+@pytest.mark.kernels
 def test_a_causal_lm_accumulates_by_token_count_like_one_batch(tmp_path):
     # The Trainer normalises a causal LM's loss by the tokens of the whole step.
-    kw = dict(sam="slsam", data=lm_data(), max_steps=3)
+    kw = dict(sam="slsam", data=lm_data(), max_steps=3, **SGD)
     whole, _ = run(tmp_path / "a", model=tiny_causal_lm(0), per_device_train_batch_size=8, **kw)
     split, _ = run(tmp_path / "b", model=tiny_causal_lm(0), per_device_train_batch_size=4,
                    gradient_accumulation_steps=2, **kw)  # fmt: skip
-    assert close(weights(whole.model), weights(split.model))
+    assert close(weights(whole.model), weights(split.model), atol=1e-6)
+    assert moved(weights(tiny_causal_lm(0)), weights(whole.model)) > 1e-3
 
 
+@pytest.mark.kernels
 def test_slsam_draws_the_same_layers_as_the_lightning_path_with_the_same_seed(tmp_path):
     import lightning as L
 
     from lightning_slsam import SAMMixin, SparseLayerSAM
 
-    trainer, masks = run(tmp_path, sam=method_spec("slsam", seed=7), max_steps=6)
+    trainer, masks = run(tmp_path, sam=method_spec("slsam", seed=7), max_steps=6, **SGD)
     decay = set(trainer.get_decay_parameter_names(trainer.model))
 
     class Lit(SAMMixin, L.LightningModule):
@@ -165,7 +184,7 @@ def test_slsam_draws_the_same_layers_as_the_lightning_path_with_the_same_seed(tm
             return self.model(**batch).loss
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(decay_groups(self.model, decay), lr=1e-2)
+            return torch.optim.SGD(decay_groups(self.model, decay), lr=SGD["learning_rate"])
 
     class Masks(L.Callback):
         def __init__(self):
@@ -182,7 +201,8 @@ def test_slsam_draws_the_same_layers_as_the_lightning_path_with_the_same_seed(tm
                     enable_model_summary=False)  # fmt: skip
     lit.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
     assert [torch.equal(a, b) for a, b in zip(masks, record.seen)] == [True] * 6
-    assert close(weights(trainer.model), weights(module.model))
+    assert close(weights(trainer.model), weights(module.model), atol=1e-6)
+    assert moved(weights(tiny_classifier(0)), weights(module.model)) > 1e-3
 
 
 def test_resuming_from_a_save_steps_checkpoint_is_bit_exact(tmp_path):
@@ -212,9 +232,8 @@ def test_bf16_trains_and_logs_the_methods_metrics(tmp_path):
     for entry, mask in zip(logs, masks):
         assert entry["slsam/active_layers"] == int(mask.sum())
         assert 0 < entry["slsam/active_ratio"] < 2
-    assert logs[-1]["slsam/mean_active_ratio"] == pytest.approx(
-        engine.active_ratio_sum / 3, abs=1e-4
-    )
+    # logged to 4 decimals
+    assert logs[-1]["slsam/mean_active_ratio"] == round(engine.active_ratio_sum / 3, 4)
 
 
 def test_lora_trains_only_its_tensors_and_saves_with_the_adapter(tmp_path):

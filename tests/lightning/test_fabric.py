@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import Counting, LitModel, Stack, loader, make_data, make_mlp, trainer
+from tolerance import within
 
 from lightning_slsam import FabricSAM, make_callback
 
@@ -77,7 +78,7 @@ def _max_diff(a: dict, b: dict) -> float:
 def test_fabric_equals_the_trainer_path(method):
     weights, sam, results = fabric_run(method)
     expected, callback = trainer_run(method)
-    assert _max_diff(weights, expected) < 1e-6
+    assert within(_max_diff(weights, expected), 1e-6)
     assert sam.engine.counts.tolist() == callback.engine.counts.tolist()
     assert sam.engine.num_steps == STEPS and len(results) == STEPS
     start = _weights(make_mlp(seed=5))
@@ -90,7 +91,7 @@ def test_accumulation_and_clipping_equal_the_trainer_path(method):
                     {"accumulate": 2, "clip": 0.05}):  # fmt: skip
         weights, _, _ = fabric_run(method, **options)
         expected, _ = trainer_run(method, **options)
-        assert _max_diff(weights, expected) < 1e-6, options
+        assert within(_max_diff(weights, expected), 1e-6), options
     unclipped, _, _ = fabric_run(method)
     assert _max_diff(fabric_run(method, clip=0.05)[0], unclipped) > 1e-4  # clipping acted
 
@@ -100,8 +101,8 @@ def test_bfloat16_mixed_is_within_the_trainer_paths_tolerance(method):
     weights, _, _ = fabric_run(method, precision="bf16-mixed")
     full, _, _ = fabric_run(method)
     expected, _ = trainer_run(method, precision="bf16-mixed")
-    assert _max_diff(weights, expected) < 1e-6  # the same bfloat16 arithmetic
-    assert _max_diff(weights, full) < 3e-2  # the DDP tests' bfloat16 tolerance
+    assert within(_max_diff(weights, expected), 1e-6)  # the same bfloat16 arithmetic
+    assert within(_max_diff(weights, full), 3e-2)  # the DDP tests' bfloat16 tolerance
 
 
 def test_fabric_save_and_load_resume_bit_for_bit(tmp_path):

@@ -6,10 +6,10 @@ import copy
 import re
 from pathlib import Path
 
-import pytest
 import torch
 import torch.nn.functional as F
 from probes import RHO, Recorder, gradients, setup_engine
+from tolerance import within
 from torch import nn
 
 from lightning_slsam import SSAMF
@@ -38,7 +38,7 @@ def test_ssamf_perturbs_only_the_top_fisher_coordinates():
         assert all(float(o[~m].abs().sum()) == 0 for o, m in zip(offsets, mask))
         moved = sum(int((o[m] != 0).sum()) for o, m in zip(offsets, mask))
         assert moved > 0.9 * sum(int(m.sum()) for m in mask)
-        assert engine.method.kept_fraction() == pytest.approx(0.5, abs=1 / flat.numel())
+        assert engine.method.kept_fraction() == round(flat.numel() * 0.5) / flat.numel()
         assert result.active_ratio == 2.0
 
 
@@ -164,9 +164,10 @@ def test_the_official_ssamf_run_is_one_plain_step_then_the_documented_callback()
     assert flat == [torch.cat([m.flatten() for m in ms]).tolist() for ms in ref_masks]
     assert [int(sum(f)) for f in flat] == [0] + [46] * (len(flat) - 1)
     assert len({tuple(f) for f in flat}) == 5
-    assert gap(weights, ref_weights) < 1e-10
+    assert within(gap(weights, ref_weights), 1e-10)
     # The official constant (1e-7) changes the radius by a relative 1e-7 / ||g||.
-    assert 0 < gap(weights, official(eps=1e-7)[0]) < 1e-7
+    official_gap = gap(weights, official(eps=1e-7)[0])
+    assert official_gap > 0 and within(official_gap, 1e-7)
     # The official first Fisher sample carries the SAM step's gradient: another mask.
     assert gap(weights, official(eps=1e-12, leftover=True)[0]) > 1e-4
     # Reading `update_freq` as steps refreshes on another schedule: another run.

@@ -17,6 +17,7 @@ import torch
 from ddp_worker import OPTIONS
 from helpers import launch, two_ranks
 from plain_ddp_worker import CASES as PLAIN_CASES
+from tolerance import within
 
 from lightning_slsam.methods.registry import method_spec
 
@@ -95,7 +96,7 @@ def test_every_method_keeps_ranks_identical_and_matches_one_process(runs, method
     assert _same_ranks(r0, r1)  # same masks and same weights on both processes, every step
     if method not in PER_RANK_DATA:
         one = runs(f"{method}_ddp_fork_1")
-        assert _max_diff(r0, one) < 1e-5
+        assert within(_max_diff(r0, one), 1e-5)
         assert all(torch.equal(a, b) for a, b in zip(r0["masks"], one["masks"], strict=True))
         if r0["probs"] is not None:
             torch.testing.assert_close(r0["probs"], one["probs"], rtol=0, atol=1e-8)
@@ -105,7 +106,7 @@ def test_every_method_keeps_ranks_identical_and_matches_one_process(runs, method
 def test_other_launchers_match_one_process(runs, launcher):
     r0, r1 = runs(f"slsam_paper_{launcher}_2", 0), runs(f"slsam_paper_{launcher}_2", 1)
     assert _same_ranks(r0, r1)
-    assert _max_diff(r0, runs("slsam_paper_ddp_fork_1")) < 1e-5
+    assert within(_max_diff(r0, runs("slsam_paper_ddp_fork_1")), 1e-5)
 
 
 @pytest.mark.parametrize("launcher", ["ddp", "ddp_spawn"])
@@ -130,7 +131,7 @@ def test_compiled_blocks_under_ddp_match_one_process_without_recompiles(runs, me
     if method not in PER_RANK_DATA:  # (ESAM trains every layer; it samples perturbations)
         assert sum(not mask[:3].all() for mask in r0["masks"]) >= 4  # blocks were frozen
         one = runs(f"{method}_ddp_fork_1_compiled")
-        assert _max_diff(r0, one) < 1e-5
+        assert within(_max_diff(r0, one), 1e-5)
         assert all(torch.equal(a, b) for a, b in zip(r0["masks"], one["masks"], strict=True))
 
 
@@ -146,7 +147,7 @@ def test_tensors_unfrozen_mid_run_under_ddp_are_sampled_alike_on_every_rank(runs
     assert _same_ranks(r0, r1)
     assert [len(m) for m in r0["masks"]] == [len(m) for m in one["masks"]]
     assert all(torch.equal(a, b) for a, b in zip(r0["masks"], one["masks"], strict=True))
-    assert _max_diff(r0, one) < 1e-5
+    assert within(_max_diff(r0, one), 1e-5)
     # Sampled from step 4 on (frozen before): drawn in some steps, not in all.
     head = 2 if method == "slsam" else 0  # the default preset's head rule: none found here
     assert [len(m) for m in r0["masks"]] == [6 + head * 0] * 4 + [8] * 4
@@ -188,7 +189,7 @@ def test_accumulation_under_ddp_equals_the_one_process_large_batch(runs):
     assert _same_ranks(r0, r1)
     assert r0["global_step"] == 3 and len(r0["masks"]) == 3  # one step per 2 micro-batches
     one = runs("slsam_paper_ddp_fork_1")  # 16 samples per step in one batch
-    assert _max_diff(r0, one) < 1e-5
+    assert within(_max_diff(r0, one), 1e-5)
     torch.testing.assert_close(r0["probs"], one["probs"], rtol=0, atol=1e-8)
 
 
@@ -208,7 +209,7 @@ def test_fp16_overflow_under_ddp_skips_on_every_rank_and_backs_off(runs, method)
     if method not in PER_RANK_DATA:
         assert all(torch.equal(a, b) for a, b in zip(r0["masks"], one["masks"], strict=True))
         # fp16 arithmetic on half batches vs whole ones (LookSAM's reuse amplifies it).
-        assert _max_diff(r0, one) < (5e-3 if "looksam" in method else 1e-3)
+        assert within(_max_diff(r0, one), 5e-3 if "looksam" in method else 1e-3)
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
@@ -221,7 +222,7 @@ def test_every_method_in_bfloat16_under_ddp(runs, method, precision):
     full = runs(f"{method}_ddp_fork_2")
     assert all(torch.equal(a, b) for a, b in zip(r0["masks"], full["masks"], strict=True))
     # ESAM's choice of samples follows bfloat16 per-sample losses.
-    assert _max_diff(r0, full) < (0.1 if method in PER_RANK_DATA else _bf16(method, precision))
+    assert within(_max_diff(r0, full), 0.1 if method in PER_RANK_DATA else _bf16(method, precision))
 
 
 def _bf16(method: str, precision: str) -> float:
@@ -258,8 +259,8 @@ def test_two_nodes_under_torchrun_match_one_process(runs, tmp_path):
             for r in (0, 1)]  # fmt: skip
     assert _same_ranks(*load)
     assert any(not bool(m.all()) for m in load[0]["masks"])
-    assert _max_diff(load[0], runs("slsam_paper_ddp_fork_1")) < 1e-5
-    assert _max_diff(load[0], runs("slsam_paper_ddp_fork_2")) < 1e-6
+    assert within(_max_diff(load[0], runs("slsam_paper_ddp_fork_1")), 1e-5)
+    assert within(_max_diff(load[0], runs("slsam_paper_ddp_fork_2")), 1e-6)
 
 
 # --- a plain PyTorch loop under DDP: engine.train_step(..., ddp=model) ---------------------
@@ -280,7 +281,10 @@ def test_plain_loop_under_ddp_equals_one_process(plain, case):
     # revision before 0.3 measured 2.4e-6 for looksam and 7.7e-6 for slsam_looksam here too):
     # the FSDP2 test's tolerance.
     limit = 1e-5 if "looksam" in case else 2e-6
-    assert max(r0["diff"]) < limit and max(r1["diff"]) < limit, (r0["diff"], r1["diff"])
+    assert within(max(r0["diff"]), limit) and within(max(r1["diff"]), limit), (
+        r0["diff"],
+        r1["diff"],
+    )
     assert r0["kinds"] == r1["kinds"]
     assert all(torch.equal(a, b) for a, b in zip(r0["masks"], r1["masks"], strict=True))
 
