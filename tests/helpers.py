@@ -134,7 +134,7 @@ def _cross_entropy(net: nn.Module, batch) -> torch.Tensor:
     return F.cross_entropy(net(x), y)
 
 
-def reference_sam_adamw(
+def reference_sam(
     net: nn.Module,
     batches: list,
     rho: float,
@@ -142,11 +142,13 @@ def reference_sam_adamw(
     weight_decay: float,
     eps: float = 1e-12,
     loss_fn: Callable = _cross_entropy,
+    optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
 ) -> list[dict[str, torch.Tensor]]:
-    """Plain SAM + AdamW, written from the SAM paper without any project code."""
+    """Plain SAM + AdamW (or another ``optimizer``), written from the SAM paper without any
+    project code."""
     net = copy.deepcopy(net)
     params = [p for p in net.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    opt = optimizer(params, lr=lr, weight_decay=weight_decay)
     history = []
     for batch in batches:
         opt.zero_grad(set_to_none=True)
@@ -195,17 +197,18 @@ class ResumableLoader(DataLoader):
 class Wrapped(SAMMixin, L.LightningModule):
     """A LightningModule around ``net`` with a ``loss_fn(net, batch)``."""
 
-    def __init__(self, net, loss_fn, lr=1e-3):
+    def __init__(self, net, loss_fn, lr=1e-3, optimizer=torch.optim.AdamW):
         super().__init__()
         self.net = net
         self.loss_fn = loss_fn
         self.lr = lr
+        self.optimizer = optimizer
 
     def training_step(self, batch, batch_idx):
         return self.loss_fn(self.net, batch)
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+        return self.optimizer(self.parameters(), lr=self.lr, weight_decay=0.01)
 
 
 def _reduce(losses: torch.Tensor, per_sample: bool) -> torch.Tensor:

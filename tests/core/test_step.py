@@ -267,7 +267,8 @@ def test_sam_step_runs_its_second_pass_on_the_samples_its_choice_returns():
     first, second = rec.passes
     assert first["index"] is None and second["index"].tolist() == list(range(8))
     ((seen_loss, sizes),) = choice.seen
-    assert sizes == [16] and seen_loss == pytest.approx(loss, rel=1e-6)
+    # the mean of per-sample losses against the fused loss: float32 rounding apart
+    assert sizes == [16] and seen_loss == pytest.approx(loss, rel=1e-5)
     for p, b, gi in zip(net.parameters(), before, g_half):
         torch.testing.assert_close(p.detach(), b - 0.1 * gi, rtol=1e-4, atol=1e-7)
 

@@ -9,7 +9,7 @@ import copy
 import lightning as L
 import pytest
 import torch
-from helpers import LitModel, Snapshots, loader, make_data, make_mlp, reference_sam_adamw, trainer
+from helpers import LitModel, Snapshots, loader, make_data, make_mlp, reference_sam, trainer
 from probes import batches
 
 from lightning_slsam import SparseLayerSAM
@@ -18,9 +18,7 @@ from lightning_slsam import SparseLayerSAM
 def test_layer_ratio_one_equals_hand_written_sam_adamw():
     data = make_data(64)
     net = make_mlp()
-    reference = reference_sam_adamw(
-        net, batches(data, 16) * 2, rho=0.05, lr=1e-2, weight_decay=0.01
-    )
+    reference = reference_sam(net, batches(data, 16) * 2, rho=0.05, lr=1e-2, weight_decay=0.01)
 
     model = LitModel(copy.deepcopy(net), lr=1e-2, weight_decay=0.01)
     snaps = Snapshots()

@@ -57,8 +57,10 @@ def test_looksam_full_passes_every_k_steps_and_reuses_the_orthogonal_component()
         result = engine.train_step(Recorder(net, x, y), opt)
         assert result.kind == ("sam" if step % 3 == 0 else "reuse")
         assert result.num_backward == (2 if step % 3 == 0 else 1)
-        for p, e in zip(net.parameters(), expected):  # the gradient the optimizer used
-            torch.testing.assert_close(p.grad, e, atol=1e-6, rtol=1e-4)
+        # The gradient the optimizer used; the reuse step scales the rounding of g_v (a
+        # difference of nearly parallel gradients) by 0.7 ||g|| / ||g_v||.
+        for p, e in zip(net.parameters(), expected):
+            torch.testing.assert_close(p.grad, e, atol=1e-5, rtol=1e-4)
 
 
 def test_the_interval_names_each_steps_kind():
