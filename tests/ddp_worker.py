@@ -23,7 +23,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import Counting, LitModel, Stack, make_mlp, planned, rank_loader
+from helpers import Counting, LitModel, Stack, compared_optimizer, make_mlp, planned, rank_loader
 
 from lightning_slsam import make_callback
 from lightning_slsam.parallel.ddp import release_process_group
@@ -40,6 +40,9 @@ VALIDATE = {"val_check_interval": 1, "limit_val_batches": 2}
 class PerSample(LitModel):
     accumulate = 1
     overflow_step = -1  # a step whose second pass overflows (fp16 runs)
+
+    def __init__(self, net, compiled: bool = False) -> None:
+        super().__init__(net, **compared_optimizer(compiled))  # compared across processes
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -65,7 +68,7 @@ class Backboned(PerSample):
 
     def configure_optimizers(self):
         trainable = [p for p in self.parameters() if p.requires_grad]
-        return torch.optim.AdamW(trainable, lr=self.lr, weight_decay=0.01)
+        return self.optimizer(trainable, lr=self.lr, weight_decay=0.01)
 
 
 class Record(L.Callback):
@@ -166,9 +169,10 @@ def run(
         plugins=plugins,
         precision=None if plugins else precision,
     )
-    model = (Backboned if unfreeze else PerSample)(
-        Stack(seed=5) if compile_blocks else make_mlp(seed=5)
-    )
+    if unfreeze:
+        model = Backboned(make_mlp(seed=5))
+    else:
+        model = PerSample(Stack(seed=5) if compile_blocks else make_mlp(seed=5), compile_blocks)
     if compile_blocks:  # regional compilation: each block one layer, trained or frozen whole
         torch._dynamo.reset()
         for block in model.net.blocks:

@@ -27,7 +27,7 @@ from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from helpers import Counting, Stack, make_data, make_mlp
+from helpers import Counting, Stack, linear_sgd, make_data, make_mlp
 
 from lightning_slsam import FabricSAM
 from lightning_slsam.core.step import StepResult
@@ -143,7 +143,7 @@ def _full(module: torch.nn.Module) -> dict[str, torch.Tensor]:  # a collective w
 
 
 class _PlainSteps:
-    """AdamW steps without SAM, as FabricSAM.step's stand-in (the traffic counter's control)."""
+    """Optimizer steps without SAM, as FabricSAM.step's stand-in (the traffic counter's control)."""
 
     def __init__(self, fabric: L.Fabric, model, optimizer) -> None:
         self.fabric, self.model, self.optimizer = fabric, model, optimizer
@@ -187,13 +187,10 @@ def train(fabric: L.Fabric, case: Case, out: str | None = None) -> dict:
         model = fabric.setup_module(net)
         for block in net.blocks if case.compile else []:  # compiled after sharding
             block.compile(backend=backend)
-        optimizer = fabric.setup_optimizers(
-            torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-        )
+        optimizer = fabric.setup_optimizers(linear_sgd(model.parameters()))
     else:
         compiled = torch.compile(net, backend=backend) if case.compile == "whole" else net
-        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01)
-        model, optimizer = fabric.setup(compiled, optimizer)
+        model, optimizer = fabric.setup(compiled, linear_sgd(net.parameters()))
     options = {"seed": 3 if case.method in ("esam", "ssamf") else None}
     options.update(OPTIONS.get(case.method, {}), **case.options)
     if case.method == "adamw":  # plain Fabric steps: DDP's reducer averages, as usual

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from helpers import Counting, LitModel, Stack, make_mlp, planned, rank_loader
+from helpers import Counting, LitModel, Stack, compared_optimizer, make_mlp, planned, rank_loader
 
 from lightning_slsam import make_callback
 from lightning_slsam.parallel.ddp import release_process_group
@@ -156,7 +156,8 @@ def run(
             **VALIDATE if validate else {"limit_val_batches": 0},
             use_distributed_sampler=False,
         )
-        model = Sharded(Stack(seed=5) if compile_blocks else make_mlp(seed=5))
+        net = Stack(seed=5) if compile_blocks else make_mlp(seed=5)
+        model = Sharded(net, **compared_optimizer(bool(compile_blocks)))  # as ddp_worker's runs
         model.backend = Counting() if compile_blocks else None
         model.compile_whole = compile_blocks == "whole"
         model.shard, model.accumulate = shard, accumulate

@@ -22,6 +22,9 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+from helpers import linear_sgd
+
 from lightning_slsam import make_engine
 
 STEPS = 5
@@ -92,8 +95,7 @@ def _case(rank: int, world: int, method: str, options: dict, evaluate: bool = Fa
     x, y = torch.randn(STEPS, 16, 6), torch.randint(0, 3, (STEPS, 16))
     half = 16 // world
     mine = slice(rank * half, (rank + 1) * half)
-    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    opt, ref_opt = linear_sgd(net.parameters()), linear_sgd(ref.parameters())
     engine = make_engine(method, net, seed=0, **options)
     ref_engine = make_engine(method, ref, seed=0, **options)
     record: dict = {"masks": [], "kinds": [], "diff": []}

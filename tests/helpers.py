@@ -51,6 +51,27 @@ def make_mlp(dim: int = 8, hidden: int = 16, classes: int = 3, seed: int = 0) ->
     )
 
 
+def linear_sgd(params, lr: float = 0.1, weight_decay: float = 0.01) -> torch.optim.SGD:
+    """SGD with momentum: the optimizer of runs compared across process counts, precisions
+    or code paths (the multi-process workers). Its update is linear in the gradient, so two
+    runs that sum the same gradients in another order differ by rounding; AdamW divides each
+    update by the gradient's root mean square, and a near-zero gradient's last bits become a
+    step of up to the learning rate (tests/tolerance.py). The momentum gives resume tests an
+    optimizer state to restore."""
+    return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+
+
+def compared_optimizer(compiled: bool = False) -> dict:
+    """:class:`LitModel`'s optimizer for the multi-process workers' runs: :func:`linear_sgd`
+    at lr 0.1. Compiled runs keep AdamW at lr 1e-2: their last 4 steps run under
+    ``fail_on_recompile``, so they must draw only layer patterns the first 4 traced, which
+    AdamW's trajectory does (under linear_sgd a pattern first seen at step 5 recompiled);
+    against one process they use 1% of their tolerance."""
+    if compiled:
+        return {"lr": 1e-2, "optimizer": torch.optim.AdamW}
+    return {"lr": 0.1, "optimizer": linear_sgd}
+
+
 class LitModel(SAMMixin, L.LightningModule):
     """A classifier around any ``net``; optimizer and scheduler are configurable."""
 
@@ -61,6 +82,7 @@ class LitModel(SAMMixin, L.LightningModule):
         weight_decay: float = 0.01,
         scheduler: Callable | None = None,
         scheduler_config: dict | None = None,
+        optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
     ) -> None:
         super().__init__()
         self.net = net
@@ -68,6 +90,7 @@ class LitModel(SAMMixin, L.LightningModule):
         self.weight_decay = weight_decay
         self.scheduler = scheduler
         self.scheduler_config = scheduler_config or {}
+        self.optimizer = optimizer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -83,7 +106,7 @@ class LitModel(SAMMixin, L.LightningModule):
         self.log("val_loss", F.cross_entropy(self(x), y))
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        opt = self.optimizer(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
         if self.scheduler is None:
             return opt
         return {
@@ -142,7 +165,7 @@ def reference_sam(
     weight_decay: float,
     eps: float = 1e-12,
     loss_fn: Callable = _cross_entropy,
-    optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
 ) -> list[dict[str, torch.Tensor]]:
     """Plain SAM + AdamW (or another ``optimizer``), written from the SAM paper without any
     project code."""

@@ -15,13 +15,24 @@ Set in the environment, so that the worker processes the tests start take them t
 
 from __future__ import annotations
 
+import getpass
 import os
+import tempfile
 
 import torch
 
 
 def apply() -> None:
     """Apply the variant the environment asks for (a no-op by default)."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if capability:
+        # Inductor caches its precompiled C++ headers under a key without the capability: a
+        # header built under AVX-512 fails to compile under "default" ("'at::vec' has not
+        # been declared"). One cache per capability.
+        folder = f"torchinductor_{getpass.getuser()}_{capability}"
+        os.environ.setdefault(
+            "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), folder)
+        )
     if os.environ.get("SLSAM_TEST_MKLDNN") == "0":
         torch.backends.mkldnn.enabled = False
     threads = os.environ.get("SLSAM_TEST_THREADS")

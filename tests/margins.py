@@ -35,6 +35,8 @@ def main(folders: list[str]) -> int:
     sites = read(folders)
     near = []
     for name, site in sites.items():
+        if name.startswith("tests/test_tolerance.py"):  # the rule's own tests, at the line
+            continue
         passing = [s for s in site["shares"] if s <= 1]
         failing = [s for s in site["shares"] if s > 1]
         worst_pass = max(passing, default=0.0)

@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from fsdp2_worker import CASES as FSDP2_CASES
 from fsdp2_worker import STEPS, _loss, _mlp, spawn_two
+from helpers import linear_sgd
 
 from lightning_slsam import make_engine
 
@@ -43,8 +44,7 @@ def _case(rank: int, world: int, method: str, options: dict) -> dict:
     net, ref = _mlp(), _mlp()
     ddp = DistributedDataParallel(net)
     x, y, mine = _data(rank, world)
-    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    opt, ref_opt = linear_sgd(net.parameters()), linear_sgd(ref.parameters())
     engine = make_engine(method, net, seed=0, **options)
     ref_engine = make_engine(method, ref, seed=0, **options)
     record: dict = {"masks": [], "kinds": [], "diff": [], "bytes": []}

@@ -85,10 +85,12 @@ def test_the_margin_record_measures_the_share_of_the_tolerance_used(tmp_path, mo
     assert share == pytest.approx(0.5, rel=1e-6)
     monkeypatch.setattr(tolerance, "_FOLDER", str(tmp_path))
     assert tolerance.within(3e-7, 1e-6) and not tolerance.within(2e-6, 1e-6)
+    # (the suite itself may be recording: this test's own approx comparisons land there too)
     rows = [json.loads(line) for f in tmp_path.glob("margins-*.jsonl")
             for line in f.read_text().splitlines()]  # fmt: skip
+    rows = [r for r in rows if r["kind"] == "within"]
     assert [r["share"] for r in rows] == pytest.approx([0.3, 2.0])
     assert {r["site"].split(":")[0] for r in rows} == {"tests/test_tolerance.py"}
     sites = margins.read([str(tmp_path)])
-    (site,) = sites.values()
-    assert site["shares"] == pytest.approx([0.3, 2.0]) and site["kind"] == "within"
+    (site,) = [s for s in sites.values() if s["kind"] == "within"]
+    assert site["shares"] == pytest.approx([0.3, 2.0])

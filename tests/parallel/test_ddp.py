@@ -14,12 +14,9 @@ import sys
 
 import pytest
 import torch
-from ddp_worker import OPTIONS
-from helpers import launch, two_ranks
+from helpers import launch, make_mlp, two_ranks
 from plain_ddp_worker import CASES as PLAIN_CASES
-from tolerance import within
-
-from lightning_slsam.methods.registry import method_spec
+from tolerance import BF16_CHANGES, BF16_UPDATE_GAP, update_gap, within
 
 #: The workers stay in tests/ (run by path), one folder above this file.
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,16 +87,25 @@ def _same_ranks(r0: dict, r1: dict) -> bool:
     return weights and masks and probs and r0["checksums"] == r1["checksums"]
 
 
+def _moved(run: dict) -> float:
+    """How far the run's weights went from the workers' starting MLP."""
+    start = dict(make_mlp(seed=5).named_parameters())
+    return max(
+        float((w - start[k.removeprefix("net.")]).abs().max()) for k, w in run["weights"].items()
+    )
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_keeps_ranks_identical_and_matches_one_process(runs, method):
     r0, r1 = runs(f"{method}_ddp_fork_2", 0), runs(f"{method}_ddp_fork_2", 1)
     assert _same_ranks(r0, r1)  # same masks and same weights on both processes, every step
+    assert _moved(r0) > 1e-2  # far beyond the tolerances below: the comparisons can fail
     if method not in PER_RANK_DATA:
         one = runs(f"{method}_ddp_fork_1")
         assert within(_max_diff(r0, one), 1e-5)
         assert all(torch.equal(a, b) for a, b in zip(r0["masks"], one["masks"], strict=True))
-        if r0["probs"] is not None:
-            torch.testing.assert_close(r0["probs"], one["probs"], rtol=0, atol=1e-8)
+        if r0["probs"] is not None:  # they follow the norms, summed in another order
+            torch.testing.assert_close(r0["probs"], one["probs"], rtol=0, atol=1e-7)
 
 
 @pytest.mark.parametrize("launcher", ["ddp", "ddp_spawn"])
@@ -176,7 +182,8 @@ def test_local_first_pass_sends_no_first_pass_gradients(runs):
     for method in ("sam", "slsam_paper"):
         r0, r1 = runs(f"{method}_ddp_fork_2_local", 0), runs(f"{method}_ddp_fork_2_local", 1)
         assert _same_ranks(r0, r1)  # each rank perturbed on its own, yet the weights agree
-        assert _max_diff(r0, runs(f"{method}_ddp_fork_2")) > 1e-4  # and differ from synced
+        # ... and differ from synced ones, beyond rounding (under 5e-7 in the runs above)
+        assert not within(_max_diff(r0, runs(f"{method}_ddp_fork_2")), 5e-6)
         layers = len(r0["numel"])
         for mask, sent in zip(r0["masks"], r0["bytes"], strict=True):
             numel, tensors = _active(r0, mask)
@@ -190,7 +197,7 @@ def test_accumulation_under_ddp_equals_the_one_process_large_batch(runs):
     assert r0["global_step"] == 3 and len(r0["masks"]) == 3  # one step per 2 micro-batches
     one = runs("slsam_paper_ddp_fork_1")  # 16 samples per step in one batch
     assert within(_max_diff(r0, one), 1e-5)
-    torch.testing.assert_close(r0["probs"], one["probs"], rtol=0, atol=1e-8)
+    torch.testing.assert_close(r0["probs"], one["probs"], rtol=0, atol=1e-7)
 
 
 @pytest.mark.parametrize("method", PRECISION_METHODS)
@@ -208,8 +215,10 @@ def test_fp16_overflow_under_ddp_skips_on_every_rank_and_backs_off(runs, method)
     assert one["scales"] == r0["scales"]
     if method not in PER_RANK_DATA:
         assert all(torch.equal(a, b) for a, b in zip(r0["masks"], one["masks"], strict=True))
-        # fp16 arithmetic on half batches vs whole ones (LookSAM's reuse amplifies it).
-        assert within(_max_diff(r0, one), 5e-3 if "looksam" in method else 1e-3)
+        # fp16 arithmetic on half batches vs whole ones: measured at most 4.5e-5; LookSAM's
+        # reuse scales the rounding of g_v by ||g|| / ||g_v|| (measured 2.0e-3; the runs
+        # moved 0.035-0.1).
+        assert within(_max_diff(r0, one), 2.5e-2 if "looksam" in method else 1e-3)
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
@@ -221,16 +230,11 @@ def test_every_method_in_bfloat16_under_ddp(runs, method, precision):
     assert _same_ranks(r0, r1)
     full = runs(f"{method}_ddp_fork_2")
     assert all(torch.equal(a, b) for a, b in zip(r0["masks"], full["masks"], strict=True))
-    # ESAM's choice of samples follows bfloat16 per-sample losses.
-    assert within(_max_diff(r0, full), 0.1 if method in PER_RANK_DATA else _bf16(method, precision))
-
-
-def _bf16(method: str, precision: str) -> float:
-    """The bfloat16 tolerance: 3e-2, times the update scaling's cap (3 in the default preset)
-    in bf16-true, whose weights hold each scaled update -- and its rounding -- in bfloat16
-    (measured: 0.060 for slsam, 0.020 with max_update_scale=1, as slsam_paper)."""
-    scale = method_spec(method, **OPTIONS.get(method, {})).update_scale
-    return 3e-2 * ((scale or 1.0) if precision == "bf16-true" else 1.0)
+    # The float32 run's update up to bfloat16's rounding of it (tests/tolerance.py).
+    if method not in BF16_CHANGES:
+        start = dict(make_mlp(seed=5).named_parameters())
+        gap = update_gap(r0["weights"], full["weights"], start)
+        assert within(gap, BF16_UPDATE_GAP[precision])
 
 
 def test_two_nodes_under_torchrun_match_one_process(runs, tmp_path):
@@ -296,10 +300,10 @@ def test_plain_loop_under_ddp_sends_only_the_active_layers(plain):
     assert len(set(sam["bytes"])) == 1 and max(slsam["bytes"]) <= sam["bytes"][0]
     assert sum(slsam["bytes"]) < 0.8 * sum(sam["bytes"])
     # Without the synced first pass only the update pass's gradients travel: fewer bytes,
-    # a different ascent, so not the one-process run.
+    # a different ascent, so not the one-process run (by more than rounding: 2e-6 above).
     local = plain[0]["local_first_pass"]
     assert all(a < b for a, b in zip(local["bytes"], slsam["bytes"], strict=True))
-    assert max(local["diff"]) > 1e-3
+    assert not within(max(local["diff"]), 1e-5)
 
 
 def test_plain_loop_esam_under_ddp_keeps_the_ranks_together(plain):

@@ -20,7 +20,7 @@ import pytest
 import torch
 from fabric_worker import CASES, FSDP2_METHODS, METHODS, RESUME_AT, make_fabric, train
 from helpers import make_mlp
-from tolerance import within
+from tolerance import BF16_CHANGES, BF16_UPDATE_GAP, update_gap, within
 
 #: The worker stays in tests/ (run by path), one folder above this file.
 WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -111,7 +111,8 @@ def test_fabric_ddp_equals_one_process(runs, method):
     assert _same_masks(r0, single) and r0["kinds"] == single["kinds"]
     assert torch.equal(r0["counts"], single["counts"])
     if r0["probs"] is not None:
-        torch.testing.assert_close(r0["probs"], single["probs"], rtol=0, atol=1e-8)
+        # the probabilities follow the norms, summed in another order
+        torch.testing.assert_close(r0["probs"], single["probs"], rtol=0, atol=1e-7)
 
 
 def test_only_active_layers_gradients_travel(runs):
@@ -141,9 +142,11 @@ def test_bfloat16_mixed_under_fabric_ddp(runs, method):
     full = runs(method)
     assert _same_ranks(r0, r1)
     assert _same_masks(r0, full)
-    # The DDP tests' bfloat16 tolerance (ESAM's choice follows bfloat16 per-sample losses).
+    # The DDP tests' bfloat16 comparison: float32's update up to bfloat16's rounding.
     assert _max_diff(r0, full) > 0
-    assert within(_max_diff(r0, full), 0.1 if method in PER_RANK_DATA else 3e-2)
+    if method not in BF16_CHANGES:
+        gap = update_gap(r0["weights"], full["weights"], dict(make_mlp(seed=5).named_parameters()))
+        assert within(gap, BF16_UPDATE_GAP["bf16-mixed"])
 
 
 @pytest.mark.parametrize("method", ["sam", "slsam_paper", "slsam"])
@@ -204,11 +207,10 @@ def test_fabric_fsdp2_training_features(runs, variant):
     assert r0["sharded"] and _same_ranks(r0, r1) and len(r0["masks"]) == 3
     plain = runs("fsdp2_slsam_paper")
     if variant == "fsdp2_slsam_paper_bf16":  # float32's layers, and its weights up to bfloat16
-        assert (
-            _same_masks(r0, plain)
-            and _max_diff(r0, plain) > 0
-            and within(_max_diff(r0, plain), 3e-2)
-        )
+        start = dict(make_mlp(seed=5).named_parameters())
+        gap = update_gap(r0["weights"], plain["weights"], start)
+        assert _same_masks(r0, plain) and _max_diff(r0, plain) > 0
+        assert within(gap, BF16_UPDATE_GAP["bf16-mixed"])
     elif variant == "fsdp2_slsam_paper_evaluated":  # the evaluations changed nothing
         assert _same_masks(r0, plain)
         assert all(torch.equal(r0["weights"][k], w) for k, w in plain["weights"].items())
