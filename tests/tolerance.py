@@ -197,14 +197,14 @@ def update_gap(weights: dict, reference: dict, start: dict) -> float:
     return float(gap / moved)
 
 
-#: bfloat16 runs against float32 ones (3 steps of the workers' MLP, linear_sgd): the
-#: update gap. bf16-mixed computes in bfloat16: measured at most 0.004. bf16-true also holds
-#: the weights in bfloat16 (8 bits), rounding every update: measured at most 0.072 (0.066
-#: with the default preset's update scaling); 0.75 is 10 times that, under the gap of 1
-#: that a lost or doubled update makes. Two methods change what they compute in bfloat16,
-#: and their weights are not held to these: LookSAM's reuse step scales bfloat16's
-#: rounding of g_v by ||g|| / ||g_v|| (gap 0.15-0.21), ESAM picks its samples by bfloat16
-#: per-sample losses (0.12-0.47).
+#: bfloat16 runs against float32 ones (3 steps of the tests' MLP, linear_sgd; under DDP and
+#: on one device): the update gap. bf16-mixed computes in bfloat16: measured at most
+#: 0.0044. bf16-true also holds the weights in bfloat16 (8 bits), rounding every update:
+#: measured at most 0.072 (0.066 with the default preset's update scaling); 0.75 is 10
+#: times that, under the gap of 1 that a lost or doubled update makes. Two methods change
+#: what they compute in bfloat16, and their weights are not held to these: LookSAM's reuse
+#: step scales bfloat16's rounding of g_v by ||g|| / ||g_v|| (gap 0.14-0.22), ESAM picks
+#: its samples by bfloat16 per-sample losses (0.12-0.47).
 BF16_UPDATE_GAP = {"bf16-mixed": 0.05, "bf16-true": 0.75}
 #: The methods whose weights bfloat16 changes beyond its rounding (above).
 BF16_CHANGES = ("looksam", "slsam_looksam", "esam")

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import LitModel, Snapshots, loader, make_data, make_mlp, trainer
+from helpers import LitModel, Snapshots, linear_sgd, loader, make_data, make_mlp, trainer
 from probes import fp16
+from tolerance import BF16_CHANGES, BF16_UPDATE_GAP, update_gap, within
 from torch import nn
 
 from lightning_slsam import SparseLayerSAM, make_callback
@@ -39,20 +40,20 @@ PRECISION_METHODS = [
 ]  # fmt: skip
 
 
-#: precision -> (parameter dtype, largest error relative to float32 training's movement,
-#: the same for ESAM and LookSAM). Measured: bf16-mixed 0.4%, bf16-true 2%, 16-mixed 0.05%.
-#: ESAM picks its sharpest samples from per-sample losses, which reorder in bfloat16;
-#: LookSAM's reused component is a small difference of nearly parallel gradients, which
-#: multiplies rounding about 25 times (float32 against float64 too: 8e-6 against 3e-7).
+#: precision -> (parameter dtype, the update gap allowed against float32 training -- how far
+#: the run ends from float32's, in units of float32's update (tests/tolerance.py) -- and
+#: LookSAM's). Measured, 3 steps: float64 2.5e-7, 16-mixed 5.6e-4, bf16-mixed 4.4e-3,
+#: bf16-true 1.6e-2. LookSAM's reused component is a small difference of nearly parallel
+#: gradients, which multiplies rounding about 25 times (float64 6.6e-6, 16-mixed 3.3e-2); in
+#: bfloat16 it and ESAM (whose sharpest samples reorder) compute something else, and their
+#: weights are not compared (tests/tolerance.py's BF16_CHANGES), their layers are.
 PRECISIONS = {
-    "64-true": (torch.float64, 1e-6, 1e-4),
-    "bf16-mixed": (torch.float32, 0.01, 0.5),
-    "bf16-true": (torch.bfloat16, 0.04, 0.5),
-    "16-mixed": (torch.float32, 0.002, 0.08),
+    "64-true": (torch.float64, 3e-6, 1e-4),
+    "bf16-mixed": (torch.float32, BF16_UPDATE_GAP["bf16-mixed"], None),
+    "bf16-true": (torch.bfloat16, BF16_UPDATE_GAP["bf16-true"], None),
+    "16-mixed": (torch.float32, 1e-2, 0.5),
 }
-
-
-SENSITIVE = {"esam", "looksam", "slsam_looksam"}
+LOOKSAM = {"looksam", "slsam_looksam"}
 
 
 class PerSample(LitModel):
@@ -61,9 +62,9 @@ class PerSample(LitModel):
         return F.cross_entropy(self(x), y, reduction="none")  # ESAM ranks the samples
 
     def configure_optimizers(self):
-        # SGD: the update is proportional to the gradient, so the comparison measures the
+        # SGD: the update is linear in the gradient, so the comparison measures the
         # precision's arithmetic (Adam's first steps would turn tiny gradients into +-lr).
-        return torch.optim.SGD(self.parameters(), lr=0.5)
+        return linear_sgd(self.parameters(), lr=0.5)
 
 
 def _fit_in(method: str, precision: str) -> tuple[Snapshots, nn.Module]:
@@ -85,7 +86,7 @@ def float32_runs():
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_every_method_trains_in_every_precision_on_one_device(float32_runs, precision):
-    dtype, tolerance, sensitive = PRECISIONS[precision]
+    dtype, tolerance, looksam = PRECISIONS[precision]
     for method in PRECISION_METHODS:
         got, model = _fit_in(method, precision)
         ref = float32_runs[method]
@@ -95,9 +96,7 @@ def test_every_method_trains_in_every_precision_on_one_device(float32_runs, prec
         ), method  # fmt: skip
         # The same layers drawn as in float32, and the same weights up to the arithmetic.
         assert [m.tolist() for m in got.masks] == [m.tolist() for m in ref.masks], method
-        # Relative to how far float32 training moved the weights (L2 over all of them).
-        final, start = ref.after[-1], ref.before
-        error = sum((got.after[-1][k].double() - final[k].double()).square().sum() for k in final)
-        moved = sum((final[k].double() - start[k].double()).square().sum() for k in final)
-        limit = sensitive if method in SENSITIVE else tolerance
-        assert float((error / moved).sqrt()) < limit, method
+        if precision.startswith("bf16") and method in BF16_CHANGES:
+            continue
+        gap = update_gap(got.after[-1], ref.after[-1], ref.before)
+        assert within(gap, looksam if method in LOOKSAM else tolerance), method
