@@ -3,7 +3,8 @@
 Add :class:`SAMMixin` to a LightningModule's bases and a method callback to the Trainer:
 :class:`SparseLayerSAM` (SL-SAM), or any method of the SL-SAM paper's comparison
 (:class:`SAM`, :class:`RandomSLSAM`, :class:`TopSLSAM`, :class:`S2SAM`, :class:`SLS2SAM`,
-:class:`RST`, :class:`ESAM`, :class:`SSAMF`, :class:`LookSAM`) and the combinations beyond it
+:class:`RST`, :class:`ESAM`, :class:`SSAMF`, :class:`LookSAM`), Momentum-SAM
+(:class:`MomentumSAM`, SAM at one gradient per step) and the combinations beyond it
 (:class:`SLSAMRST`, :class:`SLSAMLookSAM`, :class:`CostAwareSLSAM`); :func:`make_callback`
 by name. In a Lightning Fabric loop, :class:`FabricSAM` runs any of them over the model and
 optimizer that ``fabric.setup`` returned; in a plain PyTorch loop, :func:`make_engine`.
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
         SSAMF,
         CostAwareSLSAM,
         LookSAM,
+        MomentumSAM,
         RandomSLSAM,
         SLSAMLookSAM,
         SparseLayerSAM,
@@ -96,6 +98,7 @@ __all__ = [
     "LayerSubsetSpec",
     "LookSAM",
     "MethodSpec",
+    "MomentumSAM",
     "RandomSLSAM",
     "SAMCallback",
     "SAMMixin",

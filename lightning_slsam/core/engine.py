@@ -172,14 +172,23 @@ class SparseSAMEngine:
         """Run one training step of the method with the training loop's ``loop``."""
         # FSDP2: a forward without backward (validation) may have left the root unsharded.
         self.shards.reshard()
-        if self.num_steps == 0 and self._module is not None:
-            self.freezer.check_owned(self._module)
+        if self.num_steps == 0:
+            if self._module is not None:
+                self.freezer.check_owned(self._module)
+            if self.method.check_optimizer is not None and loop.optimizer is not None:
+                self.method.check_optimizer(loop.optimizer)
         kind = self.method.kind(self.num_steps)
         if kind not in STEP_KINDS:
             raise ValueError(f"The method named step kind {kind!r}; the kinds are {STEP_KINDS}.")
-        # Single-step SAM's first step has no previous gradient: a plain step on every
-        # layer, not a draw (the selection neither draws nor learns).
-        drawn = not (kind == "single" and not self.last_grad)
+        # A single-step method's directions: the last step's gradients (S2-SAM), or the
+        # method's own (Momentum-SAM's, from the optimizer).
+        own = self.method.directions
+        directions = self.last_grad
+        if kind == "single" and own is not None:
+            directions = own(loop.optimizer, self.partition.flat_params)
+        # Without any (the first step), a plain step on every layer, not a draw (the
+        # selection neither draws nor learns).
+        drawn = not (kind == "single" and not directions)
         mask = self.selection.sample() if drawn else self.freezer.all.clone()
         inclusion = self.selection.inclusion() if drawn and self.update_scale else None
         if (self.check_masks or loop.check_draw) and loop.averager is not None:
@@ -205,7 +214,8 @@ class SparseSAMEngine:
             elif kind == "single":
                 single_step(
                     loop, result, self.freezer, perturbation=self.perturbation,
-                    last_grad=self.last_grad, shards=self.shards, commit=end,
+                    directions=directions, shards=self.shards, commit=end,
+                    keep=self.last_grad if own is None else None,
                 )  # fmt: skip
             else:
                 plain_step(
@@ -258,13 +268,16 @@ class SparseSAMEngine:
                 optimizer.step()
 
         if ddp is None:
-            return self.step(Loop(passes, zero_grad, optimizer_step))
+            return self.step(Loop(passes, zero_grad, optimizer_step, optimizer=optimizer))
         first = self._ddp is None or self._ddp[0] is not ddp
         if first:
             self._ddp = (ddp, ddp_averager(ddp, self._module))
         with ddp.no_sync():  # type: ignore[operator]
             averager = self._ddp[1]  # type: ignore[index]
-            return self.step(Loop(passes, zero_grad, optimizer_step, None, averager, first))
+            loop = Loop(
+                passes, zero_grad, optimizer_step, None, averager, first, optimizer=optimizer
+            )
+            return self.step(loop)
 
     # -- counters -----------------------------------------------------------------------
     def reset_counters(self, num_layers: int) -> None:

@@ -7,8 +7,9 @@ Three kinds of step make every method of the plugin:
   exact restore, the update with that second gradient;
 * :func:`plain_step` -- one pass and the update (RST's plain steps; LookSAM's steps in
   between, which add a stored component to the gradient);
-* :func:`single_step` -- single-step SAM (S2-SAM): one pass at weights perturbed along each
-  layer's gradient from the last step it was trained in.
+* :func:`single_step` -- single-step SAM: one pass at weights perturbed along a direction
+  known before the step (S2-SAM: each layer's gradient from the last step it was trained
+  in; Momentum-SAM: against the optimizer's momentum).
 
 Each ends with ``commit`` (:func:`commit`, bound by the engine): one host transfer of the
 losses, a finiteness probe of each pass and the per-layer gradient norms, then the
@@ -85,6 +86,8 @@ class Loop:
             Hugging Face Trainer's: it clips, steps and schedules itself), takes the work
             due right after the optimizer's update (the update scaling) and runs it then;
             ``None``: ``optimizer_step`` made the update, and that work runs at once.
+        optimizer: the optimizer ``optimizer_step`` steps (a framework's wrapper of it is
+            fine), whose state a method may read: Momentum-SAM's momentum.
     """
 
     forward_backward: Passes
@@ -94,6 +97,7 @@ class Loop:
     averager: GradientAverager | None = None
     check_draw: bool = False
     after_update: Callable[[Callable[[], None]], None] | None = None
+    optimizer: Any = None
 
 
 @dataclass
@@ -156,7 +160,12 @@ class MethodParts:
       perturbed tensors, their first-pass gradients (kept when :attr:`keeps_first_grads`)
       and the second pass's tensors and gradients (LookSAM's store);
     * ``adjust_grads(params, grads, shards)`` -- on a ``"reuse"`` step, before the update
-      (LookSAM).
+      (LookSAM);
+    * ``directions(optimizer, params) -> {id(param): direction}`` -- a ``"single"`` step's
+      directions (Momentum-SAM: the optimizer's momentum); without it, the gradients of the
+      last step each tensor was trained in (S2-SAM);
+    * ``check_optimizer(optimizer)`` -- refuse an optimizer the method cannot use, before
+      the first step changes anything (Momentum-SAM: one without momentum).
 
     ``shards`` is the :mod:`~lightning_slsam.parallel.shards` seam (whole tensors, or FSDP2
     shards). A hook reports a warning through :attr:`warn` (the engine's builder sets it:
@@ -176,6 +185,8 @@ class MethodParts:
     ascent_masks: Callable[[list[Tensor], Whole], list[Tensor]] | None = None
     after_sam_step: Callable[..., None] | None = None
     adjust_grads: Callable[[list[Tensor], list[Tensor], Whole], None] | None = None
+    directions: Callable[[Any, list[Tensor]], dict[int, Tensor]] | None = None
+    check_optimizer: Callable[[Any], None] | None = None
     #: How a hook reports a warning.
     warn: Callable[[str], None] = warnings.warn
 
@@ -330,19 +341,21 @@ def single_step(
     layers: LayerFreezer,
     *,
     perturbation: SAMPerturbation,
-    last_grad: dict[int, Tensor],
+    directions: dict[int, Tensor],
     shards: Whole,
     commit: Commit,
+    keep: dict[int, Tensor] | None = None,
 ) -> None:
-    """Single-step SAM: one pass at weights perturbed along each active tensor's gradient
-    from the last step it was trained in (``last_grad``, by ``id`` of the tensor, updated
-    here once the step is committed). Without any, the step is a plain one."""
-    if not last_grad:
+    """Single-step SAM: one pass at weights perturbed along each active tensor's direction
+    (``directions``, by ``id`` of the tensor), restored exactly before the update. Without
+    any, the step is a plain one. ``keep`` (S2-SAM's store of the last gradients, by ``id``)
+    takes the step's gradients once it is committed."""
+    if not directions:
         result.kind = "plain"
     mask = result.active_mask
     active = layers.activate(mask)
-    pp = [p for p in active if id(p) in last_grad]
-    pg = [last_grad[id(p)] for p in pp]
+    pp = [p for p in active if id(p) in directions]
+    pg = [directions[id(p)] for p in pp]
     device = pp[0].device if pp else None
     # Stored as local shards (FSDP2): the params tell the layout.
     norms = shards.norms(pg, device, like=pp)
@@ -355,11 +368,11 @@ def single_step(
     finally:
         perturbation.restore_(pp, backup, shards)
     del backup
-    if commit([out.output.loss, out.norms.sum()], [], out.layer_norms, mask):
+    if commit([out.output.loss, out.norms.sum()], [], out.layer_norms, mask) and keep is not None:
         # The gradient tensors themselves (after the optimizer's unscaling/clipping):
         # zero_grad(set_to_none=True) detaches them from .grad, no copy is made.
         for param, grad in zip(out.params, shards.local(out.grads)):
-            last_grad[id(param)] = grad
+            keep[id(param)] = grad
 
 
 def commit(

@@ -174,7 +174,7 @@ class SAMTrainerMixin:
             passes, functools.partial(model.zero_grad, set_to_none=True),
             functools.partial(self._sam_optimizer_step, scaler=scaler),
             loss_scale_reader(scaler), averager, check_draw=first,
-            after_update=self._sam_after_update,
+            after_update=self._sam_after_update, optimizer=self.optimizer,
         )  # fmt: skip
         try:
             with ddp.no_sync() if ddp is not None else nullcontext():

@@ -26,6 +26,7 @@ name (``make_callback``)  class                       defaults
 ``slsam_looksam``         :class:`SLSAMLookSAM`       SL-SAM on LookSAM's interval
 ``slsam_depth``           :class:`CostAwareSLSAM`     depth 0.5 (beyond the paper)
 ``slsam_ablation``        :class:`SLSAMAblation`      each preset setting alone (results)
+``momentum_sam``          :class:`MomentumSAM`        rho 1 (against the momentum)
 ========================  ==========================  ====================================
 """
 
@@ -38,6 +39,7 @@ from lightning_slsam.lightning.callback import SAMCallback, callback_for
 from lightning_slsam.methods import (
     esam,
     looksam,
+    momentum_sam,
     random_slsam,
     rst,
     s2sam,
@@ -171,6 +173,25 @@ class S2SAM(SAM):
     """
 
     spec_class = s2sam.S2SAMSpec
+
+
+class MomentumSAM(SAM):
+    """Momentum-SAM (Becker, Altrock and Risse, 2024): one forward/backward per step at the
+    weights moved by ``rho`` against the optimizer's normalised momentum (AdamW's
+    ``exp_avg``, SGD's ``momentum_buffer``); the optimizer updates the true weights with
+    that gradient. One pass per step (Active Ratio 1.0x), the first step plain. The move
+    is undone before the update: validation and checkpoints see the true weights.
+
+    Example:
+        >>> MomentumSAM().rho, MomentumSAM(rho=3.0).rho
+        (1.0, 3.0)
+        >>> MomentumSAM(adaptive=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: MomentumSAM: `adaptive` and `perturbation_norm` shape SAM's ascent ...
+    """
+
+    spec_class = momentum_sam.MomentumSAMSpec
 
 
 class SLS2SAM(SparseLayerSAM):
@@ -407,5 +428,5 @@ __all__ = [  # the method classes: the ones declared above
     "make_callbacks",
     *(cls.__name__ for cls in (SAM, SparseLayerSAM, RandomSLSAM, TopSLSAM, S2SAM, SLS2SAM)),
     *(cls.__name__ for cls in (RST, LookSAM, ESAM, SSAMF, SLSAMRST, SLSAMLookSAM)),
-    *(cls.__name__ for cls in (CostAwareSLSAM, SLSAMAblation)),
+    *(cls.__name__ for cls in (CostAwareSLSAM, SLSAMAblation, MomentumSAM)),
 ]

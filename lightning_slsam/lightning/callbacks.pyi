@@ -127,6 +127,27 @@ class S2SAM(SAM):
         plot: bool = True,
     ) -> None: ...
 
+class MomentumSAM(SAM):
+    def __init__(
+        self,
+        *,
+        rho: float = 1.0,
+        adaptive: bool = False,
+        perturbation_norm: str = "global",
+        layers: LayerSpec = "tensor",
+        always_active: Sequence[str] = (),
+        always_frozen: Sequence[str] = (),
+        seed: int | None = None,
+        bn_stats: str = "first",
+        replay_dropout: bool = False,
+        sync_first_pass: bool = True,
+        check_masks: bool = False,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+        accumulate_grad_batches: int = 1,
+        plot: bool = True,
+    ) -> None: ...
+
 class SLS2SAM(SparseLayerSAM):
     def __init__(
         self,
@@ -365,6 +386,7 @@ __all__ = [
     "SSAMF",
     "CostAwareSLSAM",
     "LookSAM",
+    "MomentumSAM",
     "RandomSLSAM",
     "SLSAMAblation",
     "SLSAMLookSAM",

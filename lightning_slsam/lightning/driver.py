@@ -160,7 +160,7 @@ class StepDriver:
             error=MisconfigurationException,
         )  # fmt: skip
         loop = Loop(self._passes, self._zero_grad, self._optimizer_step, self.grad_scale,
-                    self.averager)  # fmt: skip
+                    self.averager, optimizer=self.optimizer)  # fmt: skip
         trainer = self.trainer
         try:
             # Under DDP the engine averages the active layers' gradients itself.

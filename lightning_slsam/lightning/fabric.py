@@ -260,6 +260,7 @@ class FabricSAM:
             passes, self._zero_grad, lambda skip: self._optimizer_step(skip, scaler),
             loss_scale_reader(scaler), self.averager,
             check_draw=self.averager is not None and not self._checked_draw,
+            optimizer=self.optimizer,
         )  # fmt: skip
         self._checked_draw = True
         with self.fabric.no_backward_sync(self.model) if self.ddp else nullcontext():

@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_slsam.methods.esam import ESAMSpec
 from lightning_slsam.methods.looksam import LookSAMSpec
+from lightning_slsam.methods.momentum_sam import MomentumSAMSpec
 from lightning_slsam.methods.random_slsam import RandomSLSAMSpec
 from lightning_slsam.methods.rst import RSTSpec
 from lightning_slsam.methods.s2sam import S2SAMSpec
@@ -112,6 +113,7 @@ SPECS: dict[str, tuple[type[MethodSpec] | None, dict[str, Any]]] = {
     "slsam_looksam": (SLSAMLookSAMSpec, {}),
     "slsam_depth": (CostAwareSLSAMSpec, {}),
     "slsam_ablation": (SLSAMAblationSpec, {}),
+    "momentum_sam": (MomentumSAMSpec, {}),
 }
 
 #: Names of earlier versions and what each is now.

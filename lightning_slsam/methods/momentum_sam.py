@@ -1,0 +1,145 @@
+"""Momentum-SAM (Becker, Altrock and Risse, 2024, "Momentum-SAM: Sharpness Aware
+Minimization without Computational Overhead"): SAM's second gradient at the price of one.
+
+Each step computes the gradient once, at the weights moved *against* the optimizer's
+momentum, ``w - rho * m / ||m||`` (one norm over every tensor, as the authors' code), and
+the optimizer updates the true weights with it. ``m`` is what the optimizer keeps: AdamW's
+first moment ``exp_avg`` (neither bias-corrected nor divided by the second moment: the
+normalisation makes both irrelevant), SGD's ``momentum_buffer``. One pass per step (Active
+Ratio 1.0x); the first step, with no momentum yet, is a plain step.
+
+The authors' optimizers keep the weights at the moved point between steps and move back
+for evaluation; here the move is undone, bit for bit, before the update, as SAM's ascent
+is: validation, checkpoints and a resumed run see the true weights. The gradient and the
+update are the authors' (``adamW_msam.py``, ``msam.py``), but for weight decay: their
+AdamW decays after the Adam step and their SGD on the moved weights, where the base
+optimizer here does as it always does (torch's AdamW decays before the step).
+
+Radius: their code runs ``rho = 3`` on CIFAR and ViTs (``rho = 1`` is their AdamW default),
+where SAM runs 0.05-0.2: the default here is 1.
+
+>>> import torch
+>>> net = torch.nn.Linear(4, 2)
+>>> engine = MomentumSAMSpec().build_engine(net, seed=0)
+>>> opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+>>> x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+>>> loss = lambda: torch.nn.functional.cross_entropy(net(x), y)
+>>> [engine.train_step(loss, opt).kind for _ in range(3)]  # no momentum before the first
+['plain', 'single', 'single']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from lightning_slsam.core.perturbation import SAMPerturbation
+from lightning_slsam.core.step import MethodParts
+from lightning_slsam.methods.options import number
+from lightning_slsam.methods.spec import MethodSpec, option
+
+__all__ = ["MOMENTUM_KEYS", "MomentumParts", "MomentumSAMSpec", "base_optimizer",
+           "check_momentum"]  # fmt: skip
+
+#: The optimizer state entries that hold a momentum: Adam's family (AdamW, Adam, NAdam,
+#: Adamax, Lion-style optimizers), SGD with ``momentum > 0``.
+MOMENTUM_KEYS = ("exp_avg", "momentum_buffer")
+_FIX = (
+    "MomentumSAM moves the weights against the optimizer's momentum, so it needs an "
+    "optimizer that keeps one: AdamW or Adam (their exp_avg), or SGD with momentum > 0"
+)
+
+
+def base_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer under a framework's wrapper (Lightning's ``LightningOptimizer``,
+    Fabric's and accelerate's wrappers), or ``optimizer`` itself."""
+    for _ in range(4):
+        inner = getattr(optimizer, "_optimizer", None) or getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer
+
+
+def check_momentum(optimizer: Any) -> None:
+    """Refuse, before any step, an optimizer that keeps no momentum (judged from its
+    defaults: ``betas`` for Adam's family, ``momentum > 0`` for SGD's)."""
+    base = base_optimizer(optimizer)
+    defaults = getattr(base, "defaults", None)
+    if defaults is None:
+        return  # not a torch optimizer: the first step with state tells
+    if "betas" in defaults or float(defaults.get("momentum", 0.0) or 0.0) > 0:
+        return
+    raise ValueError(f"{_FIX}; the training uses {type(base).__name__}({_describe(defaults)}).")
+
+
+def _describe(defaults: dict[str, Any]) -> str:
+    shown = {k: v for k, v in defaults.items() if k in ("lr", "momentum")}
+    return ", ".join(f"{k}={v}" for k, v in shown.items())
+
+
+class MomentumParts(MethodParts):
+    """Every step a single-step step along minus the optimizer's momentum."""
+
+    def kind(self, step: int) -> str:
+        return "single"
+
+    @staticmethod
+    def check_optimizer(optimizer: Any) -> None:  # type: ignore[override]
+        check_momentum(optimizer)
+
+    def directions(self, optimizer: Any, params: list[Tensor]) -> dict[int, Tensor]:  # type: ignore[override]
+        """Each tensor's momentum, by ``id`` (the optimizer's own tensor: nothing copied);
+        empty before the optimizer's first step."""
+        if optimizer is None:
+            raise ValueError(
+                "MomentumSAM reads the optimizer's momentum, but this training loop does not"
+                " hand the step its optimizer (Loop.optimizer)."
+            )
+        base = base_optimizer(optimizer)
+        state = base.state
+        found: dict[int, Tensor] = {}
+        for p in params:
+            entry = state.get(p)
+            if not entry:
+                continue
+            buffer = next((entry[k] for k in MOMENTUM_KEYS if entry.get(k) is not None), None)
+            if buffer is None:
+                raise ValueError(f"{_FIX}; {type(base).__name__}'s state holds {sorted(entry)}.")
+            found[id(p)] = buffer
+        return found
+
+
+@dataclass(kw_only=True, eq=False)
+class MomentumSAMSpec(MethodSpec):
+    """Momentum-SAM: one pass per step, at the weights moved by ``rho`` against the
+    optimizer's normalised momentum.
+
+    Args:
+        rho: the distance moved against the momentum (> 0; default 1, the authors' AdamW
+            default; their runs use 3 where SAM uses 0.05-0.2).
+    """
+
+    name: ClassVar[str] = "momentum_sam"
+    label: ClassVar[str] = "MomentumSAM"
+
+    rho: float = option(1.0, number(0, low_open=True, note=" (the distance against the momentum)"))
+
+    def check_combined(self) -> None:
+        if self.adaptive or self.perturbation_norm != "global":
+            raise ValueError(
+                "`adaptive` and `perturbation_norm` shape SAM's ascent along a gradient;"
+                " Momentum-SAM moves along the momentum with one norm over every tensor, as"
+                " its authors' code: leave them at their defaults."
+            )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # Against the momentum: the same move as SAM's ascent, with the opposite sign.
+        self.perturbation = SAMPerturbation(-self.rho, norm="global")
+
+    def parts(self, generator: torch.Generator) -> MethodParts:
+        return MomentumParts()
