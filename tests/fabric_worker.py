@@ -44,6 +44,7 @@ STEPS = 3
 METHODS = [
     "sam", "slsam_paper", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
     "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_depth", "slsam", "slsam_ablation",
+    "momentum_sam",
 ]  # fmt: skip
 #: Under FSDP2 (ModelParallelStrategy, fully_shard in parallelize_fn).
 FSDP2_METHODS = ["sam", "slsam_paper", "slsam", "esam"]

@@ -40,6 +40,7 @@ CASES = {
     "random_slsam": ("random_slsam", {"layer_ratio": 0.5}),
     "top_slsam": ("top_slsam", {"layer_ratio": 0.5}),
     "s2sam": ("s2sam", {}),
+    "momentum_sam": ("momentum_sam", {}),
     "sl_s2sam": ("sl_s2sam", {"layer_ratio": 0.5}),
     "rst": ("rst", {}),
     "looksam": ("looksam", {"interval": 2}),

@@ -16,6 +16,7 @@ from lightning_slsam import (
     SSAMF,
     CostAwareSLSAM,
     LookSAM,
+    MomentumSAM,
     RandomSLSAM,
     SLSAMLookSAM,
     SparseLayerSAM,
@@ -31,11 +32,12 @@ def test_registry_builds_every_method_with_its_paper_defaults():
         "random_slsam": RandomSLSAM, "top_slsam": TopSLSAM, "s2sam": S2SAM, "sl_s2sam": SLS2SAM,
         "rst": RST, "esam": ESAM, "ssamf": SSAMF, "looksam": LookSAM, "slsam_rst": SLSAMRST,
         "slsam_looksam": SLSAMLookSAM, "slsam_depth": CostAwareSLSAM,
-        "slsam_ablation": SLSAMAblation,
+        "slsam_ablation": SLSAMAblation, "momentum_sam": MomentumSAM,
     }  # fmt: skip
     for name, cls in expected.items():
         cb = make_callback(name)
-        assert type(cb) is cls and cb.rho == 0.01
+        # the paper's radius; Momentum-SAM's moves along the momentum: its authors' default
+        assert type(cb) is cls and cb.rho == (1.0 if name == "momentum_sam" else 0.01)
     with pytest.raises(ValueError, match="needs no callback"):
         make_callback("adamw")
     assert make_callback("SL-SAM".replace("SL-SAM", "slsam")).layer_ratio == 0.2

@@ -17,6 +17,7 @@ from lightning_slsam import FabricSAM, make_callback
 METHODS = [
     "sam", "slsam_paper", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
     "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_depth", "slsam", "slsam_ablation",
+    "momentum_sam",
 ]  # fmt: skip
 STEPS = 4
 BATCH = 16

@@ -37,6 +37,7 @@ def test_precisions_keep_the_contract(precision):
 PRECISION_METHODS = [
     "sam", "slsam_paper", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
     "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_depth", "slsam_ablation", "slsam",
+    "momentum_sam",
 ]  # fmt: skip
 
 
@@ -63,7 +64,8 @@ class PerSample(LitModel):
 
     def configure_optimizers(self):
         # SGD: the update is linear in the gradient, so the comparison measures the
-        # precision's arithmetic (Adam's first steps would turn tiny gradients into +-lr).
+        # precision's arithmetic (Adam's first steps would turn tiny gradients into +-lr);
+        # with momentum, which Momentum-SAM moves along.
         return linear_sgd(self.parameters(), lr=0.5)
 
 

@@ -102,6 +102,7 @@ def test_a_method_that_renames_a_common_option_names_its_own():
 OWN_OPTIONS = {
     "SAM": set(),
     "S2SAM": set(),
+    "MomentumSAM": set(),
     "RST": {"probability"},
     "LookSAM": {"interval", "alpha"},
     "ESAM": {"weight_ratio", "data_ratio"},
