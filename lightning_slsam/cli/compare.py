@@ -62,13 +62,20 @@ class RunRecorder(Callback):
         path: the JSON file to write.
         monitor: the validation metric to track (default ``"val_acc"``).
         mode: ``"max"`` (default) or ``"min"``: which value of ``monitor`` is best.
+        report: a held-out metric recorded beside ``monitor`` at every validation (e.g.
+            ``"test_acc"`` on a data module's test split), reported at the evaluation where
+            ``monitor`` was best and at the last: chosen on validation, read on test.
+            ``None`` (default): none.
     """
 
-    def __init__(self, path: str, monitor: str = "val_acc", mode: str = "max") -> None:
+    def __init__(
+        self, path: str, monitor: str = "val_acc", mode: str = "max", report: str | None = None
+    ) -> None:
         if mode not in ("max", "min"):
             raise ValueError(f"`mode` must be 'max' or 'min', got {mode!r}.")
-        self.path, self.monitor, self.mode = path, monitor, mode
+        self.path, self.monitor, self.mode, self.report = path, monitor, mode, report
         self.values: list[float] = []
+        self.reported: list[float] = []
         self.epoch_times: list[float] = []
         self.entropy: list[float] = []
         self.floor: list[float] = []
@@ -100,12 +107,22 @@ class RunRecorder(Callback):
         value = trainer.callback_metrics.get(self.monitor)
         if value is not None and not trainer.sanity_checking:
             self.values.append(float(value))
+            if self.report is not None:
+                held = trainer.callback_metrics.get(self.report)
+                if held is None:
+                    raise RuntimeError(
+                        f"RunRecorder(report={self.report!r}): the validation logged no"
+                        f" {self.report!r} (logged: {sorted(trainer.callback_metrics)}); give"
+                        " the data module a test split (test_fraction > 0)."
+                    )
+                self.reported.append(float(held))
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
         sam = find_sam_callback(trainer)
         best = (max if self.mode == "max" else min)(self.values) if self.values else None
+        at = self.values.index(best) if self.values else None  # the first best evaluation
         if torch.cuda.is_available():
             memory = torch.cuda.max_memory_allocated() / 2**20
         else:
@@ -125,6 +142,13 @@ class RunRecorder(Callback):
             "entropy": self.entropy,
             "floor_layers": self.floor,
         }
+        if self.report is not None:
+            record.update({
+                "report": self.report,
+                "reported": self.reported,
+                "report_at_best": self.reported[at] if at is not None else None,
+                "report_final": self.reported[-1] if self.reported else None,
+            })  # fmt: skip
         if sam is not None and sam.engine is not None:
             engine = sam.engine
             record["spearman_frequency_norm"] = rank_correlation(
@@ -269,6 +293,7 @@ def _method_config(
     options: dict[str, Any],
     base: str | None = None,
     task: TaskCallbacks | None = None,
+    report: str | None = None,
 ) -> dict[str, Any]:
     """The config of one run of ``method`` (a label of ``base`` when given): the task
     config's callbacks but a SAM one, the method's SAM callback (see :func:`sam_callback`),
@@ -280,6 +305,8 @@ def _method_config(
     if sam is not None:
         callbacks.insert(task.index, sam)
     recorder = {"path": os.path.join(run_dir, "run.json"), "monitor": monitor, "mode": mode}
+    if report is not None:
+        recorder["report"] = report
     callbacks.append({"class_path": f"{__name__}.RunRecorder", "init_args": recorder})
     return {
         "seed_everything": seed,
@@ -366,6 +393,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         " (default: %(default)s)",
     )
     parser.add_argument(
+        "--report",
+        default=None,
+        help="a held-out metric to record beside --monitor, read at the evaluation where"
+        " --monitor was best and at the last (e.g. test_acc, with a data module's"
+        " test_fraction > 0): choose on validation, report on test",
+    )
+    parser.add_argument(
         "--out",
         default="runs/compare",
         help="folder for the runs, the table and the plots (default: %(default)s)",
@@ -417,7 +451,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started, trained = time.perf_counter(), 0
     for index, (seed, method) in enumerate(runs, 1):
         config = _method_config(method, seed, args.out, args.monitor, args.mode,
-                                options.get(method, {}), variants.get(method), task)  # fmt: skip
+                                options.get(method, {}), variants.get(method), task,
+                                args.report)  # fmt: skip
         config_path = os.path.join(args.out, "configs", f"{method}_seed{seed}.yaml")
         run_json = config["trainer"]["callbacks"][-1]["init_args"]["path"]
         # The task and the extra arguments, as a comment: --resume reuses a run only if

@@ -54,6 +54,13 @@ def summarize(records: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, A
             "final_entropy": statistics.mean(entropy) if entropy else None,
             "final_floor": statistics.mean(floor) if floor else None,
         }
+        reported = [r for r in runs if r.get("report")]
+        if reported:  # a held-out metric read where the monitored one was best, and last
+            at_best = [r["report_at_best"] for r in reported if r["report_at_best"] is not None]
+            last = [r["report_final"] for r in reported if r["report_final"] is not None]
+            rows[method]["report"] = reported[0]["report"]
+            rows[method]["report_at_best"] = _stats(at_best) if at_best else (None, None)
+            rows[method]["report_final"] = _stats(last) if last else (None, None)
     base = rows.get("sam") or rows.get("adasam")  # the label of SAM's rows before 0.3
     for row in rows.values():
         for key in ("epoch_time_s", "peak_memory_mb"):
@@ -99,6 +106,20 @@ def render(rows: dict[str, dict[str, Any]], monitor: str, task: str) -> str:
             f" | {num(row.get('spearman'), '.2f')} | {num(row.get('final_entropy'), '.3f')}"
             f" | {num(floor, '.0f')} |"
         )
+    held = [(m, r) for m, r in rows.items() if r.get("report")]
+    if held:
+        name = held[0][1]["report"]
+        lines += [
+            "",
+            f"`{name}` at the evaluation where `{monitor}` was best (chosen on validation,"
+            " read on the held-out split) and at the last, mean ± std over seeds.",
+            "",
+            f"| method | seeds | {name} at the best {monitor} | final {name} |",
+            "|---|---:|---:|---:|",
+        ]
+        for method, row in held:
+            at_best, last = mean_std(*row["report_at_best"]), mean_std(*row["report_final"])
+            lines.append(f"| {method} | {row['seeds']} | {at_best} | {last} |")
     return "\n".join(lines) + "\n"
 
 

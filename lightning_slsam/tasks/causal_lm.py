@@ -215,8 +215,8 @@ class RottenTomatoesLMDataModule(RottenTomatoesDataModule):
     ) -> None:
         check_choice("language", language, LANGUAGES)
         super().__init__(
-            None, batch_size, max_length, val_fraction, num_train, num_val, seed, csv_path,
-            num_workers, group_by_length,
+            None, batch_size, max_length, val_fraction, num_train, num_val, seed=seed,
+            csv_path=csv_path, num_workers=num_workers, group_by_length=group_by_length,
         )  # fmt: skip
         self.hparams.pop("tokenizer_name_or_path", None)
         self.language = language
@@ -225,7 +225,7 @@ class RottenTomatoesLMDataModule(RottenTomatoesDataModule):
         if self.train_dataset is not None:
             return  # tokenised already (setup runs once per stage)
         texts, _ = load_rotten_tomatoes(self.csv_path or default_csv_path())
-        train_idx, val_idx = self.split_indices(len(texts))
+        train_idx, val_idx, _ = self.split_indices(len(texts))
         tokenizer = _tokenizer(_glassllm_files(self.language)[1])
         self.collate_fn = CausalLMCollator(tokenizer.pad_token_id)  # type: ignore[assignment]
         bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id

