@@ -1,0 +1,143 @@
+"""The tasks' held-out splits and label noise (lightning_slsam.tasks.common): a test split
+beside validation, training labels replaced at a fixed rate by a generator of their own,
+the held-out labels untouched, every value checked at construction; the recorder reads the
+test metric where validation was best."""
+
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import pytest
+import torch
+import yaml
+
+from lightning_slsam.cli.command import main
+from lightning_slsam.cli.compare import RunRecorder
+from lightning_slsam.tasks.common import noisy_labels, split_rows
+from lightning_slsam.tasks.text import RottenTomatoesDataModule
+from lightning_slsam.tasks.vision import DigitsDataModule, MLPClassifier
+
+
+def test_a_test_split_leaves_the_validation_rows_where_they_were():
+    train0, val0, test0 = split_rows(1000, 3, 0.2, 0.0)
+    train, val, test = split_rows(1000, 3, 0.2, 0.15)
+    assert val == val0 and not test0 and len(test) == 150 and len(val) == 200
+    assert set(test) <= set(train0) and sorted(train + val + test) == list(range(1000))
+    assert split_rows(1000, 4, 0.2, 0.15) != (train, val, test)  # the seed moves it
+
+
+def test_label_noise_replaces_its_fraction_with_a_uniform_draw_of_its_own():
+    labels = torch.arange(10).repeat(500)  # 5000 labels, 10 classes
+    torch.manual_seed(1)
+    noisy = noisy_labels(labels, 0.4, 10, seed=0)
+    torch.manual_seed(2)  # the global seed moves nothing
+    assert torch.equal(noisy_labels(labels, 0.4, 10, seed=0), noisy)
+    assert not torch.equal(noisy_labels(labels, 0.4, 10, seed=1), noisy)
+    wrong = float((noisy != labels).float().mean())
+    # 2000 labels drawn again, 9 in 10 of them land elsewhere: 0.36 (binomial sd 0.004)
+    assert abs(wrong - 0.36) < 0.02
+    assert torch.equal(noisy_labels(labels, 0.0, 10, seed=0), labels)
+    counts = torch.bincount(noisy, minlength=10)
+    assert int(counts.min()) > 400  # the draw is uniform: every class keeps its share
+
+
+def test_digits_noise_reaches_the_training_labels_only():
+    from sklearn.datasets import load_digits
+
+    _, y = load_digits(return_X_y=True)
+    true = torch.tensor(y)
+    clean = DigitsDataModule(image_size=8, test_fraction=0.2)
+    noisy = DigitsDataModule(image_size=8, test_fraction=0.2, label_noise=0.4)
+    for dm in (clean, noisy):
+        dm.setup("fit")
+    train, val, test = split_rows(len(true), 0, 0.2, 0.2)
+    assert torch.equal(clean.train_set.tensors[1], true[train])
+    for dm in (clean, noisy):  # the held-out splits keep their true labels
+        assert torch.equal(dm.val_set.tensors[1], true[val])
+        assert torch.equal(dm.test_set.tensors[1], true[test])
+    wrong = float((noisy.train_set.tensors[1] != true[train]).float().mean())
+    assert 0.3 < wrong < 0.42  # 0.4 * 9/10, on 1,079 labels
+    val_loader, test_loader = noisy.val_dataloader()
+    assert len(test_loader.dataset) == len(test) == 359 and len(val_loader.dataset) == 359
+    plain = DigitsDataModule(image_size=8)
+    plain.setup("fit")
+    assert isinstance(plain.val_dataloader(), torch.utils.data.DataLoader)
+
+
+def test_rotten_tomatoes_noise_reaches_the_training_labels_only(tmp_path):
+    rows = [(f"sentence {i} {'good' if i % 2 else 'bad'}", i % 2, "rotten_tomatoes")
+            for i in range(200)]  # fmt: skip
+    csv = tmp_path / "rt.csv"
+    csv.write_text("text,label,source\n" + "".join(f"{t},{y},{s}\n" for t, y, s in rows))
+    kw = {"csv_path": str(csv), "val_fraction": 0.2, "test_fraction": 0.2, "batch_size": 8}
+    clean, noisy = RottenTomatoesDataModule(**kw), RottenTomatoesDataModule(**kw, label_noise=0.5)
+    for dm in (clean, noisy):
+        dm.setup("fit")
+    truth = {tuple(ex["input_ids"]): ex["labels"] for ex in clean.train_dataset}
+    flipped = sum(truth[tuple(ex["input_ids"])] != ex["labels"] for ex in noisy.train_dataset)
+    assert 0.15 < flipped / len(noisy.train_dataset) < 0.35  # 0.5 * 1/2, on 120 labels
+    for split in ("val_dataset", "test_dataset"):
+        assert getattr(clean, split) == getattr(noisy, split)
+    assert len(noisy.test_dataset) == 40 and len(noisy.val_dataloader()) == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"label_noise": 1.0}, "`label_noise` must be in [0, 1), got 1.0"),
+        ({"label_noise": -0.1}, "`label_noise` must be in [0, 1)"),
+        ({"label_noise": True}, "`label_noise` must be in [0, 1)"),
+        ({"test_fraction": -0.2}, "`test_fraction` must be in [0, 1)"),
+        ({"test_fraction": 0.9}, "`val_fraction` + `test_fraction` must be under 1"),
+    ],
+)
+def test_a_bad_value_is_refused_at_construction_naming_the_range(kwargs, words):
+    for build in (DigitsDataModule, RottenTomatoesDataModule):
+        with pytest.raises(ValueError) as err:
+            build(**kwargs)
+        assert words in str(err.value)
+
+
+def test_the_recorder_reads_the_test_metric_where_validation_was_best(tmp_path):
+    L.seed_everything(0)
+    path = tmp_path / "run.json"
+    recorder = RunRecorder(str(path), report="test_acc")
+    dm = DigitsDataModule(batch_size=64, image_size=8, test_fraction=0.2, label_noise=0.3)
+    trainer = L.Trainer(max_epochs=4, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, callbacks=[recorder])  # fmt: skip
+    trainer.fit(MLPClassifier(hidden=[64]), dm)
+    record = json.loads(path.read_text())
+    assert len(record["values"]) == len(record["reported"]) == 4
+    at = record["values"].index(record["best"])
+    assert record["report_at_best"] == record["reported"][at]
+    assert record["report_final"] == record["reported"][-1]
+    assert 0.5 < record["report_final"] <= 1 and record["reported"] != record["values"]
+    # Without a test split there is nothing to report: said at the first validation.
+    missing = RunRecorder(str(tmp_path / "no.json"), report="test_acc")
+    trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, callbacks=[missing])  # fmt: skip
+    with pytest.raises(RuntimeError, match="give the data module a test split"):
+        trainer.fit(MLPClassifier(hidden=[8]), DigitsDataModule(image_size=8))
+
+
+def test_the_saved_config_records_the_noise_and_the_split(tmp_path, capsys):
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "max_epochs": 1, "enable_progress_bar": False, "enable_checkpointing": False,
+            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                       "init_args": {"save_dir": str(tmp_path), "name": "noisy"}},
+        },
+        "model": {"class_path": "lightning_slsam.tasks.vision.MLPClassifier",
+                  "init_args": {"hidden": [16]}},
+        "data": {"class_path": "lightning_slsam.tasks.vision.DigitsDataModule",
+                 "init_args": {"image_size": 8}},
+    }  # fmt: skip
+    path = tmp_path / "noisy.yaml"
+    path.write_text(yaml.safe_dump(config))
+    main(["fit", "--config", str(path), "--data.label_noise=0.25", "--data.test_fraction=0.2"])
+    saved = yaml.safe_load((tmp_path / "noisy" / "version_0" / "config.yaml").read_text())
+    assert saved["data"]["init_args"]["label_noise"] == 0.25
+    assert saved["data"]["init_args"]["test_fraction"] == 0.2
+    assert "test_acc" in (tmp_path / "noisy" / "version_0" / "metrics.csv").read_text()
