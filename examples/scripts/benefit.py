@@ -1,0 +1,194 @@
+"""What SAM buys, measured: the share of SAM's gain over AdamW each method keeps.
+
+    python examples/scripts/benefit.py        # docs/results/benefit/share.{md,json}
+
+Each benefit task is a folder ``docs/results/benefit/<task>/`` of ``lightning-slsam compare
+--report test_acc`` outputs (their plans: ``examples/scripts/plans/cpu_benefit_*.txt``);
+every run's ``run.json`` sits beside the ``config.yaml`` that trained it, which says its
+learning rate, its method and its radius. Per task:
+
+1. **Chosen on validation.** AdamW's learning rate and SAM's radius are the values whose
+   best ``val_acc`` over the run, averaged over the seeds, is highest; every other row runs
+   at SAM's chosen radius unless its label says otherwise.
+2. **Read on test.** A run's accuracy is its ``test_acc`` at the evaluation where its
+   ``val_acc`` was best ("best epoch"), and its ``test_acc`` at the end of the run ("end").
+3. **SAM's gain** is SAM's mean minus AdamW's; it is real when it exceeds twice its
+   standard error (the two means' standard errors over seeds, in quadrature).
+4. **The share of SAM's gain kept** by a method is ``(method - AdamW) / (SAM - AdamW)``,
+   with a bootstrap interval: each row's seeds, AdamW's and SAM's resampled independently
+   (2,000 draws, the 2.5th and 97.5th percentiles).
+5. **Controls.** A row labelled ``<label>_rho0`` is a layer sampler at a radius of 1e-8:
+   its sparse updates alone. Its share beside the sampler's own says how much of the
+   sampler's gain its sampling gives and how much the perturbation adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import random
+import statistics
+from typing import Any
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OUT = os.path.join(ROOT, "docs", "results", "benefit")
+#: task folder -> its name in the tables
+TASKS = {"mlp_noisy": "MLP from scratch, digits, 40% label noise"}
+DRAWS = 2000
+#: the radius of the controls: sparse updates without a perturbation
+CONTROL_RHO = 1e-8
+
+
+def read_runs(folder: str) -> list[dict[str, Any]]:
+    """Every run of a task folder: its label, seed, learning rate, method, radius and
+    accuracies, from its ``run.json`` and the ``config.yaml`` beside it."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(folder, "**", "run.json"), recursive=True)):
+        here = os.path.dirname(path)
+        with open(path) as handle:
+            run = json.load(handle)
+        with open(os.path.join(here, "config.yaml")) as handle:
+            config = yaml.safe_load(handle)
+        sam = [c for c in config["trainer"].get("callbacks") or []
+               if c["class_path"].startswith("lightning_slsam.")
+               and not c["class_path"].endswith("RunRecorder")]  # fmt: skip
+        found.append({
+            "group": os.path.relpath(here, folder).split(os.sep)[0],
+            "label": os.path.basename(os.path.dirname(here)),
+            "seed": int(os.path.basename(here).removeprefix("seed")),
+            "lr": float(config["model"]["init_args"]["learning_rate"]),
+            "method": sam[0]["class_path"].rsplit(".", 1)[-1] if sam else "AdamW",
+            "rho": float(sam[0]["init_args"]["rho"]) if sam else None,
+            "best_val": run["best"],
+            "best_epoch": run["report_at_best"],
+            "end": run["report_final"],
+        })  # fmt: skip
+    return found
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error over seeds (0 for one seed)."""
+    mean = statistics.mean(values)
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+    return mean, se
+
+
+def choose(runs: list[dict[str, Any]], key: str) -> tuple[Any, dict[Any, float]]:
+    """The value of ``key`` (learning rate, radius) whose runs' best ``val_acc``, averaged
+    over seeds, is highest; and every value's average."""
+    by: dict[Any, list[float]] = {}
+    for run in runs:
+        by.setdefault(run[key], []).append(run["best_val"])
+    means = {value: statistics.mean(v) for value, v in by.items()}
+    return max(means, key=means.__getitem__), means
+
+
+def share(row: list[float], adamw: list[float], sam: list[float],
+          rng: random.Random) -> tuple[float, float, float]:  # fmt: skip
+    """The share of SAM's gain ``row`` keeps, and its bootstrap interval over seeds."""
+
+    def one(r: list[float], a: list[float], s: list[float]) -> float:
+        gain = statistics.mean(s) - statistics.mean(a)
+        return (statistics.mean(r) - statistics.mean(a)) / gain if gain else math.nan
+
+    draws = []
+    for _ in range(DRAWS):
+        value = one(*([rng.choice(x) for _ in x] for x in (row, adamw, sam)))
+        if math.isfinite(value):
+            draws.append(value)
+    draws.sort()
+    if not draws:
+        return one(row, adamw, sam), math.nan, math.nan
+    low, high = draws[int(0.025 * len(draws))], draws[int(0.975 * len(draws)) - 1]
+    return one(row, adamw, sam), low, high
+
+
+def task_table(runs: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
+    """The task's choices, SAM's gain and every row's share of it."""
+    rng = random.Random(seed)
+    adamw_runs = [r for r in runs if r["method"] == "AdamW"]
+    lr, lr_means = choose(adamw_runs, "lr")
+    sam_runs = [r for r in runs if r["method"] == "SAM" and r["lr"] == lr]
+    rho, rho_means = choose(sam_runs, "rho")
+    base = {"adamw": [r for r in adamw_runs if r["lr"] == lr],
+            "sam": [r for r in sam_runs if r["rho"] == rho]}  # fmt: skip
+    result: dict[str, Any] = {"lr": lr, "lr_val": lr_means, "rho": rho, "rho_val": rho_means}
+    for point in ("best_epoch", "end"):
+        a, s = ([r[point] for r in base[k]] for k in ("adamw", "sam"))
+        (ma, sa), (ms, ss) = mean_se(a), mean_se(s)
+        gain, se = ms - ma, math.hypot(sa, ss)
+        result[point] = {"adamw": (ma, sa, len(a)), "sam": (ms, ss, len(s)), "gain": gain,
+                         "gain_se": se, "real": gain > 2 * se}  # fmt: skip
+    rows: dict[str, Any] = {}
+    labels = sorted({r["label"] for r in runs if r["method"] not in ("AdamW",)})
+    for label in labels:
+        mine = [r for r in runs if r["label"] == label and r["lr"] == lr]
+        if not mine or (mine[0]["method"] == "SAM" and label != "sam"):
+            continue  # the radius sweep's other points
+        row: dict[str, Any] = {"method": mine[0]["method"], "rho": mine[0]["rho"],
+                               "seeds": len(mine)}  # fmt: skip
+        for point in ("best_epoch", "end"):
+            values = [r[point] for r in mine]
+            a, s = ([r[point] for r in base[k]] for k in ("adamw", "sam"))
+            row[point] = {"acc": mean_se(values), "share": share(values, a, s, rng)}
+        rows[label] = row
+    result["rows"] = rows
+    return result
+
+
+def render(tables: dict[str, dict[str, Any]]) -> str:
+    lines = ["# What SAM buys: the share of SAM's gain each method keeps", ""]
+    for task, t in tables.items():
+        lines += [f"## {TASKS.get(task, task)}", "",
+                  f"AdamW's learning rate chosen on validation: {t['lr']:g}; SAM's radius:"
+                  f" {t['rho']:g}.", ""]  # fmt: skip
+        for point, words in (("best_epoch", "at the best epoch"), ("end", "at the end")):
+            g = t[point]
+            verdict = "real" if g["real"] else "not above twice its standard error"
+            lines.append(
+                f"- SAM's gain {words}: {g['gain']:+.4f} ± {g['gain_se']:.4f} ({verdict});"
+                f" AdamW {g['adamw'][0]:.4f}, SAM {g['sam'][0]:.4f}."
+            )
+        lines += [
+            "",
+            "| row | method | rho | seeds | test acc, best epoch | share kept |"
+            " test acc, end | share kept |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for label, row in t["rows"].items():
+            cells = []
+            for point in ("best_epoch", "end"):
+                (m, se), (sh, lo, hi) = row[point]["acc"], row[point]["share"]
+                cells.append(f"{m:.4f} ± {se:.4f} | {sh:.2f} [{lo:.2f}, {hi:.2f}]")
+            lines.append(f"| {label} | {row['method']} | {row['rho']:g} | {row['seeds']} | "
+                         + " | ".join(cells) + " |")  # fmt: skip
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", default=OUT, help="the benefit tasks' folder")
+    args = parser.parse_args(argv)
+    tables = {}
+    for task in sorted(os.listdir(args.results)):
+        folder = os.path.join(args.results, task)
+        if os.path.isdir(folder) and glob.glob(os.path.join(folder, "**", "run.json"),
+                                               recursive=True):  # fmt: skip
+            tables[task] = task_table(read_runs(folder))
+    text = render(tables)
+    with open(os.path.join(args.results, "share.md"), "w") as handle:
+        handle.write(text)
+    with open(os.path.join(args.results, "share.json"), "w") as handle:
+        json.dump(tables, handle, indent=1, default=str)
+    print(text)
+    return tables
+
+
+if __name__ == "__main__":
+    main()
