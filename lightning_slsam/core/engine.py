@@ -185,7 +185,9 @@ class SparseSAMEngine:
         own = self.method.directions
         directions = self.last_grad
         if kind == "single" and own is not None:
-            directions = own(loop.optimizer, self.partition.flat_params)
+            found = own(loop.optimizer, self.partition.flat_params)
+            # as the step moves them: each process's own shards (FSDP2)
+            directions = dict(zip(found, self.shards.local(list(found.values()))))
         # Without any (the first step), a plain step on every layer, not a draw (the
         # selection neither draws nor learns).
         drawn = not (kind == "single" and not directions)
