@@ -125,18 +125,39 @@ def task_table(runs: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
         result[point] = {"adamw": (ma, sa, len(a)), "sam": (ms, ss, len(s)), "gain": gain,
                          "gain_se": se, "real": gain > 2 * se}  # fmt: skip
     rows: dict[str, Any] = {}
-    labels = sorted({r["label"] for r in runs if r["method"] not in ("AdamW",)})
-    for label in labels:
-        mine = [r for r in runs if r["label"] == label and r["lr"] == lr]
-        if not mine or (mine[0]["method"] == "SAM" and label != "sam"):
+    # One row per (label, radius): a method run at SAM's radius and at its own; of SAM's
+    # sweep only the chosen radius is a row.
+    keys = sorted({(r["label"], r["rho"]) for r in runs
+                   if r["method"] != "AdamW" and r["lr"] == lr},
+                  key=lambda k: (k[0] != "sam", k[0], k[1]))  # fmt: skip
+    for label, radius in keys:
+        mine = [r for r in runs if r["label"] == label and r["rho"] == radius and r["lr"] == lr]
+        if mine[0]["method"] == "SAM" and (label != "sam" or radius != rho):
             continue  # the radius sweep's other points
-        row: dict[str, Any] = {"method": mine[0]["method"], "rho": mine[0]["rho"],
-                               "seeds": len(mine)}  # fmt: skip
+        name = label if radius == rho or label.endswith("_rho0") else f"{label} (rho {radius:g})"
+        row: dict[str, Any] = {"method": mine[0]["method"], "rho": radius, "seeds": len(mine)}
         for point in ("best_epoch", "end"):
             values = [r[point] for r in mine]
             a, s = ([r[point] for r in base[k]] for k in ("adamw", "sam"))
             row[point] = {"acc": mean_se(values), "share": share(values, a, s, rng)}
-        rows[label] = row
+        rows[name] = row
+    # Controls: each sampler's share split into what its sampling alone keeps (its run at a
+    # radius near 0) and what the perturbation adds.
+    for name, row in rows.items():
+        control = rows.get(f"{name}_rho0")
+        if control is not None:
+            row["split"] = {point: (control[point]["share"][0],
+                                    row[point]["share"][0] - control[point]["share"][0])
+                            for point in ("best_epoch", "end")}  # fmt: skip
+    # The sweeps themselves, for the record: every learning rate and radius on val and test.
+    result["sweep"] = {
+        f"AdamW lr {value:g}" if key == "lr" else f"SAM rho {value:g}": {
+            point: mean_se([r[point] for r in group if r[key] == value])
+            for point in ("best_val", "best_epoch", "end")
+        }
+        for key, group in (("lr", adamw_runs), ("rho", sam_runs))
+        for value in sorted({r[key] for r in group})
+    }
     result["rows"] = rows
     return result
 
@@ -167,6 +188,21 @@ def render(tables: dict[str, dict[str, Any]]) -> str:
                 cells.append(f"{m:.4f} ± {se:.4f} | {sh:.2f} [{lo:.2f}, {hi:.2f}]")
             lines.append(f"| {label} | {row['method']} | {row['rho']:g} | {row['seeds']} | "
                          + " | ".join(cells) + " |")  # fmt: skip
+        split = {label: row["split"] for label, row in t["rows"].items() if "split" in row}
+        if split:
+            lines += ["", "Each layer sampler's share, split into what its sparse updates alone"
+                      " keep (the same sampler at rho 1e-8) and what the perturbation adds:", "",
+                      "| row | sampling alone, best epoch | perturbation adds | sampling alone,"
+                      " end | perturbation adds |", "|---|---:|---:|---:|---:|"]  # fmt: skip
+            for label, parts in split.items():
+                lines.append(f"| {label} | " + " | ".join(
+                    f"{a:.2f} | {b:+.2f}" for a, b in (parts["best_epoch"], parts["end"])) + " |")
+        lines += ["", "The sweeps (mean ± standard error over seeds):", "",
+                  "| run | best val acc | test acc, best epoch | test acc, end |",
+                  "|---|---:|---:|---:|"]  # fmt: skip
+        for name, cells in t["sweep"].items():
+            lines.append(f"| {name} | " + " | ".join(
+                f"{m:.4f} ± {se:.4f}" for m, se in cells.values()) + " |")
         lines.append("")
     return "\n".join(lines)
 

@@ -1,0 +1,82 @@
+"""The share-of-gain table (examples/scripts/benefit.py) on hand-made run records: the
+learning rate and the radius are chosen on validation however the test accuracies fall, the
+share is (method - AdamW) / (SAM - AdamW), a control splits a sampler's share, and SAM's
+gain is called real only above twice its standard error."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import pytest
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "examples", "scripts"))
+import benefit  # noqa: E402
+
+
+def write(folder, group, label, seed, *, lr, rho=None, cls="SAM", val, best, end):
+    here = os.path.join(folder, group, "runs", label, f"seed{seed}")
+    os.makedirs(here)
+    callbacks = [] if rho is None else [
+        {"class_path": f"lightning_slsam.{cls}", "init_args": {"rho": rho}}]
+    config = {"model": {"init_args": {"learning_rate": lr}},
+              "trainer": {"callbacks": callbacks}}
+    with open(os.path.join(here, "config.yaml"), "w") as handle:
+        yaml.safe_dump(config, handle)
+    with open(os.path.join(here, "run.json"), "w") as handle:
+        json.dump({"best": val, "report_at_best": best, "report_final": end}, handle)
+
+
+@pytest.fixture
+def task(tmp_path):
+    folder = str(tmp_path / "toy")
+    for seed, jitter in enumerate((-0.01, 0.0, 0.01)):
+        # lr 1e-3 wins on validation although lr 3e-3 has the better test accuracy
+        write(folder, "adamw_lr1e-3", "adamw", seed, lr=1e-3, val=0.90, best=0.80 + jitter,
+              end=0.70 + jitter)
+        write(folder, "adamw_lr3e-3", "adamw", seed, lr=3e-3, val=0.85, best=0.95, end=0.95)
+        # rho 0.3 wins on validation; rho 1 tests better and is not chosen
+        write(folder, "sam_rho0.3", "sam", seed, lr=1e-3, rho=0.3, val=0.95,
+              best=0.90 + jitter, end=0.80 + jitter)
+        write(folder, "sam_rho1", "sam", seed, lr=1e-3, rho=1.0, val=0.93, best=0.99, end=0.99)
+        write(folder, "methods", "slsam", seed, lr=1e-3, rho=0.3, cls="SparseLayerSAM",
+              val=0.94, best=0.85 + jitter, end=0.80 + jitter)
+        write(folder, "controls", "slsam_rho0", seed, lr=1e-3, rho=1e-8, cls="SparseLayerSAM",
+              val=0.91, best=0.82 + jitter, end=0.76 + jitter)
+    return folder
+
+
+def test_choices_are_made_on_validation_and_shares_read_on_test(task):
+    table = benefit.task_table(benefit.read_runs(task))
+    assert table["lr"] == 1e-3 and table["rho"] == 0.3
+    assert table["best_epoch"]["gain"] == pytest.approx(0.10)
+    assert table["best_epoch"]["real"]  # equal jitter: the difference's spread is tiny
+    rows = table["rows"]
+    assert set(rows) == {"sam", "slsam", "slsam_rho0"}  # rho 1 is the sweep's, not a row
+    assert rows["sam"]["best_epoch"]["share"][0] == pytest.approx(1.0)
+    assert rows["slsam"]["best_epoch"]["share"][0] == pytest.approx(0.5)
+    assert rows["slsam"]["end"]["share"][0] == pytest.approx(1.0)
+    low, high = rows["slsam"]["best_epoch"]["share"][1:]
+    assert low <= 0.5 <= high
+    alone, added = rows["slsam"]["split"]["best_epoch"]
+    assert alone == pytest.approx(0.2) and added == pytest.approx(0.3)
+    assert set(table["sweep"]) == {"AdamW lr 0.001", "AdamW lr 0.003", "SAM rho 0.3",
+                                   "SAM rho 1"}
+
+
+def test_a_gain_within_twice_its_standard_error_is_not_called_real(tmp_path):
+    folder = str(tmp_path / "flat")
+    for seed, (a, s) in enumerate(((0.80, 0.70), (0.70, 0.85), (0.75, 0.78))):
+        write(folder, "adamw", "adamw", seed, lr=1e-3, val=0.9, best=a, end=a)
+        write(folder, "sam", "sam", seed, lr=1e-3, rho=0.1, val=0.9, best=s, end=s)
+    table = benefit.task_table(benefit.read_runs(folder))
+    gain = table["end"]
+    assert gain["gain"] == pytest.approx(0.0267, abs=1e-3)
+    assert not gain["real"] and gain["gain_se"] > gain["gain"] / 2
+    text = benefit.render({"flat": table})
+    assert "not above twice its standard error" in text
+    assert not math.isnan(table["rows"]["sam"]["end"]["share"][0])
