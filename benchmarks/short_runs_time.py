@@ -16,8 +16,8 @@ so a slow spell of the machine slows all of them alike.
 
 The configurations are the comparison's, read from its script (one table for both), plus
 the baselines (AdamW without a callback, SAM, the paper's SL-SAM, Random-SL-SAM) and the
-other methods with their defaults (ESAM, RST, LookSAM, S2-SAM, SL-S2-SAM, cost-aware
-SL-SAM). Reported per
+other methods with their defaults (what ``SparseLayerSAM()`` runs, ESAM, RST, LookSAM,
+S2-SAM, SL-S2-SAM, cost-aware SL-SAM, SSAM-F, Momentum-SAM). Reported per
 configuration: the mean step time over the run (over whole periods of its step schedule,
 ``step_cost.summarize``, the rule of ``make bench`` too), its ratio to SAM's, and the active
 ratio.
@@ -56,13 +56,17 @@ TASKS = {
     "vision276": ("examples/configs/tasks/efficientnet_digits.yaml", 12),
     "text454": ("examples/configs/tasks/minilm_rotten_tomatoes.yaml", 2),
     "lm454": ("examples/configs/tasks/glassllm_rotten_tomatoes.yaml", 2),
+    # the label-noise benefit task (docs/results/benefit): an MLP from scratch, 60 epochs
+    "mlp_noisy": ("examples/configs/tasks/mlp_digits_noisy.yaml", 60),
 }
 #: label: (method, options), as the comparison script's baselines.
 BASELINES = {"adamw": ("adamw", {}), "sam": ("sam", {}), "slsam_paper": ("slsam_paper", {}),
              "random_slsam": ("random_slsam", {})}  # fmt: skip
 #: the other methods with their defaults, as docs/results/choosing compares them
 METHODS = {
-    name: (name, {}) for name in ("esam", "rst", "looksam", "s2sam", "sl_s2sam", "slsam_depth")
+    name: (name, {})
+    for name in ("slsam", "esam", "rst", "looksam", "s2sam", "sl_s2sam", "slsam_depth", "ssamf",
+                 "momentum_sam")  # fmt: skip
 }
 TIME_GOAL = 0.70
 
@@ -139,7 +143,8 @@ def make_step(method: str, options: dict[str, Any], module, loss, lr) -> Callabl
     engine = make_engine(method, module, seed=0, **options)
 
     def step(batch):
-        engine.train_step(lambda index=None: loss(module, batch, index), opt)
+        size = len(batch["labels"]) if isinstance(batch, dict) else len(batch[1])
+        engine.train_step(lambda index=None: loss(module, batch, index), opt, batch_size=size)
 
     step.engine = engine  # type: ignore[attr-defined]
     return step
