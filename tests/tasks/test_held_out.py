@@ -6,6 +6,7 @@ test metric where validation was best."""
 from __future__ import annotations
 
 import json
+import os
 
 import lightning as L
 import pytest
@@ -17,6 +18,8 @@ from lightning_slsam.cli.compare import RunRecorder
 from lightning_slsam.tasks.common import noisy_labels, split_rows
 from lightning_slsam.tasks.text import RottenTomatoesDataModule
 from lightning_slsam.tasks.vision import DigitsDataModule, MLPClassifier
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_a_test_split_leaves_the_validation_rows_where_they_were():
@@ -141,3 +144,14 @@ def test_the_saved_config_records_the_noise_and_the_split(tmp_path, capsys):
     assert saved["data"]["init_args"]["label_noise"] == 0.25
     assert saved["data"]["init_args"]["test_fraction"] == 0.2
     assert "test_acc" in (tmp_path / "noisy" / "version_0" / "metrics.csv").read_text()
+
+
+@pytest.mark.parametrize("name", ["mlp_digits_noisy", "efficientnet_digits_noisy"])
+def test_the_benefit_task_configs_parse_with_their_noise_and_test_split(name, capsys):
+    path = os.path.join(ROOT, "examples", "configs", "tasks", f"{name}.yaml")
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", "--config", path, "--print_config"])
+    assert stop.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["data"]["init_args"]["label_noise"] == 0.4
+    assert printed["data"]["init_args"]["test_fraction"] == 0.2
