@@ -1,6 +1,6 @@
 """What SAM buys, measured: the share of SAM's gain over AdamW each method keeps.
 
-    python examples/scripts/benefit.py        # docs/results/benefit/share.{md,json}
+    python examples/scripts/benefit.py        # docs/results/benefit/share.{md,json,png}
 
 Each benefit task is a folder ``docs/results/benefit/<task>/`` of ``lightning-slsam compare
 --report test_acc`` outputs (their plans: ``examples/scripts/plans/cpu_benefit_*.txt``);
@@ -17,7 +17,11 @@ learning rate, its method and its radius. Per task:
 4. **The share of SAM's gain kept** by a method is ``(method - AdamW) / (SAM - AdamW)``,
    with a bootstrap interval: each row's seeds, AdamW's and SAM's resampled independently
    (2,000 draws, the 2.5th and 97.5th percentiles).
-5. **Controls.** A row labelled ``<label>_rho0`` is a layer sampler at a radius of 1e-8:
+5. **Step time.** Each row's mean step time relative to SAM's, from
+   ``benchmarks/results/short_runs_time.json`` (every method trained on the task's own batches
+   for the whole run, interleaved step by step in one process; a control is timed as its
+   sampler, a row at another radius as its method).
+6. **Controls.** A row labelled ``<label>_rho0`` is a layer sampler at a radius of 1e-8:
    its sparse updates alone. Its share beside the sampler's own says how much of the
    sampler's gain its sampling gives and how much the perturbation adds.
 """
@@ -39,6 +43,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 OUT = os.path.join(ROOT, "docs", "results", "benefit")
 #: task folder -> its name in the tables
 TASKS = {"mlp_noisy": "MLP from scratch, digits, 40% label noise"}
+#: task folder -> its task in benchmarks/short_runs_time.py
+TIME_TASKS = {"mlp_noisy": "mlp_noisy"}
+TIMES = os.path.join(ROOT, "benchmarks", "results", "short_runs_time.json")
 DRAWS = 2000
 #: the radius of the controls: sparse updates without a perturbation
 CONTROL_RHO = 1e-8
@@ -162,6 +169,83 @@ def task_table(runs: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
     return result
 
 
+def add_times(task: str, table: dict[str, Any], times: dict[str, float]) -> None:
+    for label, row in table["rows"].items():
+        row["time"] = time_of(label, times)
+    table["adamw_time"] = times.get("adamw")
+
+
+def step_times(task: str, path: str = TIMES) -> dict[str, float]:
+    """Each configuration's mean step time relative to SAM's on ``task``'s benchmark task
+    (empty when it was not measured)."""
+    if not os.path.exists(path) or task not in TIME_TASKS:
+        return {}
+    with open(path) as handle:
+        results = json.load(handle)["results"]
+    for result in results:
+        if result["task"] == TIME_TASKS[task]:
+            return {label: row["ratio_to_sam"] for label, row in result["configs"].items()}
+    return {}
+
+
+def time_of(label: str, times: dict[str, float]) -> float | None:
+    """A row's step time: its own label's, a control's sampler's, a radius variant's method's."""
+    base = label.split(" (rho")[0].removesuffix("_rho0")
+    return times.get(base)
+
+
+def frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points no other point beats at once on time (lower) and share (higher)."""
+    best, kept = -math.inf, []
+    for time, value in sorted(points):
+        if value > best:
+            kept.append((time, value))
+            best = value
+    return kept
+
+
+def plot(tables: dict[str, dict[str, Any]], path: str) -> None:
+    """Share of SAM's gain against step time relative to SAM's, a panel per task and a
+    marker per point of the run (best epoch, end), the frontier drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(6.5 * len(tables), 5.2), layout="constrained")
+    axes = figure.subplots(1, len(tables), squeeze=False)[0]
+    for ax, (task, t) in zip(axes, tables.items()):
+        for point, marker, colour in (("best_epoch", "o", "tab:blue"), ("end", "s", "tab:orange")):
+            points = [] if t.get("adamw_time") is None else [(t["adamw_time"], 0.0)]
+            for label, row in t["rows"].items():
+                time = row.get("time")
+                if time is None:
+                    continue
+                share, low, high = row[point]["share"]
+                points.append((time, share))
+                ax.errorbar(time, share, yerr=[[share - low], [high - share]], fmt=marker,
+                            color=colour, alpha=0.45 if label.endswith("_rho0") else 1.0,
+                            capsize=2, ms=5)  # fmt: skip
+                ax.annotate(label, (time, share), fontsize=7, xytext=(3, 3),
+                            textcoords="offset points")  # fmt: skip
+            if points:
+                edge = frontier(points)
+                ax.plot(*zip(*edge), "-", color=colour, lw=1,
+                        label=f"frontier, {point.replace('_', ' ')}")  # fmt: skip
+        if t.get("adamw_time") is not None:
+            ax.plot(t["adamw_time"], 0.0, "kD", ms=6)
+            ax.annotate("AdamW", (t["adamw_time"], 0.0), fontsize=7, xytext=(3, -10),
+                        textcoords="offset points")  # fmt: skip
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.axhline(0.9, color="grey", lw=0.6, ls=":")
+        ax.axhline(0.0, color="black", lw=0.6)
+        ax.axvline(0.5, color="grey", lw=0.6, ls=":")
+        ax.set(title=TASKS.get(task, task), xlabel="step time / SAM's",
+               ylabel="share of SAM's gain kept (AdamW 0, SAM 1)")  # fmt: skip
+        ax.legend(fontsize=8, loc="lower right")
+    figure.savefig(path, dpi=110)
+
+
 def render(tables: dict[str, dict[str, Any]]) -> str:
     lines = ["# What SAM buys: the share of SAM's gain each method keeps", ""]
     for task, t in tables.items():
@@ -178,14 +262,16 @@ def render(tables: dict[str, dict[str, Any]]) -> str:
         lines += [
             "",
             "| row | method | rho | seeds | test acc, best epoch | share kept |"
-            " test acc, end | share kept |",
-            "|---|---|---:|---:|---:|---:|---:|---:|",
+            " test acc, end | share kept | step time / SAM |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for label, row in t["rows"].items():
             cells = []
             for point in ("best_epoch", "end"):
                 (m, se), (sh, lo, hi) = row[point]["acc"], row[point]["share"]
                 cells.append(f"{m:.4f} ± {se:.4f} | {sh:.2f} [{lo:.2f}, {hi:.2f}]")
+            time = row.get("time")
+            cells.append("-" if time is None else f"{time:.2f}")
             lines.append(f"| {label} | {row['method']} | {row['rho']:g} | {row['seeds']} | "
                          + " | ".join(cells) + " |")  # fmt: skip
         split = {label: row["split"] for label, row in t["rows"].items() if "split" in row}
@@ -210,6 +296,7 @@ def render(tables: dict[str, dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default=OUT, help="the benefit tasks' folder")
+    parser.add_argument("--times", default=TIMES, help="short_runs_time.py's results (JSON)")
     args = parser.parse_args(argv)
     tables = {}
     for task in sorted(os.listdir(args.results)):
@@ -217,7 +304,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if os.path.isdir(folder) and glob.glob(os.path.join(folder, "**", "run.json"),
                                                recursive=True):  # fmt: skip
             tables[task] = task_table(read_runs(folder))
+            add_times(task, tables[task], step_times(task, args.times))
     text = render(tables)
+    if any(row.get("time") is not None for t in tables.values() for row in t["rows"].values()):
+        plot(tables, os.path.join(args.results, "share.png"))
     with open(os.path.join(args.results, "share.md"), "w") as handle:
         handle.write(text)
     with open(os.path.join(args.results, "share.json"), "w") as handle:

@@ -80,3 +80,19 @@ def test_a_gain_within_twice_its_standard_error_is_not_called_real(tmp_path):
     text = benefit.render({"flat": table})
     assert "not above twice its standard error" in text
     assert not math.isnan(table["rows"]["sam"]["end"]["share"][0])
+
+
+def test_step_times_attach_to_rows_and_the_frontier_keeps_the_undominated(task, tmp_path):
+    times = tmp_path / "times.json"
+    configs = {"sam": 1.0, "slsam": 0.45, "adamw": 0.6}
+    times.write_text(json.dumps({"results": [{"task": "toy", "configs": {
+        k: {"ratio_to_sam": v} for k, v in configs.items()}}]}))
+    benefit.TIME_TASKS["toy"] = "toy"
+    table = benefit.task_table(benefit.read_runs(task))
+    benefit.add_times("toy", table, benefit.step_times("toy", str(times)))
+    rows = table["rows"]
+    # a control is timed as its sampler
+    assert rows["slsam"]["time"] == rows["slsam_rho0"]["time"] == 0.45
+    assert rows["sam"]["time"] == 1.0 and table["adamw_time"] == 0.6
+    assert benefit.frontier([(0.6, 0.0), (0.45, 0.5), (1.0, 1.0), (0.8, 0.4)]) == [
+        (0.45, 0.5), (1.0, 1.0)]
