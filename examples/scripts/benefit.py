@@ -281,14 +281,22 @@ def render(tables: dict[str, dict[str, Any]]) -> str:
                       "| row | sampling alone, best epoch | perturbation adds | sampling alone,"
                       " end | perturbation adds |", "|---|---:|---:|---:|---:|"]  # fmt: skip
             for label, parts in split.items():
-                lines.append(f"| {label} | " + " | ".join(
-                    f"{a:.2f} | {b:+.2f}" for a, b in (parts["best_epoch"], parts["end"])) + " |")
+                lines.append(
+                    f"| {label} | "
+                    + " | ".join(
+                        f"{a:.2f} | {b:+.2f}" for a, b in (parts["best_epoch"], parts["end"])
+                    )
+                    + " |"
+                )
         lines += ["", "The sweeps (mean ± standard error over seeds):", "",
                   "| run | best val acc | test acc, best epoch | test acc, end |",
                   "|---|---:|---:|---:|"]  # fmt: skip
         for name, cells in t["sweep"].items():
-            lines.append(f"| {name} | " + " | ".join(
-                f"{m:.4f} ± {se:.4f}" for m, se in cells.values()) + " |")
+            lines.append(
+                f"| {name} | "
+                + " | ".join(f"{m:.4f} ± {se:.4f}" for m, se in cells.values())
+                + " |"
+            )
         lines.append("")
     return "\n".join(lines)
 

@@ -21,10 +21,10 @@ import benefit  # noqa: E402
 def write(folder, group, label, seed, *, lr, rho=None, cls="SAM", val, best, end):
     here = os.path.join(folder, group, "runs", label, f"seed{seed}")
     os.makedirs(here)
-    callbacks = [] if rho is None else [
-        {"class_path": f"lightning_slsam.{cls}", "init_args": {"rho": rho}}]
-    config = {"model": {"init_args": {"learning_rate": lr}},
-              "trainer": {"callbacks": callbacks}}
+    callbacks = (
+        [] if rho is None else [{"class_path": f"lightning_slsam.{cls}", "init_args": {"rho": rho}}]
+    )
+    config = {"model": {"init_args": {"learning_rate": lr}}, "trainer": {"callbacks": callbacks}}
     with open(os.path.join(here, "config.yaml"), "w") as handle:
         yaml.safe_dump(config, handle)
     with open(os.path.join(here, "run.json"), "w") as handle:
@@ -36,17 +36,54 @@ def task(tmp_path):
     folder = str(tmp_path / "toy")
     for seed, jitter in enumerate((-0.01, 0.0, 0.01)):
         # lr 1e-3 wins on validation although lr 3e-3 has the better test accuracy
-        write(folder, "adamw_lr1e-3", "adamw", seed, lr=1e-3, val=0.90, best=0.80 + jitter,
-              end=0.70 + jitter)
+        write(
+            folder,
+            "adamw_lr1e-3",
+            "adamw",
+            seed,
+            lr=1e-3,
+            val=0.90,
+            best=0.80 + jitter,
+            end=0.70 + jitter,
+        )
         write(folder, "adamw_lr3e-3", "adamw", seed, lr=3e-3, val=0.85, best=0.95, end=0.95)
         # rho 0.3 wins on validation; rho 1 tests better and is not chosen
-        write(folder, "sam_rho0.3", "sam", seed, lr=1e-3, rho=0.3, val=0.95,
-              best=0.90 + jitter, end=0.80 + jitter)
+        write(
+            folder,
+            "sam_rho0.3",
+            "sam",
+            seed,
+            lr=1e-3,
+            rho=0.3,
+            val=0.95,
+            best=0.90 + jitter,
+            end=0.80 + jitter,
+        )
         write(folder, "sam_rho1", "sam", seed, lr=1e-3, rho=1.0, val=0.93, best=0.99, end=0.99)
-        write(folder, "methods", "slsam", seed, lr=1e-3, rho=0.3, cls="SparseLayerSAM",
-              val=0.94, best=0.85 + jitter, end=0.80 + jitter)
-        write(folder, "controls", "slsam_rho0", seed, lr=1e-3, rho=1e-8, cls="SparseLayerSAM",
-              val=0.91, best=0.82 + jitter, end=0.76 + jitter)
+        write(
+            folder,
+            "methods",
+            "slsam",
+            seed,
+            lr=1e-3,
+            rho=0.3,
+            cls="SparseLayerSAM",
+            val=0.94,
+            best=0.85 + jitter,
+            end=0.80 + jitter,
+        )
+        write(
+            folder,
+            "controls",
+            "slsam_rho0",
+            seed,
+            lr=1e-3,
+            rho=1e-8,
+            cls="SparseLayerSAM",
+            val=0.91,
+            best=0.82 + jitter,
+            end=0.76 + jitter,
+        )
     return folder
 
 
@@ -64,8 +101,7 @@ def test_choices_are_made_on_validation_and_shares_read_on_test(task):
     assert low <= 0.5 <= high
     alone, added = rows["slsam"]["split"]["best_epoch"]
     assert alone == pytest.approx(0.2) and added == pytest.approx(0.3)
-    assert set(table["sweep"]) == {"AdamW lr 0.001", "AdamW lr 0.003", "SAM rho 0.3",
-                                   "SAM rho 1"}
+    assert set(table["sweep"]) == {"AdamW lr 0.001", "AdamW lr 0.003", "SAM rho 0.3", "SAM rho 1"}
 
 
 def test_a_gain_within_twice_its_standard_error_is_not_called_real(tmp_path):
@@ -85,8 +121,15 @@ def test_a_gain_within_twice_its_standard_error_is_not_called_real(tmp_path):
 def test_step_times_attach_to_rows_and_the_frontier_keeps_the_undominated(task, tmp_path):
     times = tmp_path / "times.json"
     configs = {"sam": 1.0, "slsam": 0.45, "adamw": 0.6}
-    times.write_text(json.dumps({"results": [{"task": "toy", "configs": {
-        k: {"ratio_to_sam": v} for k, v in configs.items()}}]}))
+    times.write_text(
+        json.dumps(
+            {
+                "results": [
+                    {"task": "toy", "configs": {k: {"ratio_to_sam": v} for k, v in configs.items()}}
+                ]
+            }
+        )
+    )
     benefit.TIME_TASKS["toy"] = "toy"
     table = benefit.task_table(benefit.read_runs(task))
     benefit.add_times("toy", table, benefit.step_times("toy", str(times)))
@@ -95,4 +138,6 @@ def test_step_times_attach_to_rows_and_the_frontier_keeps_the_undominated(task, 
     assert rows["slsam"]["time"] == rows["slsam_rho0"]["time"] == 0.45
     assert rows["sam"]["time"] == 1.0 and table["adamw_time"] == 0.6
     assert benefit.frontier([(0.6, 0.0), (0.45, 0.5), (1.0, 1.0), (0.8, 0.4)]) == [
-        (0.45, 0.5), (1.0, 1.0)]
+        (0.45, 0.5),
+        (1.0, 1.0),
+    ]
