@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from typing import Any
 
 import yaml
@@ -30,6 +31,18 @@ __all__ = [
 
 CONFIG_FLAGS = ("-c", "--config")
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
+def command_line_value(text: str) -> Any:
+    """A value given on the command line, read as YAML, but a number YAML 1.1 leaves a
+    string (``1e-8``, ``3E5``: no dot) read as the float it is, as LightningCLI does."""
+    value = yaml.safe_load(text)
+    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        return float(value)
+    return value
+
+
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def asks_help(args: list[str]) -> bool:
@@ -100,7 +113,7 @@ def check_callback_options(args: list[str]) -> str | None:
         elif arg.startswith("--trainer.callbacks.") and entries:
             key = arg[len("--trainer.callbacks.") :].removeprefix("init_args.")
             where, entry = entries[-1]
-            entry["init_args"] = {**entry["init_args"], key: yaml.safe_load(value)}
+            entry["init_args"] = {**entry["init_args"], key: command_line_value(value)}
             entries[-1] = (f"{arg}={value}", entry)
     for where, entry in entries:
         cls = resolve_callback(entry.get("class_path"))

@@ -45,7 +45,7 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import Callback
 
-from lightning_slsam.cli.checks import callback_entry, resolve_callback
+from lightning_slsam.cli.checks import callback_entry, command_line_value, resolve_callback
 from lightning_slsam.cli.report import plot, plot_selection, render, summarize
 from lightning_slsam.lightning.callback import SAMCallback, normalized_entropy
 from lightning_slsam.lightning.callbacks import METHODS, class_path, make_callbacks
@@ -188,7 +188,7 @@ def _parse_options(
         method, _, key = name.partition(".")
         if not (value and key) or method not in methods:
             parser.error(f"--option {item!r} must read METHOD.KEY=VALUE with METHOD in --methods")
-        options.setdefault(method, {})[key] = yaml.safe_load(value)
+        options.setdefault(method, {})[key] = command_line_value(value)
     for method, kwargs in options.items():
         try:
             make_callbacks(variants.get(method, method), **kwargs)

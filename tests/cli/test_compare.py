@@ -163,6 +163,18 @@ def test_compare_options_override_a_method_and_are_checked(tmp_path):
             _parse_options(parser, [bad], ["slsam_paper"])
 
 
+def test_an_exponent_without_a_dot_is_the_number_it_reads():
+    # YAML 1.1 reads "1e-8" as a string; the command line reads it as LightningCLI does.
+    from lightning_slsam.cli.checks import command_line_value
+    from lightning_slsam.cli.compare import _parse_options
+
+    parser = __import__("argparse").ArgumentParser()
+    options = _parse_options(parser, ["slsam.rho=1e-8", "slsam.preset=paper"], ["slsam"])
+    assert options == {"slsam": {"rho": 1e-8, "preset": "paper"}}
+    assert command_line_value("3E5") == 300000.0 and command_line_value("0.5") == 0.5
+    assert command_line_value("1e-8x") == "1e-8x" and command_line_value("inf") == "inf"
+
+
 def test_compare_rejects_bad_variants(tmp_path):
     for variant in ("slsam=sam", "x=nosuch", "=slsam", "a.b=slsam"):
         with pytest.raises(SystemExit):
