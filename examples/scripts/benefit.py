@@ -7,9 +7,10 @@ Each benefit task is a folder ``docs/results/benefit/<task>/`` of ``lightning-sl
 every run's ``run.json`` sits beside the ``config.yaml`` that trained it, which says its
 learning rate, its method and its radius. Per task:
 
-1. **Chosen on validation.** AdamW's learning rate and SAM's radius are the values whose
-   best ``val_acc`` over the run, averaged over the seeds, is highest; every other row runs
-   at SAM's chosen radius unless its label says otherwise.
+1. **Chosen on validation.** AdamW's learning rate and SAM's radius (at that learning
+   rate) are the values whose best ``val_acc`` over the run, averaged over the seeds, is
+   highest; every other row runs at both unless its label says otherwise (``(rho r)``,
+   ``(lr l)``: a method at a setting of its own).
 2. **Read on test.** A run's accuracy is its ``test_acc`` at the evaluation where its
    ``val_acc`` was best ("best epoch"), and its ``test_acc`` at the end of the run ("end").
 3. **SAM's gain** is SAM's mean minus AdamW's; it is real when it exceeds twice its
@@ -134,15 +135,20 @@ def task_table(runs: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     # One row per (label, radius): a method run at SAM's radius and at its own; of SAM's
     # sweep only the chosen radius is a row.
-    keys = sorted({(r["label"], r["rho"]) for r in runs
-                   if r["method"] != "AdamW" and r["lr"] == lr},
-                  key=lambda k: (k[0] != "sam", k[0], k[1]))  # fmt: skip
-    for label, radius in keys:
-        mine = [r for r in runs if r["label"] == label and r["rho"] == radius and r["lr"] == lr]
-        if mine[0]["method"] == "SAM" and (label != "sam" or radius != rho):
-            continue  # the radius sweep's other points
-        name = label if radius == rho or label.endswith("_rho0") else f"{label} (rho {radius:g})"
-        row: dict[str, Any] = {"method": mine[0]["method"], "rho": radius, "seeds": len(mine)}
+    keys = sorted({(r["label"], r["rho"], r["lr"]) for r in runs if r["method"] != "AdamW"},
+                  key=lambda k: (k[0] != "sam", k[0], k[2] != lr, k[2], k[1]))  # fmt: skip
+    for label, radius, rate in keys:
+        mine = [r for r in runs
+                if (r["label"], r["rho"], r["lr"]) == (label, radius, rate)]  # fmt: skip
+        if mine[0]["method"] == "SAM" and (label != "sam" or radius != rho or rate != lr):
+            continue  # the sweep's other points
+        name = label
+        if radius != rho and not label.endswith("_rho0"):
+            name += f" (rho {radius:g})"
+        if rate != lr:  # a method at a learning rate of its own
+            name += f" (lr {rate:g})"
+        row: dict[str, Any] = {"method": mine[0]["method"], "rho": radius, "lr": rate,
+                               "seeds": len(mine)}  # fmt: skip
         for point in ("best_epoch", "end"):
             values = [r[point] for r in mine]
             a, s = ([r[point] for r in base[k]] for k in ("adamw", "sam"))
@@ -190,7 +196,7 @@ def step_times(task: str, path: str = TIMES) -> dict[str, float]:
 
 def time_of(label: str, times: dict[str, float]) -> float | None:
     """A row's step time: its own label's, a control's sampler's, a radius variant's method's."""
-    base = label.split(" (rho")[0].removesuffix("_rho0")
+    base = label.split(" (")[0].removesuffix("_rho0")
     return times.get(base)
 
 

@@ -84,6 +84,11 @@ def task(tmp_path):
             best=0.82 + jitter,
             end=0.76 + jitter,
         )
+        # a sampler at a learning rate of its own, and SAM at it (not a row: SAM is chosen
+        # at AdamW's learning rate)
+        write(folder, "own", "slsam", seed, lr=3e-3, rho=0.3, cls="SparseLayerSAM", val=0.9,
+              best=0.88, end=0.88)  # fmt: skip
+        write(folder, "own", "sam", seed, lr=3e-3, rho=0.3, val=0.99, best=0.99, end=0.99)
     return folder
 
 
@@ -93,7 +98,9 @@ def test_choices_are_made_on_validation_and_shares_read_on_test(task):
     assert table["best_epoch"]["gain"] == pytest.approx(0.10)
     assert table["best_epoch"]["real"]  # equal jitter: the difference's spread is tiny
     rows = table["rows"]
-    assert set(rows) == {"sam", "slsam", "slsam_rho0"}  # rho 1 is the sweep's, not a row
+    # rho 1 and lr 3e-3 are SAM's sweep's, not rows; a sampler's own learning rate is one
+    assert set(rows) == {"sam", "slsam", "slsam_rho0", "slsam (lr 0.003)"}
+    assert rows["slsam (lr 0.003)"]["best_epoch"]["share"][0] == pytest.approx(0.8)
     assert rows["sam"]["best_epoch"]["share"][0] == pytest.approx(1.0)
     assert rows["slsam"]["best_epoch"]["share"][0] == pytest.approx(0.5)
     assert rows["slsam"]["end"]["share"][0] == pytest.approx(1.0)
