@@ -43,9 +43,12 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OUT = os.path.join(ROOT, "docs", "results", "benefit")
 #: task folder -> its name in the tables
-TASKS = {"mlp_noisy": "MLP from scratch, digits, 40% label noise"}
+TASKS = {
+    "mlp_noisy": "MLP from scratch, digits, 40% label noise",
+    "effnet_noisy": "EfficientNet-Lite0 fine-tune, digits, 40% label noise",
+}
 #: task folder -> its task in benchmarks/short_runs_time.py
-TIME_TASKS = {"mlp_noisy": "mlp_noisy"}
+TIME_TASKS = {"mlp_noisy": "mlp_noisy", "effnet_noisy": "effnet_noisy"}
 TIMES = os.path.join(ROOT, "benchmarks", "results", "short_runs_time.json")
 DRAWS = 2000
 #: the radius of the controls: sparse updates without a perturbation
