@@ -160,7 +160,8 @@ def task_table(runs: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
     # Controls: each sampler's share split into what its sampling alone keeps (its run at a
     # radius near 0) and what the perturbation adds.
     for name, row in rows.items():
-        control = rows.get(f"{name}_rho0")
+        label, _, setting = name.partition(" (")  # a control runs at its sampler's lr
+        control = rows.get(f"{label}_rho0" + (f" ({setting}" if setting else ""))
         if control is not None:
             row["split"] = {point: (control[point]["share"][0],
                                     row[point]["share"][0] - control[point]["share"][0])

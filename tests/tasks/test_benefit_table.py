@@ -89,6 +89,8 @@ def task(tmp_path):
         write(folder, "own", "slsam", seed, lr=3e-3, rho=0.3, cls="SparseLayerSAM", val=0.9,
               best=0.88, end=0.88)  # fmt: skip
         write(folder, "own", "sam", seed, lr=3e-3, rho=0.3, val=0.99, best=0.99, end=0.99)
+        write(folder, "own", "slsam_rho0", seed, lr=3e-3, rho=1e-8, cls="SparseLayerSAM",
+              val=0.9, best=0.86, end=0.86)  # fmt: skip
     return folder
 
 
@@ -99,8 +101,11 @@ def test_choices_are_made_on_validation_and_shares_read_on_test(task):
     assert table["best_epoch"]["real"]  # equal jitter: the difference's spread is tiny
     rows = table["rows"]
     # rho 1 and lr 3e-3 are SAM's sweep's, not rows; a sampler's own learning rate is one
-    assert set(rows) == {"sam", "slsam", "slsam_rho0", "slsam (lr 0.003)"}
+    assert set(rows) == {"sam", "slsam", "slsam_rho0", "slsam (lr 0.003)", "slsam_rho0 (lr 0.003)"}
     assert rows["slsam (lr 0.003)"]["best_epoch"]["share"][0] == pytest.approx(0.8)
+    # split against its own learning rate's control
+    own_alone, own_added = rows["slsam (lr 0.003)"]["split"]["best_epoch"]
+    assert own_alone == pytest.approx(0.6) and own_added == pytest.approx(0.2)
     assert rows["sam"]["best_epoch"]["share"][0] == pytest.approx(1.0)
     assert rows["slsam"]["best_epoch"]["share"][0] == pytest.approx(0.5)
     assert rows["slsam"]["end"]["share"][0] == pytest.approx(1.0)
