@@ -156,6 +156,7 @@ def task_table(runs: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
             values = [r[point] for r in mine]
             a, s = ([r[point] for r in base[k]] for k in ("adamw", "sam"))
             row[point] = {"acc": mean_se(values), "share": share(values, a, s, rng)}
+        row["val"] = mean_se([r["best_val"] for r in mine])
         rows[name] = row
     # Controls: each sampler's share split into what its sampling alone keeps (its run at a
     # radius near 0) and what the perturbation adds.
@@ -271,12 +272,12 @@ def render(tables: dict[str, dict[str, Any]]) -> str:
             )
         lines += [
             "",
-            "| row | method | rho | seeds | test acc, best epoch | share kept |"
+            "| row | method | rho | seeds | best val acc | test acc, best epoch | share kept |"
             " test acc, end | share kept | step time / SAM |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for label, row in t["rows"].items():
-            cells = []
+            cells = ["{:.4f} ± {:.4f}".format(*row["val"])]
             for point in ("best_epoch", "end"):
                 (m, se), (sh, lo, hi) = row[point]["acc"], row[point]["share"]
                 cells.append(f"{m:.4f} ± {se:.4f} | {sh:.2f} [{lo:.2f}, {hi:.2f}]")
