@@ -121,7 +121,6 @@ def share(row: list[float], adamw: list[float], sam: list[float],
 
 def task_table(runs: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
     """The task's choices, SAM's gain and every row's share of it."""
-    rng = random.Random(seed)
     adamw_runs = [r for r in runs if r["method"] == "AdamW"]
     lr, lr_means = choose(adamw_runs, "lr")
     sam_runs = [r for r in runs if r["method"] == "SAM" and r["lr"] == lr]
@@ -155,6 +154,7 @@ def task_table(runs: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
         for point in ("best_epoch", "end"):
             values = [r[point] for r in mine]
             a, s = ([r[point] for r in base[k]] for k in ("adamw", "sam"))
+            rng = random.Random(f"{seed}:{name}:{point}")  # a row's interval: its own draws
             row[point] = {"acc": mean_se(values), "share": share(values, a, s, rng)}
         row["val"] = mean_se([r["best_val"] for r in mine])
         rows[name] = row
