@@ -141,7 +141,8 @@ def make_step(method: str, options: dict[str, Any], module, loss, lr) -> Callabl
     engine = make_engine(method, module, seed=0, **options)
 
     def step(batch):
-        size = len(batch["labels"]) if isinstance(batch, dict) else len(batch[1])
+        parts = batch.values() if isinstance(batch, dict) else batch
+        size = next(len(t) for t in parts if isinstance(t, torch.Tensor))  # SSAM-F's samples
         engine.train_step(lambda index=None: loss(module, batch, index), opt, batch_size=size)
 
     step.engine = engine  # type: ignore[attr-defined]
