@@ -51,6 +51,8 @@ TASKS = {
 TIME_TASKS = {"mlp_noisy": "mlp_noisy", "effnet_noisy": "effnet_noisy"}
 TIMES = os.path.join(ROOT, "benchmarks", "results", "short_runs_time.json")
 DRAWS = 2000
+#: the plot's lowest share: a row under it (a diverged run) is marked at the floor
+FLOOR = -1.5
 #: the radius of the controls: sparse updates without a perturbation
 CONTROL_RHO = 1e-8
 
@@ -217,7 +219,8 @@ def frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 def plot(tables: dict[str, dict[str, Any]], path: str) -> None:
     """Share of SAM's gain against step time relative to SAM's, a panel per task and a
-    marker per point of the run (best epoch, end), the frontier drawn."""
+    marker per point of the run (best epoch: circles, end: squares), the frontier drawn;
+    controls pale, rows under ``FLOOR`` marked at the floor with their share."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -233,12 +236,20 @@ def plot(tables: dict[str, dict[str, Any]], path: str) -> None:
                 if time is None:
                     continue
                 share, low, high = row[point]["share"]
+                if share < FLOOR:  # diverged: a mark at the panel's floor, not its scale
+                    ax.plot(time, FLOOR + 0.05, "v", color=colour, ms=6)
+                    if point == "best_epoch":
+                        ax.annotate(f"{label}: {share:.0f}", (time, FLOOR + 0.05), fontsize=6,
+                                    xytext=(3, 6), textcoords="offset points")  # fmt: skip
+                    continue
                 points.append((time, share))
-                ax.errorbar(time, share, yerr=[[share - low], [high - share]], fmt=marker,
-                            color=colour, alpha=0.45 if label.endswith("_rho0") else 1.0,
+                control = label.endswith("_rho0") or "_rho0 (" in label
+                ax.errorbar(time, share, yerr=[[share - max(low, FLOOR)], [high - share]],
+                            fmt=marker, color=colour, alpha=0.4 if control else 1.0,
                             capsize=2, ms=5)  # fmt: skip
-                ax.annotate(label, (time, share), fontsize=7, xytext=(3, 3),
-                            textcoords="offset points")  # fmt: skip
+                if point == "best_epoch" and not control:
+                    ax.annotate(label, (time, share), fontsize=7, xytext=(4, 2),
+                                textcoords="offset points")  # fmt: skip
             if points:
                 edge = frontier(points)
                 ax.plot(*zip(*edge), "-", color=colour, lw=1,
@@ -251,6 +262,7 @@ def plot(tables: dict[str, dict[str, Any]], path: str) -> None:
         ax.axhline(0.9, color="grey", lw=0.6, ls=":")
         ax.axhline(0.0, color="black", lw=0.6)
         ax.axvline(0.5, color="grey", lw=0.6, ls=":")
+        ax.set_ylim(FLOOR, None)
         ax.set(title=TASKS.get(task, task), xlabel="step time / SAM's",
                ylabel="share of SAM's gain kept (AdamW 0, SAM 1)")  # fmt: skip
         ax.legend(fontsize=8, loc="lower right")
