@@ -146,12 +146,16 @@ def test_the_saved_config_records_the_noise_and_the_split(tmp_path, capsys):
     assert "test_acc" in (tmp_path / "noisy" / "version_0" / "metrics.csv").read_text()
 
 
-@pytest.mark.parametrize("name", ["mlp_digits_noisy", "efficientnet_digits_noisy"])
-def test_the_benefit_task_configs_parse_with_their_noise_and_test_split(name, capsys):
+@pytest.mark.parametrize(("name", "noise", "test"), [
+    ("mlp_digits_noisy", 0.4, 0.2),
+    ("efficientnet_digits_noisy", 0.4, 0.2),
+    ("minilm_rotten_tomatoes_noisy", 0.6, 0.1),  # two classes: 60% redrawn, 30% wrong
+])  # fmt: skip
+def test_the_benefit_task_configs_parse_with_their_noise_and_test_split(name, noise, test, capsys):
     path = os.path.join(ROOT, "examples", "configs", "tasks", f"{name}.yaml")
     with pytest.raises(SystemExit) as stop:
         main(["fit", "--config", path, "--print_config"])
     assert stop.value.code == 0
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["data"]["init_args"]["label_noise"] == 0.4
-    assert printed["data"]["init_args"]["test_fraction"] == 0.2
+    assert printed["data"]["init_args"]["label_noise"] == noise
+    assert printed["data"]["init_args"]["test_fraction"] == test
