@@ -78,7 +78,7 @@ def __dir__() -> list[str]:
     return sorted(__all__)
 
 
-__version__ = "0.2.0"
+__version__ = "0.3.0.dev0"
 
 #: The user API (the module mixin, the method callbacks, the front-ends) and the documented
 #: extension points (a method's specification, its selection rule, its callback shell).
