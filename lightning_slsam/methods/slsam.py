@@ -86,6 +86,10 @@ class SLSAMSpec(LayerSubsetSpec):
     """SL-SAM: SAM on a bandit-sampled subset of layers.
 
     Args:
+        layer_ratio: the bandit's budget per step, in (0, 1]. Under ``preset="default"``
+            the expected fraction of the model's *parameters* drawn (a layer counts by its
+            size); under ``preset="paper"`` the expected fraction of *layers* drawn (the
+            paper's ``s/N``; Paper: 0.2). 1.0 is SAM on every layer.
         p_min: lower bound of every layer's probability, in (0, 1), at most
             ``layer_ratio``. Paper: 1e-3.
         preset: ``"default"`` (beyond the paper: the bandit budgets parameters, with the

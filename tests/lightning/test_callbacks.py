@@ -3,6 +3,8 @@ class with the paper's defaults."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from lightning_slsam import (
@@ -86,3 +88,7 @@ def test_sparse_layer_sam_has_the_options_users_need_each_with_the_default_that_
     doc = " ".join(SparseLayerSAM.__doc__.split())
     assert 'preset: ``"default"`` (beyond the paper' in doc and '``"paper"``' in doc
     assert set(PRESETS) == {"default", "paper"}
+    # `layer_ratio` says what it budgets under the preset that runs, and under the other.
+    ratio = re.search(r"layer_ratio: (.*?) p_min:", doc).group(1)
+    assert 'preset="default"`` the expected fraction of the model\'s *parameters*' in ratio
+    assert 'preset="paper"`` the expected fraction of *layers*' in ratio
