@@ -10,6 +10,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from helpers import make_data, make_mlp
 from torch.utils.data import DataLoader
 
@@ -180,3 +181,54 @@ def test_a_debug_run_keeps_the_traceback(capsys, run_yaml, monkeypatch):
     monkeypatch.setenv("JSONARGPARSE_DEBUG", "true")
     with pytest.raises(MisconfigurationException, match="per-sample losses"):
         main(["fit", "--config", run_yaml, "--trainer.callbacks=lightning_slsam.ESAM"])
+
+
+# -- stacked configs ----------------------------------------------------------------------
+def _callbacks_config(tmp_path, name: str, *entries: str) -> str:
+    path = tmp_path / name
+    path.write_text("trainer:\n  callbacks:\n" + "".join(f"    - {e}\n" for e in entries))
+    return str(path)
+
+
+MONITOR = "lightning.pytorch.callbacks.LearningRateMonitor"
+
+
+def test_stacked_configs_add_their_callbacks_and_keep_one_method(capsys, run_yaml, tmp_path):
+    """A method config stacked on a task config keeps the task's callbacks (jsonargparse
+    alone keeps only the last file's list); a later SAM callback replaces the earlier one, and
+    a later callback of a listed class replaces it."""
+    task = _callbacks_config(tmp_path, "task.yaml", f"{{class_path: {MONITOR}}}")
+    method = _callbacks_config(tmp_path, "method.yaml", "{class_path: lightning_slsam.ESAM}")
+    step = f"{{class_path: {MONITOR}, init_args: {{logging_interval: step}}}}"
+    again = _callbacks_config(tmp_path, "monitor.yaml", step)
+    code, out, _ = command(capsys, "fit", "--config", run_yaml, "--config", task, "--config",
+                           method, "--config", again, "--print_config")  # fmt: skip
+    assert code == 0
+    listed = yaml.safe_load(out)["trainer"]["callbacks"]
+    assert [c["class_path"] for c in listed] == ["lightning_slsam.ESAM", MONITOR]
+    assert listed[1]["init_args"]["logging_interval"] == "step"
+    # A flag after the configs still sets the last callback of the combined list.
+    code, out, _ = command(capsys, "fit", "--config", task, "--config", method,
+                           "--trainer.callbacks.init_args.rho=0.2", "--print_config")  # fmt: skip
+    assert code == 0
+    assert yaml.safe_load(out)["trainer"]["callbacks"][1]["init_args"]["rho"] == 0.2
+
+
+def test_an_option_of_another_callback_says_how_to_reach_it(capsys, run_yaml, tmp_path):
+    task = _callbacks_config(tmp_path, "task.yaml", f"{{class_path: {MONITOR}}}")
+    code, _, err = command(capsys, "fit", "--config", task, "--config", run_yaml,
+                           "--trainer.callbacks.init_args.logging_interval=step")  # fmt: skip
+    assert code == 2
+    line = one_error_line(err)
+    for word in ("SparseLayerSAM has no option 'logging_interval'",
+                 "sets the last callback of trainer.callbacks",
+                 "a later config's callback replaces one of the same class",
+                 "Stacked configs"):  # fmt: skip
+        assert word in line, line
+
+
+def test_one_config_with_callbacks_is_passed_on_as_it_is(run_yaml):
+    from lightning_slsam.cli.checks import stack_callbacks
+
+    args = ["fit", "--config", run_yaml, "--trainer.max_steps=3"]
+    assert stack_callbacks(args) == args

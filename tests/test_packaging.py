@@ -107,7 +107,9 @@ def test_the_version_agrees_with_the_project_table_the_changelog_and_the_retired
     assert table and table.group(1) == version
     heading = re.search(r"^## (\d+\.\d+\.\d+)", (ROOT / "docs" / "changelog.md").read_text(), re.M)
     assert heading and _release(heading.group(1)) == _release(version)
-    retired = {m for hint in RETIRED.values() for m in re.findall(r"retired in (\d+(?:\.\d+)*)", hint)}
+    retired = {
+        m for hint in RETIRED.values() for m in re.findall(r"retired in (\d+(?:\.\d+)*)", hint)
+    }
     assert retired, "the retired options name the release that retired them"
     for release in retired:
         assert _release(release) <= _release(version)[: len(_release(release))], release

@@ -9,6 +9,7 @@ the command prints it and exits with code 2.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import yaml
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_slsam.cli.errors import CALLBACK_FLAGS
 from lightning_slsam.lightning.callback import SAMCallback
 
 __all__ = [
@@ -27,6 +29,8 @@ __all__ = [
     "check_sam_trainer",
     "missing_run",
     "resolve_callback",
+    "stack_callbacks",
+    "stacked",
 ]
 
 CONFIG_FLAGS = ("-c", "--config")
@@ -101,10 +105,10 @@ def check_callback_options(args: list[str]) -> str | None:
             callbacks = trainer.get("callbacks") if isinstance(trainer, dict) else None
             if callbacks is not None:
                 listed = callbacks if isinstance(callbacks, list) else [callbacks]
-                entries = [
+                entries = stacked(entries, [
                     (f"{value}: trainer.callbacks[{k}]", callback_entry(c))
                     for k, c in enumerate(listed)
-                ]
+                ])  # fmt: skip
         elif arg in ("--trainer.callbacks", "--trainer.callbacks+"):
             loaded = yaml.safe_load(value)
             listed = loaded if isinstance(loaded, list) else [loaded]
@@ -122,8 +126,68 @@ def check_callback_options(args: list[str]) -> str | None:
         try:
             cls(**entry["init_args"])
         except (TypeError, ValueError, MisconfigurationException) as err:
-            return f"{where}: {err}"  # the callback's messages name its class
+            # the callback's messages name its class; a flag may have meant another callback
+            flag = where.startswith("--trainer.callbacks.") and "has no option" in str(err)
+            return (
+                f"{where}: {str(err).rstrip('.')}{CALLBACK_FLAGS}." if flag else f"{where}: {err}"
+            )
     return None
+
+
+Listed = list[tuple[str, dict[str, Any]]]  # (where, {class_path, init_args}) per callback
+
+
+def stacked(earlier: Listed, later: Listed) -> Listed:
+    """The callbacks of two stacked ``--config`` files, as the command runs them: a later
+    file's callbacks add to an earlier file's, in order after them; one of a class already
+    listed replaces it, and a SAM callback replaces any earlier SAM callback (a run has one
+    method). Items are ``(where, {class_path, init_args})``.
+
+    Example:
+        >>> task = [("task.yaml", callback_entry("my.Monitor"))]
+        >>> sam = [("method.yaml", callback_entry("lightning_slsam.SAM"))]
+        >>> esam = [("other.yaml", callback_entry("lightning_slsam.ESAM"))]
+        >>> [where for where, _ in stacked(stacked(task, sam), esam)]
+        ['task.yaml', 'other.yaml']
+    """
+    result = list(earlier)
+    for where, entry in later:
+        sam = resolve_callback(entry["class_path"]) is not None
+        same = [k for k, (_, e) in enumerate(result) if e["class_path"] == entry["class_path"]
+                or (sam and resolve_callback(e["class_path"]) is not None)]  # fmt: skip
+        result = [item for k, item in enumerate(result) if k not in same]
+        result.append((where, entry))  # last: a trailing init_args flag reaches it
+    return result
+
+
+def stack_callbacks(args: list[str]) -> list[str]:
+    """``args`` with the ``trainer.callbacks`` of several ``--config`` files combined by
+    :func:`stacked` (jsonargparse alone keeps only the last file's list: stacking a method
+    config on a task config would drop the task's own callbacks, such as a retention
+    monitor). The combined list is given as ``--trainer.callbacks=[...]`` right after the
+    last such file, so that later flags still apply to it; with fewer than two such files,
+    ``args`` is returned as it is.
+    """
+    found: list[tuple[int, Listed]] = []
+    for i, arg in enumerate(args[:-1]):
+        path = args[i + 1]
+        if arg not in CONFIG_FLAGS or not os.path.isfile(path):
+            continue
+        with open(path) as handle:
+            loaded = yaml.safe_load(handle)
+        trainer = loaded.get("trainer") if isinstance(loaded, dict) else None
+        callbacks = trainer.get("callbacks") if isinstance(trainer, dict) else None
+        if callbacks:
+            listed = callbacks if isinstance(callbacks, list) else [callbacks]
+            found.append((i + 1, [(path, callback_entry(c)) for c in listed]))
+    if len(found) < 2 or any(e["class_path"] is None for _, lst in found for _, e in lst):
+        return args
+    entries: Listed = []
+    for _, listed in found:
+        entries = stacked(entries, listed)
+    combined = json.dumps([entry for _, entry in entries])
+    at = found[-1][0] + 1
+    return [*args[:at], f"--trainer.callbacks={combined}", *args[at:]]
 
 
 def callback_entry(item: Any) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from lightning_slsam.cli.checks import (
     check_callback_options,
     check_sam_trainer,
     missing_run,
+    stack_callbacks,
 )
 from lightning_slsam.cli.errors import OneLineParser, debugging, fail
 from lightning_slsam.cli.saved_configs import UnsupportedConfig, upgrade_configs
@@ -124,6 +125,7 @@ class SLSAMCLI(LightningCLI):
         except UnsupportedConfig as err:
             fail(str(err))
         problem = None if asks_help(argv) else missing_run(argv) or check_callback_options(argv)
+        argv = stack_callbacks(argv)  # a task's callbacks stay beside a method config's
         if problem:
             fail(problem)
         self.config = parser.parse_args(argv)

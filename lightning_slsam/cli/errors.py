@@ -32,7 +32,7 @@ from typing import Any, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser
 
-__all__ = ["OneLineParser", "closest", "debugging", "fail", "one_line"]
+__all__ = ["CALLBACK_FLAGS", "OneLineParser", "closest", "debugging", "fail", "one_line"]
 
 PROG = "lightning-slsam"
 
@@ -86,6 +86,16 @@ def _option_hint(path: str, option: str) -> str:
     return f"; did you mean '{found}'?" if found else f"; its options: {', '.join(accepted)}"
 
 
+#: How to reach a callback other than the last (``--trainer.callbacks.init_args.*`` sets the
+#: last one of the list).
+CALLBACK_FLAGS = (
+    ". A --trainer.callbacks.init_args.<option> flag sets the last callback of"
+    " trainer.callbacks; to set another one's option, stack a config that lists that"
+    " callback with it (a later config's callback replaces one of the same class;"
+    " docs/training.md, 'Stacked configs')"
+)
+
+
 def one_line(message: str, options: Iterable[str]) -> str:
     """jsonargparse's error ``message`` as one line; ``options``: the parser's option
     strings, from which an unrecognized argument's closest match is suggested."""
@@ -105,7 +115,8 @@ def one_line(message: str, options: Iterable[str]) -> str:
         path, reason = match.group(1), match.group(2).strip()
         if option := re.fullmatch(r"Option '(\w+)' is not accepted", reason):
             name = option.group(1)
-            return f"{prefix}{path} has no option '{name}'{_option_hint(path, name)}"
+            where = CALLBACK_FLAGS if key == "trainer.callbacks" else ""
+            return f"{prefix}{path} has no option '{name}'{_option_hint(path, name)}{where}"
         if not reason.startswith("Parser key"):
             return f"{prefix}class '{path}' not found ({reason}){_class_path_hint(path, reason)}"
     # A nested key: its own reason is the line after its "Parser key" line.
