@@ -4,6 +4,7 @@ checkpoints resumable."""
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples",
@@ -33,3 +34,13 @@ def test_the_example_trains_minilm_in_full_and_with_lora_and_resumes(tmp_path):
     resumed = example.main([*common, "--steps", "6", "--out", str(tmp_path / "full"),
                             "--resume", str(tmp_path / "full" / "checkpoint-4")])  # fmt: skip
     assert resumed["steps"] == 6
+
+
+def test_the_example_logs_the_mean_loss_of_an_accumulated_step(tmp_path):
+    """Under --accumulate 2 the logged loss is a mean over the step's micro-batches, near
+    ln 2 for two classes at the start, not the sum of their means (2 ln 2)."""
+    run = _example().main(["--steps", "10", "--accumulate", "2", "--num-train", "160",
+                           "--num-val", "32", "--batch-size", "8", "--save-steps", "100",
+                           "--out", str(tmp_path)])  # fmt: skip
+    assert run["steps"] == 10
+    assert run["logged_loss"][10] < math.log(2) + 0.05, run["logged_loss"]
