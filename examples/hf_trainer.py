@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--batch-size", type=int, default=32, help="per micro-batch")
     parser.add_argument("--lr", type=float, default=None,
-                        help="default 2e-4, or 2e-3 with --lora (short runs: 60 steps)")  # fmt: skip
+                        help="default 2e-4, or 2e-3 with --lora (runs of 60 steps)")  # fmt: skip
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--num-train", type=int, default=None, help="cap training sentences")
     parser.add_argument("--num-val", type=int, default=256, help="cap validation sentences")

@@ -46,6 +46,7 @@ from lightning_slsam.cli.errors import OneLineParser, debugging, fail
 from lightning_slsam.cli.saved_configs import UnsupportedConfig, upgrade_configs
 from lightning_slsam.lightning.compat import add_cli_subcommand, spawns_processes
 from lightning_slsam.lightning.driver import find_sam_callback
+from lightning_slsam.lightning.forgetting import ForgettingMonitor
 from lightning_slsam.parallel.ddp import release_process_group
 
 __all__ = ["SLSAMCLI", "demo_config_path", "main", "release_process_group"]
@@ -205,7 +206,26 @@ def run_summary(trainer: Any, log_dir: str | None) -> list[str]:
         if summary["out_of_sampling"]:
             lines.append(f"  {summary['out_of_sampling']}")
         lines.append(f"  per-layer chart: {summary['layer_frequency_png'] or 'not written'}")
+        if getattr(sam, "coverage_note", None):
+            lines.append(f"  warning: {sam.coverage_note}")
+    lines += _forgetting_lines(trainer)
     lines.append(f"  log dir: {log_dir or trainer.default_root_dir}")
+    return lines
+
+
+def _forgetting_lines(trainer: Any) -> list[str]:
+    """A forgetting monitor's first and last measurement (``forgetting/*`` in the logs)."""
+    lines = []
+    for monitor in trainer.callbacks:
+        if not isinstance(monitor, ForgettingMonitor) or len(monitor.history) < 2:
+            continue
+        (_, first), (step, last) = monitor.history[0], monitor.history[-1]
+        lines.append(
+            f"  forgetting ({type(monitor).__name__}, reference text): loss"
+            f" {first['loss']:.3f} -> {last['loss']:.3f} ({last['loss'] - first['loss']:+.3f}"
+            f" nats), accuracy {first['accuracy']:.3f} -> {last['accuracy']:.3f}, KL from the"
+            f" start {last['kl']:.3f} at step {step}"
+        )
     return lines
 
 

@@ -118,7 +118,8 @@ class SAMTrainerMixin:
         self._sam_pending: Any = None
         self._sam_hooked: Any = None
         self._sam_averager: tuple[Any, GradientAverager] | None = None
-        trainer.add_callback(_SAMCallback(self))
+        # First, so that its train-begin warning precedes the progress bar's first line.
+        trainer.callback_handler.callbacks.insert(0, _SAMCallback(self))
 
     # -- the step ----------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, *args: Any,

@@ -212,6 +212,8 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
         self._pending_state: dict[str, Any] | None = None
         self._logged: StepResult | None = None
         self._warnings = FitWarnings()
+        #: The coverage check's warning of the last fit (``None``: it passed), for the summary.
+        self.coverage_note: str | None = None
 
     def __getattr__(self, name: str) -> Any:
         # The method's options and derived values (``rho``, ``layer_ratio``,
@@ -294,6 +296,8 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
             state, self._pending_state = self._pending_state, None
             self._apply_state(state)
         self._logged = self.engine.last_result  # a second fit() logs its own steps only
+        if trainer.ckpt_path is None:  # before any progress bar: the warning has its own line
+            self._check_coverage(trainer)
 
     def _build_engine(self, partition: LayerPartition, module: torch.nn.Module) -> SparseSAMEngine:
         seed = self.spec.seed if self.spec.seed is not None else default_seed()
@@ -309,14 +313,20 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
             raise MisconfigurationException(str(err)) from None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.ckpt_path is not None:  # resumed: the steps left are known from here on
+            self._check_coverage(trainer)
+
+    def _check_coverage(self, trainer: pl.Trainer) -> None:
         # The guard rail: too few updates per sampled layer for the run's length, where the
-        # committed comparisons lost accuracy (lightning_slsam.selection.coverage).
+        # committed comparisons lost accuracy (lightning_slsam.selection.coverage). Kept for
+        # the end-of-fit summary too (`coverage_note`).
+        self.coverage_note = None
         if self.engine is None:
             return
         steps = estimated_stepping_batches(trainer) - trainer.global_step
-        message = self.spec.coverage_warning(self.engine, steps, type(self).__name__)
-        if message is not None:
-            rank_zero_warn(message)
+        self.coverage_note = self.spec.coverage_warning(self.engine, steps, type(self).__name__)
+        if self.coverage_note is not None:
+            rank_zero_warn(self.coverage_note)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any

@@ -4,6 +4,7 @@ of the command run in a process of its own)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +43,57 @@ def test_fit_prints_the_run_summary_once(tmp_path):
     assert shown.count("slsam_layer_frequency.png") == 1, shown[-3000:]
     # What only the method's line said is in the summary.
     assert "  8 sampled layers, " in done.stdout and " skipped steps" in done.stdout
+
+
+def _fit(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    """``lightning-slsam fit`` of a 3-step SparseLayerSAM run, stdout and stderr in one
+    stream, unbuffered, as a terminal shows them."""
+    run = tmp_path / "run.yaml"
+    run.write_text(
+        "model: {class_path: test_cli_errors.ScalarLossModel}\n"
+        "data: {class_path: test_cli_errors.Blobs}\n"
+        "trainer:\n  max_steps: 3\n  logger: false\n  enable_checkpointing: false\n"
+        "  enable_model_summary: false\n"
+        f"  default_root_dir: {tmp_path / 'root'}\n"
+        "  callbacks:\n    - class_path: lightning_slsam.SparseLayerSAM\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [sys.executable, "-m", "lightning_slsam.cli", "fit", "--config", str(run), *extra]
+    return subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          cwd=tmp_path, env=env, timeout=600)  # fmt: skip
+
+
+def test_the_coverage_warning_precedes_the_progress_bar_and_ends_the_summary(tmp_path):
+    done = _fit(tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:]
+    said = "SparseLayerSAM: each sampled layer can expect about"
+    pieces = [p for line in done.stdout.split("\n") for p in line.split("\r")]
+    warned = [p for p in pieces if said in p]
+    # Once as the warning, on a line of its own (no progress bar on it); once in the summary.
+    assert len(warned) == 2, done.stdout[-3000:]
+    assert not any(word in warned[0] for word in ("Epoch", "it/s", "%|")), warned[0]
+    assert re.fullmatch(rf"\S*callback\.py:\d+: {said}.*", warned[0]), warned[0]
+    assert warned[1].startswith(f"  warning: {said}"), warned[1]
+    assert done.stdout.index(said) < done.stdout.index("Epoch")
+
+
+def test_the_summary_gives_a_forgetting_monitors_first_and_last_measurement():
+    import types
+
+    import torch
+
+    from lightning_slsam import ForgettingMonitor
+    from lightning_slsam.cli.command import _forgetting_lines
+
+    monitor = ForgettingMonitor([torch.zeros(2, 8, dtype=torch.long)], every_n_steps=2)
+    start = {"loss": 4.78, "accuracy": 0.130, "kl": 0.0, "tokens": 14}
+    end = {"loss": 5.33, "accuracy": 0.101, "kl": 2.68, "tokens": 14}
+    monitor.history = [(0, start), (454, end)]
+    lines = _forgetting_lines(types.SimpleNamespace(callbacks=[monitor]))
+    assert lines == ["  forgetting (ForgettingMonitor, reference text): loss 4.780 -> 5.330"
+                     " (+0.550 nats), accuracy 0.130 -> 0.101, KL from the start 2.680 at step"
+                     " 454"]  # fmt: skip

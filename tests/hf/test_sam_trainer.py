@@ -360,6 +360,8 @@ def test_a_run_too_short_for_the_layer_draws_is_said_at_train_begin(tmp_path):
     trainer = SAMTrainer(model=tiny_classifier(0), args=training_args(tmp_path, max_steps=2),
                          train_dataset=classification_data(16), sam="slsam")  # fmt: skip
     [hook] = [c for c in trainer.callback_handler.callbacks if isinstance(c, _SAMCallback)]
+    # Said before any other callback begins, the progress bar's first line included.
+    assert trainer.callback_handler.callbacks[0] is hook
     under, at = math.floor(FLOOR / 0.6) - 1, math.ceil(FLOOR / 0.6) + 1
     for max_steps, global_step, fires in ((under, 0, True), (at, 0, False), (at + 10, 20, True)):
         state = SimpleNamespace(is_world_process_zero=True, max_steps=max_steps,
