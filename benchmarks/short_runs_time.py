@@ -59,6 +59,7 @@ TASKS = {
     # the label-noise benefit task (docs/results/benefit): an MLP from scratch, 60 epochs
     "mlp_noisy": ("examples/configs/tasks/mlp_digits_noisy.yaml", 60),
     "effnet_noisy": ("examples/configs/tasks/efficientnet_digits_noisy.yaml", 12),
+    "minilm_noisy": ("examples/configs/tasks/minilm_rotten_tomatoes_noisy.yaml", 8),
 }
 #: label: (method, options), as the comparison script's baselines.
 BASELINES = {"adamw": ("adamw", {}), "sam": ("sam", {}), "slsam_paper": ("slsam_paper", {}),
