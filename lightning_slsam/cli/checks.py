@@ -128,6 +128,7 @@ def check_callback_options(args: list[str]) -> str | None:
         except (TypeError, ValueError, MisconfigurationException) as err:
             # the callback's messages name its class; a flag may have meant another callback
             flag = where.startswith("--trainer.callbacks.") and "has no option" in str(err)
+            flag = flag and "did you mean" not in str(err)  # a typo: the hint says it
             return (
                 f"{where}: {str(err).rstrip('.')}{CALLBACK_FLAGS}." if flag else f"{where}: {err}"
             )

@@ -115,8 +115,9 @@ def one_line(message: str, options: Iterable[str]) -> str:
         path, reason = match.group(1), match.group(2).strip()
         if option := re.fullmatch(r"Option '(\w+)' is not accepted", reason):
             name = option.group(1)
-            where = CALLBACK_FLAGS if key == "trainer.callbacks" else ""
-            return f"{prefix}{path} has no option '{name}'{_option_hint(path, name)}{where}"
+            hint = _option_hint(path, name)
+            where = CALLBACK_FLAGS if key == "trainer.callbacks" and "did you" not in hint else ""
+            return f"{prefix}{path} has no option '{name}'{hint}{where}"
         if not reason.startswith("Parser key"):
             return f"{prefix}class '{path}' not found ({reason}){_class_path_hint(path, reason)}"
     # A nested key: its own reason is the line after its "Parser key" line.
