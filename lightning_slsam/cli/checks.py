@@ -12,6 +12,7 @@ import importlib
 import json
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import yaml
@@ -27,6 +28,8 @@ __all__ = [
     "callback_entry",
     "check_callback_options",
     "check_sam_trainer",
+    "config_callbacks",
+    "config_files",
     "missing_run",
     "resolve_callback",
     "stack_callbacks",
@@ -161,6 +164,25 @@ def stacked(earlier: Listed, later: Listed) -> Listed:
     return result
 
 
+def config_files(args: list[str]) -> Iterator[tuple[int, str, Any]]:
+    """Each ``--config`` file of ``args`` that exists: its position in ``args``, its path
+    and its parsed YAML."""
+    for i, arg in enumerate(args[:-1]):
+        path = args[i + 1]
+        if arg in CONFIG_FLAGS and os.path.isfile(path):
+            with open(path) as handle:
+                yield i + 1, path, yaml.safe_load(handle)
+
+
+def config_callbacks(loaded: Any) -> list[Any] | None:
+    """A parsed config's ``trainer.callbacks`` as a list (``None`` when it has none)."""
+    trainer = loaded.get("trainer") if isinstance(loaded, dict) else None
+    callbacks = trainer.get("callbacks") if isinstance(trainer, dict) else None
+    if not callbacks:
+        return None
+    return callbacks if isinstance(callbacks, list) else [callbacks]
+
+
 def stack_callbacks(args: list[str]) -> list[str]:
     """``args`` with the ``trainer.callbacks`` of several ``--config`` files combined by
     :func:`stacked` (jsonargparse alone keeps only the last file's list: stacking a method
@@ -170,17 +192,10 @@ def stack_callbacks(args: list[str]) -> list[str]:
     ``args`` is returned as it is.
     """
     found: list[tuple[int, Listed]] = []
-    for i, arg in enumerate(args[:-1]):
-        path = args[i + 1]
-        if arg not in CONFIG_FLAGS or not os.path.isfile(path):
-            continue
-        with open(path) as handle:
-            loaded = yaml.safe_load(handle)
-        trainer = loaded.get("trainer") if isinstance(loaded, dict) else None
-        callbacks = trainer.get("callbacks") if isinstance(trainer, dict) else None
-        if callbacks:
-            listed = callbacks if isinstance(callbacks, list) else [callbacks]
-            found.append((i + 1, [(path, callback_entry(c)) for c in listed]))
+    for at, path, loaded in config_files(args):
+        listed = config_callbacks(loaded)
+        if listed:
+            found.append((at, [(path, callback_entry(c)) for c in listed]))
     if len(found) < 2 or any(e["class_path"] is None for _, lst in found for _, e in lst):
         return args
     entries: Listed = []

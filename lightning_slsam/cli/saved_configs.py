@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from lightning_slsam.cli.checks import CONFIG_FLAGS
+from lightning_slsam.cli.checks import config_callbacks, config_files
 from lightning_slsam.methods.options import RETIRED
 from lightning_slsam.selection.bandit import DEFAULT_ALPHA
 
@@ -227,17 +227,10 @@ def upgrade_configs(args: list[str]) -> list[str]:
             today's options cannot express.
     """
     out = list(args)
-    for i, arg in enumerate(args[:-1]):
-        path = args[i + 1]
-        if arg not in CONFIG_FLAGS or not os.path.isfile(path):
+    for at, path, loaded in config_files(args):
+        listed = config_callbacks(loaded)
+        if not listed:
             continue
-        with open(path) as handle:
-            loaded = yaml.safe_load(handle)
-        trainer = loaded.get("trainer") if isinstance(loaded, dict) else None
-        callbacks = trainer.get("callbacks") if isinstance(trainer, dict) else None
-        if not callbacks:
-            continue
-        listed = callbacks if isinstance(callbacks, list) else [callbacks]
         changes = []
         for k, entry in enumerate(listed):
             if not isinstance(entry, dict):
@@ -251,11 +244,11 @@ def upgrade_configs(args: list[str]) -> list[str]:
                 changes.append(f"{entry.get('class_path')}: {', '.join(notes)}")
         if not changes:
             continue
-        trainer["callbacks"] = listed
+        loaded["trainer"]["callbacks"] = listed
         fd, upgraded = tempfile.mkstemp(prefix="lightning_slsam_", suffix=".yaml")
         with os.fdopen(fd, "w") as handle:
             yaml.safe_dump(loaded, handle, sort_keys=False)
-        out[i + 1] = upgraded
+        out[at] = upgraded
         print(
             f"lightning-slsam: {path} was saved by an earlier version; it trains the same"
             f" with {'; '.join(changes)}",
