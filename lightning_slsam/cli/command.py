@@ -22,6 +22,7 @@ per-layer chart, and the log folder.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 from jsonargparse import Namespace
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, Timer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
@@ -44,6 +45,7 @@ from lightning_slsam.cli.checks import (
 )
 from lightning_slsam.cli.errors import OneLineParser, debugging, fail
 from lightning_slsam.cli.saved_configs import UnsupportedConfig, upgrade_configs
+from lightning_slsam.lightning.callback import estimated_stepping_batches
 from lightning_slsam.lightning.compat import add_cli_subcommand, spawns_processes
 from lightning_slsam.lightning.driver import find_sam_callback
 from lightning_slsam.lightning.forgetting import ForgettingMonitor
@@ -175,6 +177,9 @@ def run_summary(trainer: Any, log_dir: str | None) -> list[str]:
     sam = find_sam_callback(trainer)
     method = type(sam).__name__ if sam is not None else "no SAM method"
     lines = ["", f"Run summary ({method}, {trainer.global_step} steps)"]
+    cut = _cut_short(trainer)
+    if cut:
+        lines.append(f"  {cut}")
     metrics = _validation_metrics(trainer)
     measured = trainer.callback_metrics.get(VALIDATED_AT)
     if not metrics:
@@ -193,10 +198,9 @@ def run_summary(trainer: Any, log_dir: str | None) -> list[str]:
         if preset is not None:
             words = sam.spec.PRESET_WORDS[preset]
             lines.append(f"  {type(sam).__name__} preset: {preset!r} ({words})")
-        lines.append(
-            f"  {type(sam).__name__} mean active ratio: {summary['mean_active_ratio']:.3f}x"
-            " over the passes (SAM: 2.0x, AdamW: 1.0x)"
-        )
+        ratio = summary["mean_active_ratio"]
+        said = "n/a (no step ran)" if math.isnan(ratio) else f"{ratio:.3f}x over the passes"
+        lines.append(f"  {type(sam).__name__} mean active ratio: {said} (SAM: 2.0x, AdamW: 1.0x)")
         engine = sam.engine  # None in the launching process under ddp_spawn
         if engine is not None:
             lines.append(
@@ -211,6 +215,29 @@ def run_summary(trainer: Any, log_dir: str | None) -> list[str]:
     lines += _forgetting_lines(trainer)
     lines.append(f"  log dir: {log_dir or trainer.default_root_dir}")
     return lines
+
+
+def _cut_short(trainer: Any) -> str | None:
+    """What stopped a run before its planned length (``max_epochs``/``max_steps``), or
+    ``None``. Lightning's own closing line names ``max_epochs`` also when ``max_time`` ran
+    out; this says which limit ended the run, at which step."""
+    if spawns_processes(trainer.strategy):  # the launching process did not count the steps
+        return None
+    planned = estimated_stepping_batches(trainer)
+    if planned == float("inf") or trainer.global_step >= planned:
+        return None
+    timer = next((cb for cb in trainer.callbacks if isinstance(cb, Timer)), None)
+    left = timer.time_remaining() if timer is not None else None
+    if trainer.interrupted:
+        why = "interrupted"
+    elif left is not None and left <= 0:
+        why = f"max_time ran out ({timer.time_elapsed():.0f} s of training)"
+    else:
+        why = "a callback stopped it (early stopping?)"
+    return (
+        f"stopped at step {trainer.global_step} of {int(planned)}: {why}; the metrics below"
+        " are those of a shortened run"
+    )
 
 
 def _forgetting_lines(trainer: Any) -> list[str]:

@@ -97,3 +97,22 @@ def test_the_summary_gives_a_forgetting_monitors_first_and_last_measurement():
     assert lines == ["  forgetting (ForgettingMonitor, reference text): loss 4.780 -> 5.330"
                      " (+0.550 nats), accuracy 0.130 -> 0.101, KL from the start 2.680 at step"
                      " 454"]  # fmt: skip
+
+
+def test_the_summary_says_which_limit_cut_a_run_short(tmp_path):
+    # Lightning closes a run stopped by max_time with "`max_epochs` reached"; the summary
+    # says which limit ended it and at which step of the planned ones.
+    done = _fit(tmp_path, "--trainer.max_steps=10", "--trainer.max_time=00:00:00:00")
+    assert done.returncode == 0, done.stdout[-3000:]
+    # A zero limit stops it before the first step (Lightning checks at the start too).
+    summary = done.stdout[done.stdout.index("Run summary (SparseLayerSAM, 0 steps)") :]
+    assert "mean active ratio: n/a (no step ran) (SAM" in summary, summary
+    said = r"stopped at step 0 of 10: max_time ran out \(\d+ s of training\); the metrics"
+    assert re.search(rf"\n  {said} below are those of a shortened run\n", summary), summary
+
+
+def test_a_run_of_its_planned_length_says_nothing_about_stopping(tmp_path):
+    done = _fit(tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "Run summary (SparseLayerSAM, 3 steps)" in done.stdout
+    assert "stopped at step" not in done.stdout
