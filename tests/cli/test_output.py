@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent.parent
 
 
@@ -45,9 +47,10 @@ def test_fit_prints_the_run_summary_once(tmp_path):
     assert "  8 sampled layers, " in done.stdout and " skipped steps" in done.stdout
 
 
-def _fit(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+def _fit(tmp_path: Path, *extra: str, terminal: bool = False) -> subprocess.CompletedProcess:
     """``lightning-slsam fit`` of a 3-step SparseLayerSAM run, stdout and stderr in one
-    stream, unbuffered, as a terminal shows them."""
+    stream, unbuffered, as a terminal shows them (``terminal``: written to a pseudo-terminal,
+    where the progress bar redraws itself)."""
     run = tmp_path / "run.yaml"
     run.write_text(
         "model: {class_path: test_cli_errors.ScalarLossModel}\n"
@@ -63,12 +66,35 @@ def _fit(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
         "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
     }
     command = [sys.executable, "-m", "lightning_slsam.cli", "fit", "--config", str(run), *extra]
+    if terminal:
+        return _on_a_terminal(command, tmp_path, env)
     return subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           cwd=tmp_path, env=env, timeout=600)  # fmt: skip
 
 
-def test_the_coverage_warning_precedes_the_progress_bar_and_ends_the_summary(tmp_path):
-    done = _fit(tmp_path)
+def _on_a_terminal(command: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    """Run ``command`` with a pseudo-terminal as its stdout and stderr; what it shows."""
+    pty = pytest.importorskip("pty")
+    controller, terminal = pty.openpty()
+    process = subprocess.Popen(command, stdout=terminal, stderr=terminal, cwd=cwd, env=env)
+    os.close(terminal)
+    shown = []
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # the terminal closed with the process
+            break
+        if not chunk:
+            break
+        shown.append(chunk)
+    os.close(controller)
+    code = process.wait(timeout=600)
+    return subprocess.CompletedProcess(command, code, b"".join(shown).decode(errors="replace"))
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["pipe", "terminal"])
+def test_the_coverage_warning_precedes_the_progress_bar_and_ends_the_summary(tmp_path, terminal):
+    done = _fit(tmp_path, terminal=terminal)
     assert done.returncode == 0, done.stdout[-3000:]
     said = "SparseLayerSAM: each sampled layer can expect about"
     pieces = [p for line in done.stdout.split("\n") for p in line.split("\r")]
