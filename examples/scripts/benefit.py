@@ -202,10 +202,15 @@ def step_times(task: str, path: str = TIMES) -> dict[str, float]:
     return {}
 
 
+#: Configurations that do the step work of another: SparseLayerSAM() without its update
+#: scaling draws and computes as SparseLayerSAM() does.
+SAME_WORK = {"slsam_unscaled": "slsam"}
+
+
 def time_of(label: str, times: dict[str, float]) -> float | None:
     """A row's step time: its own label's, a control's sampler's, a radius variant's method's."""
     base = label.split(" (")[0].removesuffix("_rho0")
-    return times.get(base)
+    return times.get(SAME_WORK.get(base, base))
 
 
 def frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
