@@ -35,6 +35,7 @@ import json
 import math
 import os
 import random
+import re
 import statistics
 from typing import Any
 
@@ -127,6 +128,8 @@ def task_table(runs: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
     adamw_runs = [r for r in runs if r["method"] == "AdamW"]
     lr, lr_means = choose(adamw_runs, "lr")
     sam_runs = [r for r in runs if r["method"] == "SAM" and r["lr"] == lr]
+    if not sam_runs:  # a task whose SAM sweep has not run yet
+        raise LookupError(f"no SAM run at AdamW's chosen learning rate {lr:g} yet")
     rho, rho_means = choose(sam_runs, "rho")
     base = {"adamw": [r for r in adamw_runs if r["lr"] == lr],
             "sam": [r for r in sam_runs if r["rho"] == rho]}  # fmt: skip
@@ -164,8 +167,9 @@ def task_table(runs: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
     # Controls: each sampler's share split into what its sampling alone keeps (its run at a
     # radius near 0) and what the perturbation adds.
     for name, row in rows.items():
-        label, _, setting = name.partition(" (")  # a control runs at its sampler's lr
-        control = rows.get(f"{label}_rho0" + (f" ({setting}" if setting else ""))
+        # A control runs at its sampler's learning rate; one serves every radius.
+        label, rate = name.split(" (")[0], re.search(r" \(lr [^)]*\)", name)
+        control = rows.get(f"{label}_rho0" + (rate[0] if rate else ""))
         if control is not None:
             row["split"] = {point: (control[point]["share"][0],
                                     row[point]["share"][0] - control[point]["share"][0])
@@ -340,7 +344,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         folder = os.path.join(args.results, task)
         if os.path.isdir(folder) and glob.glob(os.path.join(folder, "**", "run.json"),
                                                recursive=True):  # fmt: skip
-            tables[task] = task_table(read_runs(folder))
+            try:
+                tables[task] = task_table(read_runs(folder))
+            except LookupError as missing:
+                print(f"{task}: left out of the table ({missing})")
+                continue
             add_times(task, tables[task], step_times(task, args.times))
     text = render(tables)
     if any(row.get("time") is not None for t in tables.values() for row in t["rows"].values()):
