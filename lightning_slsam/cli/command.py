@@ -224,7 +224,7 @@ def _cut_short(trainer: Any) -> str | None:
     if spawns_processes(trainer.strategy):  # the launching process did not count the steps
         return None
     planned = estimated_stepping_batches(trainer)
-    if planned == float("inf") or trainer.global_step >= planned:
+    if math.isinf(planned) or trainer.global_step >= planned:
         return None
     timer = next((cb for cb in trainer.callbacks if isinstance(cb, Timer)), None)
     left = timer.time_remaining() if timer is not None else None
@@ -233,7 +233,7 @@ def _cut_short(trainer: Any) -> str | None:
     elif left is not None and left <= 0:
         why = f"max_time ran out ({timer.time_elapsed():.0f} s of training)"
     else:
-        why = "a callback stopped it (early stopping?)"
+        why = "a callback stopped it (e.g. early stopping)"
     return (
         f"stopped at step {trainer.global_step} of {int(planned)}: {why}; the metrics below"
         " are those of a shortened run"
