@@ -14,7 +14,8 @@ learning rate, its method and its radius. Per task:
 2. **Read on test.** A run's accuracy is its ``test_acc`` at the evaluation where its
    ``val_acc`` was best ("best epoch"), and its ``test_acc`` at the end of the run ("end").
 3. **SAM's gain** is SAM's mean minus AdamW's; it is real when it exceeds twice its
-   standard error (the two means' standard errors over seeds, in quadrature).
+   standard error (the two means' standard errors over seeds, in quadrature) and each of
+   the two rests on at least 5 seeds (with fewer the table shows it as not a claim yet).
 4. **The share of SAM's gain kept** by a method is ``(method - AdamW) / (SAM - AdamW)``,
    with a bootstrap interval: each row's seeds, AdamW's and SAM's resampled independently
    (2,000 draws, the 2.5th and 97.5th percentiles).
@@ -57,6 +58,8 @@ DRAWS = 2000
 FLOOR = -1.5
 #: the radius of the controls: sparse updates without a perturbation
 CONTROL_RHO = 1e-8
+#: seeds of AdamW and of SAM below which SAM's gain is shown but not claimed
+CLAIM_SEEDS = 5
 
 
 def read_runs(folder: str) -> list[dict[str, Any]]:
@@ -139,7 +142,8 @@ def task_table(runs: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
         (ma, sa), (ms, ss) = mean_se(a), mean_se(s)
         gain, se = ms - ma, math.hypot(sa, ss)
         result[point] = {"adamw": (ma, sa, len(a)), "sam": (ms, ss, len(s)), "gain": gain,
-                         "gain_se": se, "real": gain > 2 * se}  # fmt: skip
+                         "gain_se": se, "real": gain > 2 * se,
+                         "enough_seeds": min(len(a), len(s)) >= CLAIM_SEEDS}  # fmt: skip
     rows: dict[str, Any] = {}
     # One row per (label, radius): a method run at SAM's radius and at its own; of SAM's
     # sweep only the chosen radius is a row.
@@ -287,7 +291,14 @@ def render(tables: dict[str, dict[str, Any]]) -> str:
                   f" {t['rho']:g}.", ""]  # fmt: skip
         for point, words in (("best_epoch", "at the best epoch"), ("end", "at the end")):
             g = t[point]
-            verdict = "real" if g["real"] else "not above twice its standard error"
+            if not g["enough_seeds"]:
+                size = f"{g['adamw'][2]} seeds of AdamW and {g['sam'][2]} of SAM"
+                verdict = ("above" if g["real"] else "not above") + (
+                    f" twice its standard error, on {size}: not a claim yet (it needs"
+                    f" {CLAIM_SEEDS} each)"
+                )
+            else:
+                verdict = "real" if g["real"] else "not above twice its standard error"
             lines.append(
                 f"- SAM's gain {words}: {g['gain']:+.4f} ± {g['gain_se']:.4f} ({verdict});"
                 f" AdamW {g['adamw'][0]:.4f}, SAM {g['sam'][0]:.4f}."

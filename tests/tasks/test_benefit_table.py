@@ -99,6 +99,12 @@ def test_choices_are_made_on_validation_and_shares_read_on_test(task):
     assert table["lr"] == 1e-3 and table["rho"] == 0.3
     assert table["best_epoch"]["gain"] == pytest.approx(0.10)
     assert table["best_epoch"]["real"]  # equal jitter: the difference's spread is tiny
+    # three seeds: shown, not claimed
+    assert not table["best_epoch"]["enough_seeds"]
+    assert (
+        "(above twice its standard error, on 3 seeds of AdamW and 3 of SAM: not a claim yet"
+        " (it needs 5 each))" in benefit.render({"toy": table})
+    )
     rows = table["rows"]
     # rho 1 and lr 3e-3 are SAM's sweep's, not rows; a sampler's own learning rate is one
     assert set(rows) == {"sam", "slsam", "slsam_rho0", "slsam (lr 0.003)", "slsam_rho0 (lr 0.003)"}
