@@ -19,7 +19,7 @@ from models import make_workload
 from torch.utils.data import DataLoader
 
 from lightning_slsam import SAMMixin, make_engine
-from lightning_slsam.lightning.callback import normalized_entropy
+from lightning_slsam.core.engine import normalized_entropy
 
 
 def bandit(

@@ -218,6 +218,22 @@ def test_the_subpackages_form_a_layered_dag():
             visit(name, [name])
 
 
+def test_the_hugging_face_front_end_and_the_core_import_nothing_of_the_lightning_layer():
+    # What the front-ends share (the method's checkpoint state, step metrics, loss-scale
+    # reading, batch handling, the DDP averager, a spec from a name) lives below the
+    # Lightning layer; no Lightning exception type can reach a Hugging Face or plain-loop user.
+    for name in ("hf", "core"):
+        used = {
+            (path.name, module)
+            for path in (PACKAGE / name).rglob("*.py")
+            for module in _imports(path)
+            if module.startswith("lightning_slsam.lightning")
+        }
+        assert used == set(), f"{name}/ imports the Lightning layer: {sorted(used)}"
+        text = "".join(p.read_text() for p in (PACKAGE / name).rglob("*.py"))
+        assert "MisconfigurationException" not in text
+
+
 def test_the_layering_check_counts_type_only_imports_not_those_in_functions():
     source = (
         "from typing import TYPE_CHECKING\n"

@@ -61,11 +61,11 @@ from lightning_slsam.core.step import (
     sam_step,
     single_step,
 )
-from lightning_slsam.parallel.ddp import GradientAverager, check_same_draw, ddp_averager
+from lightning_slsam.parallel.ddp import DDPAverager, check_same_draw
 from lightning_slsam.parallel.shards import shards_of
 from lightning_slsam.selection.rules import LayerSelection
 
-__all__ = ["SparseSAMEngine"]
+__all__ = ["SparseSAMEngine", "normalized_entropy"]
 
 
 class SparseSAMEngine:
@@ -148,7 +148,7 @@ class SparseSAMEngine:
         )
         #: Single-step SAM's gradients of the last step each tensor was trained in.
         self.last_grad: dict[int, Tensor] = {}
-        self._ddp: tuple[torch.nn.Module, GradientAverager] | None = None
+        self._ddp = DDPAverager()
         self.reset_counters(partition.num_layers)
 
     @property
@@ -258,7 +258,14 @@ class SparseSAMEngine:
         def loss(index: Tensor | None) -> tuple[Tensor, Tensor | None]:
             return split_per_sample(compute_loss() if index is None else compute_loss(index))
 
-        size = None if batch_size is None else lambda _: batch_size
+        def size(_: Any) -> int:
+            if batch_size is None:
+                raise ValueError(
+                    "This method addresses single samples and needs the batch size: pass it"
+                    " (train_step(..., batch_size=...))."
+                )
+            return batch_size
+
         passes = Passes(
             [None], loss, Tensor.backward, size=size, subset=lambda _, index: index,
             needs_per_sample=self.needs_per_sample,
@@ -271,11 +278,8 @@ class SparseSAMEngine:
 
         if ddp is None:
             return self.step(Loop(passes, zero_grad, optimizer_step, optimizer=optimizer))
-        first = self._ddp is None or self._ddp[0] is not ddp
-        if first:
-            self._ddp = (ddp, ddp_averager(ddp, self._module))
+        averager, first = self._ddp(ddp, self._module)
         with ddp.no_sync():  # type: ignore[operator]
-            averager = self._ddp[1]  # type: ignore[index]
             loop = Loop(
                 passes, zero_grad, optimizer_step, None, averager, first, optimizer=optimizer
             )
@@ -336,6 +340,26 @@ class SparseSAMEngine:
     def never_selected(self) -> int:
         """Layers not updated in any step so far."""
         return int((self.counts == 0).sum())
+
+    def step_metrics(self, result: StepResult, distributed: bool) -> dict[str, float]:
+        """The metrics every front-end logs after the optimizer step that made ``result``
+        (``distributed``: several processes, whose all-reduced bytes are logged too)."""
+        total = max(result.trainable_numel, 1)
+        per_pass = [n / total for n in result.pass_numel] + [0.0, 0.0]
+        metrics = {
+            "slsam/active_layers": float(result.active_mask.sum()),
+            "slsam/active_ratio": result.active_ratio,
+            "slsam/active_ratio_pass1": per_pass[0],
+            "slsam/active_ratio_pass2": per_pass[1],
+            "slsam/backward_passes": float(len(result.pass_numel) + result.extra_backward),
+            "slsam/sam_step": float(result.kind in ("sam", "single")),
+            "slsam/entropy": normalized_entropy(self.selection.probs),
+            "slsam/never_selected": float(int((self.counts == 0).sum())),
+            "slsam/skipped_steps": float(self.num_skipped),
+        }
+        if distributed:
+            metrics["slsam/allreduce_bytes"] = float(result.allreduce_bytes)
+        return metrics
 
     # -- state --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -430,6 +454,19 @@ class SparseSAMEngine:
         tensors = self.freezer.tensors()
         return {k: {i: convert(v, tensors[i]) for i, v in x.items()} if _per_tensor_store(x)
                 else x for k, x in state.items()}  # fmt: skip
+
+
+def normalized_entropy(probs: Tensor) -> float:
+    """Entropy of ``probs / probs.sum()`` divided by ``log(N)``: 1.0 is uniform.
+
+    Falls toward 0 as the bandit concentrates on few layers; 1.0 for a single layer.
+    """
+    n = probs.numel()
+    if n <= 1:
+        return 1.0
+    q = probs.double() / probs.double().sum()
+    entropy = -(q * torch.log(q.clamp_min(1e-300))).sum().item()
+    return entropy / math.log(n)
 
 
 def _per_tensor_store(value: Any) -> bool:

@@ -459,14 +459,6 @@ class LayerFreezer:
         """Each tensor's normalisation group."""
         return torch.tensor([self._slot[id(p)] for p in params], dtype=torch.long)
 
-    def with_grad(self, active: list[Tensor]) -> tuple[list[Tensor], list[Tensor], Tensor]:
-        """Active tensors that received a gradient, their grads and group slots.
-
-        A sampled tensor the forward did not use has ``grad=None``: it counts as norm 0.
-        """
-        params = [p for p in active if p.grad is not None]
-        return params, [p.grad for p in params], self.slots(params)  # type: ignore[misc]
-
     def layer_norms(self, norms: Tensor, slots: Tensor) -> Tensor:
         """Per-layer L2 norms (``[num_layers]``; 0 for a layer without gradient)."""
         return group_norms(norms, slots, self.num_groups)[: self.num_layers]

@@ -35,7 +35,10 @@ __all__ = [
     "PER_SAMPLE_NEEDED",
     "PassOutput",
     "Passes",
+    "batch_size",
+    "batch_subset",
     "first_tensor",
+    "loss_scale_reader",
     "skip_with_scaler",
     "split_per_sample",
     "subset_batch",
@@ -95,8 +98,10 @@ class Passes:
             ``manual_backward``, ``fabric.backward``).
         scale: each micro-batch's loss is multiplied by it (``1 / k`` for ``k``
             accumulated micro-batches).
-        size: samples in a micro-batch (needed by methods that address single samples).
-        subset: ``subset(batch, index)``: the micro-batch cut to the samples ``index``.
+        size: samples in a micro-batch (needed by methods that address single samples;
+            default :func:`batch_size`).
+        subset: ``subset(batch, index)``: the micro-batch cut to the samples ``index``
+            (default :func:`batch_subset`).
         needs_per_sample: a loss without per-sample losses raises ``error`` (ESAM).
         error: the exception class of that error.
 
@@ -121,7 +126,8 @@ class Passes:
     ) -> None:
         self.micro_batches = list(micro_batches)
         self.loss, self.backward, self.scale = loss, backward, float(scale)
-        self.size, self.subset = size, subset
+        self.size = size if size is not None else batch_size
+        self.subset = subset if subset is not None else batch_subset
         self.needs_per_sample, self.error = needs_per_sample, error
         self.number = 0
         self._full_passes = 0
@@ -129,11 +135,6 @@ class Passes:
     @property
     def batch_sizes(self) -> list[int]:
         """Samples in each micro-batch."""
-        if self.size is None:
-            raise ValueError(
-                "This method addresses single samples and needs the batch size: pass it"
-                " (train_step(..., batch_size=...))."
-            )
         return [self.size(batch) for batch in self.micro_batches]
 
     def __call__(
@@ -152,7 +153,7 @@ class Passes:
                     if index.numel() == 0:
                         per_sample.append(None)
                         continue
-                    batch = self.subset(batch, index)  # type: ignore[misc]
+                    batch = self.subset(batch, index)
                 with torch.set_grad_enabled(backward and torch.is_grad_enabled()):
                     loss, samples = self.loss(batch)
                 if samples is None and self.needs_per_sample:
@@ -175,6 +176,28 @@ def skip_with_scaler(optimizer: Any) -> None:
     that the optimizer step it wraps skips the update and lowers the scale."""
     param = next(p for g in optimizer.param_groups for p in g["params"])
     param.grad = torch.full_like(param, float("inf"))
+
+
+def loss_scale_reader(scaler: Any) -> Callable[[], Tensor] | None:
+    """A function returning the scaler's current loss scale as a device tensor, without a
+    host synchronisation (``None`` for ``scaler=None``).
+
+    torch 2.14.1: ``GradScaler._get_scale_async()``; the public ``get_scale()`` syncs.
+    """
+    return scaler._get_scale_async if scaler is not None else None
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in ``batch``: the first dimension of its first tensor (1 for a scalar or a
+    batch without tensors)."""
+    first = first_tensor(batch)
+    return int(first.shape[0]) if first is not None and first.dim() else 1
+
+
+def batch_subset(batch: Any, index: Tensor) -> Any:
+    """``batch`` restricted to the samples ``index`` (:func:`subset_batch` at its
+    :func:`batch_size`)."""
+    return subset_batch(batch, index, batch_size(batch))
 
 
 def first_tensor(batch: Any) -> Tensor | None:

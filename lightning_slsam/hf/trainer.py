@@ -46,18 +46,15 @@ from lightning_slsam.core.engine import SparseSAMEngine
 from lightning_slsam.core.passes import (
     PER_SAMPLE_NEEDED,
     Passes,
-    first_tensor,
+    loss_scale_reader,
     skip_with_scaler,
     split_per_sample,
-    subset_batch,
 )
+from lightning_slsam.core.state import apply_method_state, method_state
 from lightning_slsam.core.step import Loop, StepResult
-from lightning_slsam.lightning.callback import step_metrics
-from lightning_slsam.lightning.compat import loss_scale_reader
-from lightning_slsam.lightning.setup_checks import apply_method_state, method_state
-from lightning_slsam.methods.registry import lookup, method_spec
+from lightning_slsam.methods.registry import spec_from
 from lightning_slsam.methods.spec import MethodSpec
-from lightning_slsam.parallel.ddp import GradientAverager, ddp_averager
+from lightning_slsam.parallel.ddp import DDPAverager
 
 __all__ = ["STATE_FILE", "SAMTrainer", "SAMTrainerMixin"]
 
@@ -93,7 +90,8 @@ class SAMTrainerMixin:
     """
 
     def __init__(self, *args: Any, sam: str | MethodSpec = "slsam", **kwargs: Any) -> None:
-        spec = _spec(sam)  # checked before the Trainer is built: nothing is set up yet
+        # Checked before the Trainer is built: nothing is set up yet.
+        spec = spec_from(sam, {}, owner="SAMTrainer", instead="use transformers.Trainer.")
         super().__init__(*args, **kwargs)
         trainer: Any = self
         _check_supported(trainer)
@@ -117,7 +115,7 @@ class SAMTrainerMixin:
         self._sam_per_sample: list[Tensor | None] | None = None
         self._sam_pending: Any = None
         self._sam_hooked: Any = None
-        self._sam_averager: tuple[Any, GradientAverager] | None = None
+        self._sam_averager = DDPAverager()
         # First, so that its train-begin warning precedes the progress bar's first line.
         trainer.callback_handler.callbacks.insert(0, _SAMCallback(self))
 
@@ -159,18 +157,12 @@ class SAMTrainerMixin:
         self._sam_pending = None
         self._sam_model, self._sam_items = model, items
         passes = Passes(
-            micro_batches, self._sam_loss, trainer.accelerator.backward, size=_size,
-            subset=_subset, needs_per_sample=engine.needs_per_sample,
+            micro_batches, self._sam_loss, trainer.accelerator.backward,
+            needs_per_sample=engine.needs_per_sample,
         )  # fmt: skip
         scaler = getattr(trainer.accelerator, "scaler", None)
         ddp = _ddp(model)
-        averager = None
-        first = False
-        if ddp is not None:
-            if self._sam_averager is None or self._sam_averager[0] is not ddp:
-                self._sam_averager = (ddp, ddp_averager(ddp, unwrapped))
-                first = True
-            averager = self._sam_averager[1]
+        averager, first = self._sam_averager(ddp, unwrapped) if ddp is not None else (None, False)
         loop = Loop(
             passes, functools.partial(model.zero_grad, set_to_none=True),
             functools.partial(self._sam_optimizer_step, scaler=scaler),
@@ -261,7 +253,7 @@ class SAMTrainerMixin:
         engine = self.sam_engine
         if "loss" in logs and engine.last_result is not None:
             distributed = int(self.args.world_size) > 1  # type: ignore[attr-defined]
-            metrics = step_metrics(engine.last_result, engine, distributed)
+            metrics = engine.step_metrics(engine.last_result, distributed)
             done = max(engine.num_steps - engine.num_skipped, 1)
             metrics["slsam/mean_active_ratio"] = engine.active_ratio_sum / done
             logs = {**logs, **{k: round(v, 4) for k, v in metrics.items()}}
@@ -280,7 +272,7 @@ class SAMTrainerMixin:
     def sam_state_dict(self) -> dict[str, Any]:
         """The method's state (what ``slsam_state.pt`` holds)."""
         engine = self.sam_engine
-        return method_state(self.sam_method, self.sam_spec, engine, engine.partition)
+        return method_state(self.sam_method, self.sam_spec, engine)
 
     def load_sam_state(self, checkpoint: str) -> None:
         """Restore the method's state saved in the folder ``checkpoint``."""
@@ -292,13 +284,9 @@ class SAMTrainerMixin:
             )
             return
         state = torch.load(file, map_location="cpu", weights_only=False)
-        engine = self.sam_engine
-        apply_method_state(self, state, engine, engine.partition, _warn)
-
-    @property
-    def spec(self) -> MethodSpec:
-        """The method's specification (named so for the checkpoint checks)."""
-        return self.sam_spec
+        apply_method_state(
+            state, self.sam_engine, owner=type(self).__name__, spec=self.sam_spec, warn=_warn
+        )
 
 
 class SAMTrainer(SAMTrainerMixin, Trainer):
@@ -331,22 +319,6 @@ class _SAMCallback(TrainerCallback):
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         if os.path.isdir(folder):
             torch.save(self.trainer.sam_state_dict(), os.path.join(folder, STATE_FILE))
-
-
-def _spec(sam: str | MethodSpec) -> MethodSpec:
-    if isinstance(sam, MethodSpec):
-        return sam
-    if not isinstance(sam, str):
-        raise TypeError(
-            f"`sam` must be a method name or a MethodSpec (method_spec('slsam', rho=0.05)),"
-            f" got {type(sam).__name__}."
-        )
-    spec_class, _ = lookup(sam)  # a ValueError naming the closest method
-    if spec_class is None:
-        raise ValueError(
-            f"`sam={sam!r}` is plain AdamW, which needs no SAMTrainer: use transformers.Trainer."
-        )
-    return method_spec(sam)
 
 
 def _check_supported(trainer: Any) -> None:
@@ -398,15 +370,6 @@ def _gives_per_sample(trainer: SAMTrainerMixin, model: Any) -> bool:
     if type(trainer).per_sample_loss is not SAMTrainerMixin.per_sample_loss:
         return True
     return type(_base_model(model)).__name__.endswith(_PER_SAMPLE_HEADS)
-
-
-def _size(batch: Any) -> int:
-    first = first_tensor(batch)
-    return int(first.shape[0]) if first is not None and first.dim() else 1
-
-
-def _subset(batch: Any, index: Tensor) -> Any:
-    return subset_batch(batch, index, _size(batch))
 
 
 def _warn(message: str) -> None:

@@ -3,7 +3,7 @@
 Each method (:mod:`lightning_slsam.lightning.callbacks`: SL-SAM, SAM, RST, ESAM, ...) is a
 thin shell over its pure-PyTorch specification (:mod:`lightning_slsam.methods.spec`). This
 base class owns what is Lightning's: the setup checks, building the engine at fit start
-(seeded the same on every process), the per-step logging (:func:`step_metrics`), the
+(seeded the same on every process), the per-step logging (the engine's ``step_metrics``), the
 end-of-fit record (:mod:`~lightning_slsam.lightning.record`) and the checkpointed state.
 The training step itself is run by the module's
 :class:`~lightning_slsam.lightning.driver.StepDriver` (created by
@@ -38,6 +38,12 @@ from torch import Tensor
 from lightning_slsam.core.engine import SparseSAMEngine
 from lightning_slsam.core.partition import LayerPartition
 from lightning_slsam.core.perturbation import BackupPool
+from lightning_slsam.core.state import (
+    CheckpointMismatch,
+    apply_method_state,
+    differs_by_trainable,
+    method_state,
+)
 from lightning_slsam.core.step import StepResult
 from lightning_slsam.lightning.compat import (
     attached_trainer,
@@ -55,13 +61,10 @@ from lightning_slsam.lightning.record import (
 from lightning_slsam.lightning.setup_checks import (
     LIGHTNING_OPTIONS,
     FitWarnings,
-    apply_method_state,
     check_engine,
     check_fit_setup,
     check_lightning_options,
     check_one_optimizer,
-    differs_by_trainable,
-    method_state,
     prepare_compiled,
 )
 from lightning_slsam.lightning.signatures import (
@@ -78,8 +81,6 @@ __all__ = [
     "SAMCallback",
     "callback_for",
     "estimated_stepping_batches",
-    "normalized_entropy",
-    "step_metrics",
 ]
 
 
@@ -104,41 +105,6 @@ class _Count(int):
         if spec[-1:] in tuple("eEfFgG%"):
             spec = spec[:-1].partition(".")[0] + "d"
         return int.__format__(self, spec)
-
-
-def step_metrics(
-    result: StepResult, engine: SparseSAMEngine, distributed: bool
-) -> dict[str, float]:
-    """The metrics logged after each optimizer step."""
-    total = max(result.trainable_numel, 1)
-    per_pass = [n / total for n in result.pass_numel] + [0.0, 0.0]
-    metrics = {
-        "slsam/active_layers": float(result.active_mask.sum()),
-        "slsam/active_ratio": result.active_ratio,
-        "slsam/active_ratio_pass1": per_pass[0],
-        "slsam/active_ratio_pass2": per_pass[1],
-        "slsam/backward_passes": float(len(result.pass_numel) + result.extra_backward),
-        "slsam/sam_step": float(result.kind in ("sam", "single")),
-        "slsam/entropy": normalized_entropy(engine.selection.probs),
-        "slsam/never_selected": float(int((engine.counts == 0).sum())),
-        "slsam/skipped_steps": float(engine.num_skipped),
-    }
-    if distributed:
-        metrics["slsam/allreduce_bytes"] = float(result.allreduce_bytes)
-    return metrics
-
-
-def normalized_entropy(probs: Tensor) -> float:
-    """Entropy of ``probs / probs.sum()`` divided by ``log(N)``: 1.0 is uniform.
-
-    Falls toward 0 as the bandit concentrates on few layers; 1.0 for a single layer.
-    """
-    n = probs.numel()
-    if n <= 1:
-        return 1.0
-    q = probs.double() / probs.double().sum()
-    entropy = -(q * torch.log(q.clamp_min(1e-300))).sum().item()
-    return entropy / math.log(n)
 
 
 #: Specification class -> the callback class of that method (the first one declared).
@@ -376,7 +342,7 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
         if result is None or result is self._logged:
             return  # no step yet, or a micro-batch buffered for accumulation
         self._logged = result
-        metrics = step_metrics(result, self.engine, distributed=trainer.world_size > 1)
+        metrics = self.engine.step_metrics(result, distributed=trainer.world_size > 1)
         metrics.update(self.selection_metrics())
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
@@ -436,7 +402,7 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
     def state_dict(self) -> dict[str, Any]:
         if self.engine is None or self.partition is None or self._pending_state is not None:
             return dict(self._pending_state or {})
-        return method_state(self.method, self.spec, self.engine, self.partition)
+        return method_state(self.method, self.spec, self.engine)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
@@ -448,7 +414,13 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
 
     def _apply_state(self, state: dict[str, Any]) -> None:
         assert self.engine is not None and self.partition is not None
-        apply_method_state(self, state, self.engine, self.partition, rank_zero_warn)
+        try:
+            apply_method_state(
+                state, self.engine, owner=type(self).__name__, spec=self.spec,
+                warn=rank_zero_warn, preset=getattr(self, "preset", None),
+            )  # fmt: skip
+        except CheckpointMismatch as err:
+            raise MisconfigurationException(str(err)) from None
 
 
 def _is_method_state(state: dict[str, Any]) -> bool:

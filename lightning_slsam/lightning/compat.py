@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torch import Tensor
-
 __all__ = [
     "add_cli_subcommand",
     "attached_trainer",
@@ -20,7 +18,6 @@ __all__ = [
     "carry_step_progress",
     "epoch_ends_with_this_batch",
     "gradient_scaler",
-    "loss_scale_reader",
     "spawns_processes",
 ]
 
@@ -50,15 +47,6 @@ def gradient_scaler(trainer: Any) -> Any:
     ``FSDPPrecision``; other precision plugins have none.
     """
     return getattr(trainer.precision_plugin, "scaler", None)
-
-
-def loss_scale_reader(scaler: Any) -> Callable[[], Tensor] | None:
-    """A function returning the scaler's current loss scale as a device tensor, without a
-    host synchronisation (``None`` for ``scaler=None``).
-
-    torch 2.14.1: ``GradScaler._get_scale_async()``; the public ``get_scale()`` syncs.
-    """
-    return scaler._get_scale_async if scaler is not None else None
 
 
 def automatic_scheduler_configs(raw: Any, current: list[Any]) -> list[Any]:

@@ -27,14 +27,18 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
-from lightning_slsam.core.passes import Passes, skip_with_scaler, split_per_sample
+from lightning_slsam.core.passes import (
+    Passes,
+    loss_scale_reader,
+    skip_with_scaler,
+    split_per_sample,
+)
 from lightning_slsam.core.step import Loop
 from lightning_slsam.lightning.compat import (
     attached_trainer,
     automatic_scheduler_configs,
     epoch_ends_with_this_batch,
     gradient_scaler,
-    loss_scale_reader,
 )
 from lightning_slsam.parallel.ddp import GradientAverager
 
@@ -64,10 +68,12 @@ class SAMController:
 
 
 def find_sam_callback(trainer: Any) -> Any:
-    """The SAM callback attached to ``trainer`` (setup refuses more than one), if any."""
-    for callback in trainer.callbacks:
-        if isinstance(callback, SAMController):
-            return callback
+    """The SAM callback attached to ``trainer`` (``None``: no Trainer, or no SAM callback;
+    the setup checks refuse more than one)."""
+    if trainer is not None:
+        for callback in trainer.callbacks:
+            if isinstance(callback, SAMController):
+                return callback
     return None
 
 

@@ -30,20 +30,15 @@ from torch import Tensor
 from lightning_slsam.core.engine import SparseSAMEngine
 from lightning_slsam.core.passes import (
     Passes,
-    first_tensor,
+    loss_scale_reader,
     skip_with_scaler,
     split_per_sample,
-    subset_batch,
 )
 from lightning_slsam.core.regions import compile_blocks_instead, compiled_whole
+from lightning_slsam.core.state import apply_method_state, method_state
 from lightning_slsam.core.step import Loop, StepResult
-from lightning_slsam.lightning.compat import loss_scale_reader
-from lightning_slsam.lightning.setup_checks import (
-    apply_method_state,
-    check_compiled_sampling,
-    method_state,
-)
-from lightning_slsam.methods.registry import lookup, method_spec
+from lightning_slsam.lightning.setup_checks import check_compiled_sampling
+from lightning_slsam.methods.registry import spec_from
 from lightning_slsam.methods.spec import MethodSpec, default_seed
 from lightning_slsam.parallel.ddp import GradientAverager
 
@@ -62,15 +57,6 @@ _REFUSED = {
 
 def _names(obj: Any) -> set[str]:
     return {cls.__name__ for cls in type(obj).__mro__}
-
-
-def _size(batch: Any) -> int:
-    first = first_tensor(batch)
-    return int(first.shape[0]) if first is not None and first.dim() else 1
-
-
-def _subset(batch: Any, index: Tensor) -> Any:
-    return subset_batch(batch, index, _size(batch))
 
 
 class FabricSAM:
@@ -180,7 +166,10 @@ class FabricSAM:
         self.fabric, self.model, self.optimizer = fabric, model, optimizer
         self.gradient_clip_val, self.gradient_clip_algorithm = clip, gradient_clip_algorithm
         self.method = method if isinstance(method, str) else type(method).name
-        self.spec = _spec(method, options)
+        self.spec = spec_from(
+            method, options, owner="FabricSAM",
+            instead="call `fabric.backward(loss)` and `optimizer.step()`.",
+        )  # fmt: skip
         seed = self.spec.seed if self.spec.seed is not None else default_seed()
         if fabric.world_size > 1:  # every process draws the same layers: rank 0's seed
             seed = fabric.broadcast(seed)
@@ -252,8 +241,7 @@ class FabricSAM:
             _info(f"{self.name}, before step {self.engine.num_steps}: {change}")
         passes = Passes(
             batches, lambda batch: split_per_sample(loss_fn(batch)), self.fabric.backward,
-            scale=1.0 / len(batches), size=_size, subset=_subset,
-            needs_per_sample=self.engine.needs_per_sample,
+            scale=1.0 / len(batches), needs_per_sample=self.engine.needs_per_sample,
         )  # fmt: skip
         scaler = getattr(self.fabric.strategy.precision, "scaler", None)
         loop = Loop(
@@ -292,28 +280,11 @@ class FabricSAM:
 
     def state_dict(self) -> dict[str, Any]:
         """The method's state (selection, counters, generators, a method's own parts)."""
-        return method_state(self.method, self.spec, self.engine, self.partition)
+        return method_state(self.method, self.spec, self.engine)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output; refuses a checkpoint of other layers."""
-        apply_method_state(self, state, self.engine, self.partition, _warn)
-
-
-def _spec(method: str | MethodSpec, options: dict[str, Any]) -> MethodSpec:
-    if isinstance(method, MethodSpec):
-        if options:
-            raise TypeError(
-                f"FabricSAM takes options with a method name, not with a MethodSpec (got"
-                f" {sorted(options)}): set them on the spec."
-            )
-        return method
-    spec_class, _ = lookup(method)  # a ValueError naming the closest method
-    if spec_class is None:
-        raise ValueError(
-            f"Method {method!r} is plain AdamW, which needs no FabricSAM: call"
-            " `fabric.backward(loss)` and `optimizer.step()`."
-        )
-    return method_spec(method, **options)
+        apply_method_state(state, self.engine, owner="FabricSAM", spec=self.spec, warn=_warn)
 
 
 def _is_fabric(obj: Any) -> bool:

@@ -25,19 +25,9 @@ from torch import Tensor
 
 from lightning_slsam.core.passes import first_tensor, split_per_sample, subset_batch
 from lightning_slsam.lightning.compat import attached_trainer, carry_step_progress
-from lightning_slsam.lightning.driver import SAMController, StepDriver
+from lightning_slsam.lightning.driver import StepDriver, find_sam_callback
 
 __all__ = ["SAMMixin"]
-
-
-def _sam_controller(trainer: Any) -> SAMController | None:
-    """The SAM callback attached to ``trainer`` (``None``: no Trainer, or no SAM callback;
-    the setup checks refuse more than one)."""
-    if trainer is not None:
-        for callback in trainer.callbacks:
-            if isinstance(callback, SAMController):
-                return callback
-    return None
 
 
 def _wrap_training_step(user_step: Callable[..., Any]) -> Callable[..., Any]:
@@ -47,7 +37,7 @@ def _wrap_training_step(user_step: Callable[..., Any]) -> Callable[..., Any]:
         trainer = None if self._slsam_pass else attached_trainer(self)
         if trainer is None:
             return user_step(self, *args, **kwargs)
-        controller = _sam_controller(trainer)
+        controller = find_sam_callback(trainer)
         if controller is None:
             output = user_step(self, *args, **kwargs)
             # Per-sample losses (returned for ESAM) are averaged for automatic optimization.
@@ -143,7 +133,7 @@ class SAMMixin:
     @property
     def automatic_optimization(self) -> bool:
         """``False`` while a SAM callback is attached (the mixin steps), else ``True``."""
-        return _sam_controller(attached_trainer(self)) is None
+        return find_sam_callback(attached_trainer(self)) is None
 
     @automatic_optimization.setter
     def automatic_optimization(self, value: bool) -> None:
@@ -206,7 +196,7 @@ class SAMMixin:
         Runs before Lightning's own check, so the error can point to the plugin's options.
         """
         trainer = attached_trainer(self)
-        controller = _sam_controller(trainer)
+        controller = find_sam_callback(trainer)
         if controller is not None and trainer is not None:
             name = type(controller).__name__
             if trainer.gradient_clip_val:

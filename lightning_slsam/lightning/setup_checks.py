@@ -30,7 +30,6 @@ __all__ = [
     "check_fit_setup",
     "check_lightning_options",
     "check_one_optimizer",
-    "check_saved_layers",
 ]
 
 #: The options of the Lightning layer alone (a method's own are its spec's fields):
@@ -251,105 +250,6 @@ def check_compiled_sampling(name: str, pl_module: Any, engine: Any) -> None:
         )
 
 
-def method_state(method: str, spec: Any, engine: Any, partition: Any) -> dict[str, Any]:
-    """What a checkpoint holds of a SAM method (the callback's and FabricSAM's state)."""
-    return {
-        "method": method,
-        "engine": engine.state_dict(),
-        "layer_names": partition.names,
-        "layer_tensors": partition.signature(),
-        "tensor_names": partition.tensor_names(),
-        "config": spec.hyperparameters(),
-    }
-
-
-def apply_method_state(owner: Any, state: dict[str, Any], engine: Any, partition: Any,
-                       warn: Any) -> None:  # fmt: skip
-    """Restore :func:`method_state`'s output into ``engine`` after checking that it was
-    saved for the same layers (``owner``: the callback or FabricSAM, named in errors).
-
-    Layers that differ only because tensors became trainable or were frozen since (the
-    same tensors in the same layers wherever both have them) are carried over by name,
-    with a warning saying what changed."""
-    saved, current = state.get("layer_tensors"), partition.signature()
-    engine_state = dict(state["engine"])
-    if differs_by_trainable(state, partition):
-        engine_state = engine.carry_state(engine_state, state["layer_names"],
-                                          state["tensor_names"])  # fmt: skip
-        old = [n for group in saved for n in group]
-        new = [n for group in current for n in group]
-        warn(
-            f"The checkpoint's {type(owner).__name__} state was saved with"
-            f" {len(saved)} sampled layers and the model now has {len(current)}:"
-            f" {_changed_tensors(old, new)}. The layers on both sides resume their state;"
-            " a new one starts afresh. (Lightning's BackboneFinetuning resumed after its"
-            " unfreeze epoch leaves the backbone frozen: unfreeze it again to train it.)"
-        )
-    else:
-        check_saved_layers(owner, saved, current, (state.get("config") or {}).get("preset"))
-    engine_state["selection"] = owner.spec.adopt_selection_state(
-        engine_state["selection"], engine.selection.state_dict(), warn
-    )
-    engine.load_state_dict(engine_state)
-
-
-def differs_by_trainable(state: dict[str, Any], partition: Any) -> bool:
-    """Whether a checkpoint's layers differ from ``partition``'s by the trainable tensors
-    only: they share some, and group those alike (the same model and options)."""
-    saved = state.get("layer_tensors")
-    if saved is None or saved == partition.signature():
-        return False
-    if "tensor_names" not in state or "layer_names" not in state:
-        return False
-    saved = {n: layer for layer, group in zip(state["layer_names"], saved) for n in group}
-    now = {n: layer for layer, group in zip(partition.names, partition.signature())
-           for n in group}  # fmt: skip
-    saved_active = set(state["tensor_names"]) - set(saved)
-    now_active = set(partition.always_active_names)
-    shared = saved.keys() & now.keys()
-    return (
-        bool(shared)
-        and all(saved[n] == now[n] for n in shared)
-        and not (saved_active & now.keys())
-        and not (now_active & saved.keys())
-    )
-
-
-def _changed_tensors(old: list[str], new: list[str], shown: int = 4) -> str:
-    gained = [n for n in new if n not in set(old)]
-    lost = [n for n in old if n not in set(new)]
-    parts = []
-    for names, what in ((gained, "trainable now"), (lost, "frozen now")):
-        if names:
-            more = " and more" if len(names) > shown else ""
-            parts.append(f"{len(names)} tensors {what} ({', '.join(names[:shown])}{more})")
-    return "; ".join(parts)
-
-
-def check_saved_layers(callback: Any, saved: Any, current: list[list[str]],
-                       saved_preset: str | None = None) -> None:  # fmt: skip
-    """A checkpoint's layers (``saved``; ``None`` in old ones) match the model's.
-
-    ``saved_preset``: the preset the checkpoint was trained with; when it differs from the
-    callback's (a checkpoint of the paper's configuration, the default before 0.2.0, say),
-    the message says how to resume it as it was."""
-    if saved is not None and saved != current:
-        preset = getattr(callback, "preset", None)
-        hint = ""
-        if saved_preset is not None and preset is not None and saved_preset != preset:
-            hint = (
-                f" The checkpoint was trained with preset={saved_preset!r} and this callback"
-                f" has preset={preset!r}, whose head rule places other tensors out of"
-                f" sampling: resume with {type(callback).__name__}(preset={saved_preset!r})."
-            )
-        raise MisconfigurationException(
-            f"The checkpoint's {type(callback).__name__} state does not match this model's"
-            f" layers: {_describe_mismatch(saved, current)}.{hint} Resume with the same model"
-            " and `layers` / `always_active` / `always_frozen` options, or start the SAM"
-            " state afresh by resuming without it."
-        )
-
-
 class FitWarnings:
     """Silences :data:`_FIT_WARNINGS` between :meth:`add` and :meth:`remove` only, so other
     Trainers in the process still see them."""
@@ -368,18 +268,3 @@ class FitWarnings:
             if entry in warnings.filters:
                 warnings.filters.remove(entry)
         self._filters = []
-
-
-def _describe_mismatch(saved: list[list[str]], current: list[list[str]]) -> str:
-    saved_set = {name for group in saved for name in group}
-    current_set = {name for group in current for name in group}
-    missing = sorted(saved_set - current_set)
-    added = sorted(current_set - saved_set)
-    parts = [f"checkpoint has {len(saved)} layers, model has {len(current)}"]
-    if missing:
-        parts.append(f"missing from the model: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    if added:
-        parts.append(f"new in the model: {added[:5]}{' ...' if len(added) > 5 else ''}")
-    if not missing and not added:
-        parts.append("the same tensors are grouped into layers differently")
-    return "; ".join(parts)

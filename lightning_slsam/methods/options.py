@@ -41,7 +41,6 @@ __all__ = [
     "check_path",
     "check_ratio",
     "invalid",
-    "is_ratio",
     "number",
     "one_of",
     "patterns",
@@ -195,11 +194,6 @@ def patterns(example: str) -> Rule:
     """A list of regular expressions (a bare string is refused: ``[...]`` it), converted
     to a list; ``example`` shows one."""
     return Rule(f"a list of regular expressions, e.g. {example}", _compiles, list)
-
-
-def is_ratio(value: Any) -> bool:
-    """Whether ``value`` is a fraction in (0, 1]."""
-    return RATIO.ok(value)
 
 
 def check_ratio(name: str, value: Any) -> float:

@@ -92,7 +92,15 @@ if TYPE_CHECKING:
 
     from lightning_slsam.core.engine import SparseSAMEngine
 
-__all__ = ["RENAMED", "SPECS", "lookup", "make_engine", "method_spec", "register_method"]
+__all__ = [
+    "RENAMED",
+    "SPECS",
+    "lookup",
+    "make_engine",
+    "method_spec",
+    "register_method",
+    "spec_from",
+]
 
 #: Method name -> (specification class or ``None`` for plain AdamW, the options the name
 #: implies). One name per configuration: ``"slsam"`` is ``SparseLayerSAM()``.
@@ -157,6 +165,30 @@ def method_spec(name: str, **options: Any) -> MethodSpec:
             " optimizer as usual."
         )
     return cls(**{**implied, **options})
+
+
+def spec_from(method: str | MethodSpec, options: dict[str, Any], *, owner: str,
+              instead: str) -> MethodSpec:  # fmt: skip
+    """The validated specification a front-end (``owner``) runs: ``method`` is a name of
+    the registry, with ``options`` overriding its defaults, or a specification, without
+    options. ``instead``: what to do where the name is plain AdamW, which needs no
+    ``owner``."""
+    if isinstance(method, MethodSpec):
+        if options:
+            raise TypeError(
+                f"{owner} takes options with a method name, not with a MethodSpec (got"
+                f" {sorted(options)}): set them on the spec."
+            )
+        return method
+    if not isinstance(method, str):
+        raise TypeError(
+            f"{owner}'s method must be a method name or a MethodSpec (method_spec('slsam',"
+            f" rho=0.05)), got {type(method).__name__}."
+        )
+    spec_class, _ = lookup(method)  # a ValueError naming the closest method
+    if spec_class is None:
+        raise ValueError(f"Method {method!r} is plain AdamW, which needs no {owner}: {instead}")
+    return method_spec(method, **options)
 
 
 def make_engine(name: str, module: torch.nn.Module, **options: Any) -> SparseSAMEngine:

@@ -16,6 +16,7 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 __all__ = [
+    "DDPAverager",
     "GradientAverager",
     "average_grads",
     "check_same_draw",
@@ -157,6 +158,27 @@ def ddp_averager(ddp: torch.nn.Module, module: torch.nn.Module | None) -> Gradie
             " the engine on the wrapped module, `make_engine(method, ddp.module, ...)`."
         )
     return GradientAverager(ddp.process_group)
+
+
+class DDPAverager:
+    """The averager of the ``DistributedDataParallel`` wrapper a front-end's steps run in,
+    made on the first step with that wrapper (:func:`ddp_averager`) and kept for the next."""
+
+    def __init__(self) -> None:
+        self._ddp: torch.nn.Module | None = None
+        self._averager: GradientAverager | None = None
+
+    def __call__(
+        self, ddp: torch.nn.Module, module: torch.nn.Module | None
+    ) -> tuple[GradientAverager, bool]:
+        """``ddp``'s averager (``module``: the model the engine was built on), and whether
+        this is its first step: the one whose layer draw is checked across processes."""
+        first = self._ddp is not ddp
+        if first:
+            self._averager = ddp_averager(ddp, module)
+            self._ddp = ddp
+        assert self._averager is not None
+        return self._averager, first
 
 
 def release_process_group() -> None:

@@ -181,8 +181,10 @@ def test_the_pass_number_and_the_batch_sizes():
     passes()  # another full pass (at perturbed weights)
     assert [c[2] for c in model.calls] == [1, 1, 2, 2, 2, 2, 2, 2]
     assert passes.number == 0  # between passes
-    with pytest.raises(ValueError, match="needs the batch size"):
-        _ = Model().make(MICRO).batch_sizes
+    # Without its own: each micro-batch's first tensor's first dimension, cut along it
+    default = Model().make(MICRO)
+    assert default.batch_sizes == [2, 1, 3]
+    assert default.subset(MICRO[2], torch.tensor([0, 2])).tolist() == [2.0, 6.0]
 
 
 def test_split_per_sample_averages_a_vector_and_passes_anything_else_through():

@@ -1,4 +1,4 @@
-"""What a SAM callback logs each step (:func:`lightning_slsam.lightning.callback.step_metrics`)
+"""What a SAM callback logs each step (the engine's ``step_metrics``)
 and writes at the end of fit (:mod:`lightning_slsam.lightning.record`): entropy, rank
 correlation, the per-layer record."""
 
@@ -20,7 +20,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from scipy.stats import spearmanr
 
 from lightning_slsam import SparseLayerSAM
-from lightning_slsam.lightning.callback import normalized_entropy
+from lightning_slsam.core.engine import normalized_entropy
 from lightning_slsam.lightning.record import (
     LABEL_WIDTH,
     common_affixes,

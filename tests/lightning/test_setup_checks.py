@@ -16,6 +16,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_slsam import SAM, SparseLayerSAM, make_engine
+from lightning_slsam.core.state import CheckpointMismatch, check_saved_layers
 from lightning_slsam.lightning.setup_checks import (
     LIGHTNING_OPTIONS,
     FitWarnings,
@@ -23,7 +24,6 @@ from lightning_slsam.lightning.setup_checks import (
     check_fit_setup,
     check_lightning_options,
     check_one_optimizer,
-    check_saved_layers,
 )
 
 
@@ -128,14 +128,14 @@ def test_one_optimizer_and_what_the_engine_needs():
 
 
 def test_a_checkpoint_of_other_layers_is_refused_naming_the_difference():
-    cb = SparseLayerSAM()
+    owner, preset = "SparseLayerSAM", SparseLayerSAM().preset
     current = [["a.weight"], ["a.bias"], ["b.weight"]]
-    check_saved_layers(cb, None, current)  # a checkpoint from before layers were saved
-    check_saved_layers(cb, current, current)
+    check_saved_layers(owner, None, current)  # a checkpoint from before layers were saved
+    check_saved_layers(owner, current, current)
 
-    def refused(saved, preset=None) -> str:
-        with pytest.raises(MisconfigurationException) as error:
-            check_saved_layers(cb, saved, current, saved_preset=preset)
+    def refused(saved, saved_preset=None) -> str:
+        with pytest.raises(CheckpointMismatch) as error:
+            check_saved_layers(owner, saved, current, preset=preset, saved_preset=saved_preset)
         return str(error.value)
 
     message = refused([["a.weight"], ["c.weight"]])
@@ -150,11 +150,11 @@ def test_a_checkpoint_of_other_layers_is_refused_naming_the_difference():
            " differently." in regrouped  # fmt: skip
     many = refused([[f"old.{i}"] for i in range(7)])
     assert "missing from the model: ['old.0', 'old.1', 'old.2', 'old.3', 'old.4'] ..." in many
-    hint = refused([["a.weight"]], preset="paper")
+    hint = refused([["a.weight"]], saved_preset="paper")
     assert (
         "The checkpoint was trained with preset='paper' and this callback has preset='default'"
     ) in hint and "SparseLayerSAM(preset='paper')" in hint
-    assert "trained with preset" not in refused([["a.weight"]], preset="default")
+    assert "trained with preset" not in refused([["a.weight"]], saved_preset="default")
 
 
 def test_fit_warnings_are_silenced_between_add_and_remove_only():

@@ -9,7 +9,14 @@ from helpers import make_mlp
 from lightning_slsam.core.step import MethodParts
 from lightning_slsam.methods.esam import ESAMSpec, ExpandToAll
 from lightning_slsam.methods.looksam import Lookahead, LookSAMSpec
-from lightning_slsam.methods.registry import RENAMED, SPECS, lookup, make_engine, method_spec
+from lightning_slsam.methods.registry import (
+    RENAMED,
+    SPECS,
+    lookup,
+    make_engine,
+    method_spec,
+    spec_from,
+)
 from lightning_slsam.methods.rst import Coin
 from lightning_slsam.methods.s2sam import SingleStepParts
 from lightning_slsam.methods.sam import SAMSpec
@@ -35,6 +42,22 @@ def test_lookup_ignores_case_and_dashes_and_suggests_the_closest_name():
         lookup("slsamm")
     with pytest.raises(ValueError, match=r"Unknown method 'zzz'\. Choose one of \['adamw', "):
         lookup("zzz")
+
+
+def test_a_front_end_takes_a_name_with_options_or_a_spec_alone():
+    kw = {"owner": "FabricSAM", "instead": "step the optimizer."}
+    spec = spec_from("slsam_paper", {"rho": 0.1}, **kw)
+    assert (type(spec), spec.preset, spec.rho) == (SLSAMSpec, "paper", 0.1)
+    given = method_spec("rst", probability=0.25)
+    assert spec_from(given, {}, **kw) is given
+    with pytest.raises(TypeError, match=r"FabricSAM takes options with a method name, not with"):
+        spec_from(given, {"rho": 0.1}, **kw)
+    with pytest.raises(TypeError, match=r"FabricSAM's method must be a method name or a Method"):
+        spec_from(3, {}, **kw)
+    with pytest.raises(ValueError, match=r"'AdamW' is plain AdamW, which needs no FabricSAM: step"):
+        spec_from("AdamW", {}, **kw)
+    with pytest.raises(ValueError, match=r"rho"):  # each value validated by the spec
+        spec_from("sam", {"rho": -1.0}, **kw)
 
 
 @pytest.mark.parametrize(
