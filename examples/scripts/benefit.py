@@ -303,6 +303,13 @@ def render(tables: dict[str, dict[str, Any]]) -> str:
                 f"- SAM's gain {words}: {g['gain']:+.4f} ± {g['gain_se']:.4f} ({verdict});"
                 f" AdamW {g['adamw'][0]:.4f}, SAM {g['sam'][0]:.4f}."
             )
+        if not (t["best_epoch"]["real"] and t["end"]["real"]):
+            lines += [
+                "",
+                "Where SAM's gain is not real, a share divides by a difference within the seeds'"
+                " noise and says nothing: read each row's test accuracy against AdamW's"
+                " instead (a method should not lose accuracy where SAM gains nothing).",
+            ]
         lines += [
             "",
             "| row | method | rho | seeds | best val acc | test acc, best epoch | share kept |"

@@ -105,6 +105,7 @@ def test_choices_are_made_on_validation_and_shares_read_on_test(task):
         "(above twice its standard error, on 3 seeds of AdamW and 3 of SAM: not a claim yet"
         " (it needs 5 each))" in benefit.render({"toy": table})
     )
+    assert "says nothing" not in benefit.render({"toy": table})  # a real gain: shares stand
     rows = table["rows"]
     # rho 1 and lr 3e-3 are SAM's sweep's, not rows; a sampler's own learning rate is one
     assert set(rows) == {"sam", "slsam", "slsam_rho0", "slsam (lr 0.003)", "slsam_rho0 (lr 0.003)"}
@@ -133,6 +134,7 @@ def test_a_gain_within_twice_its_standard_error_is_not_called_real(tmp_path):
     assert not gain["real"] and gain["gain_se"] > gain["gain"] / 2
     text = benefit.render({"flat": table})
     assert "not above twice its standard error" in text
+    assert "a share divides by a difference within the seeds' noise and says nothing" in text
     assert not math.isnan(table["rows"]["sam"]["end"]["share"][0])
 
 
