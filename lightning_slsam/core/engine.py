@@ -196,34 +196,37 @@ class SparseSAMEngine:
         if (self.check_masks or loop.check_draw) and loop.averager is not None:
             check_same_draw(mask, kind, STEP_KINDS, self.num_steps, loop.averager)
         result = StepResult(None, mask, self.trainable_numel, kind, drawn=drawn)
-        end = functools.partial(
-            commit, loop, result, self.num_steps, inclusion, layers=self.freezer,
-            selection=self.selection, update_scale=self.update_scale,
-            pool=self.perturbation.pool, shards=self.shards, record_norms=self.record_norms,
-        )  # fmt: skip
         try:
             if self.method.before_step is not None:
                 self.method.before_step(
                     self.num_steps, loop, result, self.freezer, self.isolation, self.shards
                 )
             if kind == "sam":
-                sam_step(
+                passed = sam_step(
                     loop, result, self.freezer, selection=self.selection,
                     perturbation=self.perturbation, method=self.method,
                     isolation=self.isolation, shards=self.shards,
-                    sync_first_pass=self.sync_first_pass, commit=end,
+                    sync_first_pass=self.sync_first_pass,
                 )  # fmt: skip
             elif kind == "single":
-                single_step(
+                passed = single_step(
                     loop, result, self.freezer, perturbation=self.perturbation,
-                    directions=directions, shards=self.shards, commit=end,
-                    keep=self.last_grad if own is None else None,
+                    directions=directions, shards=self.shards, keep=own is None,
                 )  # fmt: skip
             else:
-                plain_step(
-                    loop, result, self.freezer, method=self.method, shards=self.shards,
-                    commit=end,
-                )  # fmt: skip
+                passed = plain_step(loop, result, self.freezer, method=self.method,
+                                    shards=self.shards)  # fmt: skip
+            made = commit(
+                loop, result, self.num_steps, inclusion, passed, layers=self.freezer,
+                selection=self.selection, update_scale=self.update_scale,
+                pool=self.perturbation.pool, shards=self.shards, record_norms=self.record_norms,
+            )  # fmt: skip
+            if made and passed.kept is not None:
+                # The gradient tensors themselves (after the optimizer's unscaling and
+                # clipping): zero_grad(set_to_none=True) detaches them from .grad, no copy.
+                params, grads = passed.kept
+                for param, grad in zip(params, self.shards.local(grads)):
+                    self.last_grad[id(param)] = grad
         finally:
             self.freezer.release()
         self.count(result)

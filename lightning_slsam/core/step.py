@@ -11,9 +11,11 @@ Three kinds of step make every method of the plugin:
   known before the step (S2-SAM: each layer's gradient from the last step it was trained
   in; Momentum-SAM: against the optimizer's momentum).
 
-Each ends with ``commit`` (:func:`commit`, bound by the engine): one host transfer of the
-losses, a finiteness probe of each pass and the per-layer gradient norms, then the
-optimizer's update or a skip with the weights restored exactly and nothing else changed.
+Each returns what it computed (:class:`Passed`: each pass's scalars, the per-layer norms,
+the layers drawn, the gradients a single-step method keeps); the engine then ends the step
+with :func:`commit`: one host transfer of the losses, a finiteness probe of each pass and
+the per-layer gradient norms, then the optimizer's update or a skip with the weights
+restored exactly and nothing else changed.
 
 They work on explicit arguments: the training loop's callables (:class:`Loop`), the step's
 record (:class:`StepResult`), the layers (a :class:`~lightning_slsam.core.partition.LayerFreezer`),
@@ -47,6 +49,7 @@ __all__ = [
     "STEP_KINDS",
     "Loop",
     "MethodParts",
+    "Passed",
     "StepResult",
     "commit",
     "gradient_pass",
@@ -59,11 +62,6 @@ __all__ = [
 #: The kinds a step can be: SAM's two passes, one plain pass, LookSAM's reuse (a plain pass
 #: plus the stored component), a single-step SAM pass.
 STEP_KINDS = ("sam", "plain", "reuse", "single")
-
-#: Ends a step: ``commit(first, second, layer_norms, update_mask)`` with each pass's scalars
-#: (loss, gradient-norm probe), the first pass's per-layer norms and the layers updated;
-#: whether the update was made.
-Commit = Callable[[list[Tensor], list[Tensor], Tensor, Tensor], bool]
 
 
 @dataclass
@@ -216,6 +214,27 @@ class _Pass:
     layer_norms: Tensor  # per-layer gradient norms
 
 
+@dataclass
+class Passed:
+    """What a step function computed, for :func:`commit` to end the step with.
+
+    Attributes:
+        first: the first pass's scalars (its loss, a probe of its gradients' finiteness).
+        second: the second pass's (empty for a step of one pass).
+        layer_norms: the first pass's per-layer gradient norms, which the selection learns
+            from.
+        update_mask: the layers drawn for the first pass, those the selection learns about.
+        kept: a single-step method's tensors and their gradients, stored for its next step
+            once the update is made (``None``: nothing to keep).
+    """
+
+    first: list[Tensor]
+    second: list[Tensor]
+    layer_norms: Tensor
+    update_mask: Tensor
+    kept: tuple[list[Tensor], list[Tensor]] | None = None
+
+
 def gradient_pass(
     loop: Loop,
     result: StepResult,
@@ -261,9 +280,8 @@ def sam_step(
     isolation: PassIsolation | None,
     shards: Whole,
     sync_first_pass: bool,
-    commit: Commit,
-) -> None:
-    """SAM's two passes on the layers in ``result.active_mask``, then ``commit``."""
+) -> Passed:
+    """SAM's two passes on the layers in ``result.active_mask``."""
     mask1 = result.active_mask
     iso = isolation.begin() if isolation is not None else None
     # 1. The gradient at the current weights, on the drawn layers.
@@ -315,8 +333,8 @@ def sam_step(
     del backup
     if method.after_sam_step is not None:
         method.after_sam_step(pp, pg, second.params, second.grads, shards)
-    # 5. The update with the second pass's gradients (or a skip).
-    commit(
+    # 5. The update with the second pass's gradients (or a skip): the engine's commit.
+    return Passed(
         [first.output.loss, first.norms.sum()], [second.output.loss, second.norms.sum()],
         first.layer_norms, mask1,
     )  # fmt: skip
@@ -324,15 +342,14 @@ def sam_step(
 
 def plain_step(
     loop: Loop, result: StepResult, layers: LayerFreezer, *, method: MethodParts, shards: Whole,
-    commit: Commit,
-) -> None:  # fmt: skip
-    """One pass on the layers in ``result.active_mask`` and the update; a ``"reuse"`` step
-    lets the method adjust the gradients first (LookSAM)."""
+) -> Passed:  # fmt: skip
+    """One pass on the layers in ``result.active_mask``; a ``"reuse"`` step lets the method
+    adjust the gradients for the update (LookSAM)."""
     mask = result.active_mask
     out = gradient_pass(loop, result, layers, shards, layers.activate(mask), mask)
     if result.kind == "reuse" and method.adjust_grads is not None:
         method.adjust_grads(out.params, out.grads, shards)
-    commit([out.output.loss, out.norms.sum()], [], out.layer_norms, mask)
+    return Passed([out.output.loss, out.norms.sum()], [], out.layer_norms, mask)
 
 
 def single_step(
@@ -343,13 +360,12 @@ def single_step(
     perturbation: SAMPerturbation,
     directions: dict[int, Tensor],
     shards: Whole,
-    commit: Commit,
-    keep: dict[int, Tensor] | None = None,
-) -> None:
+    keep: bool = False,
+) -> Passed:
     """Single-step SAM: one pass at weights perturbed along each active tensor's direction
     (``directions``, by ``id`` of the tensor), restored exactly before the update. Without
-    any, the step is a plain one. ``keep`` (S2-SAM's store of the last gradients, by ``id``)
-    takes the step's gradients once it is committed."""
+    any, the step is a plain one. ``keep``: return the step's tensors and gradients, for
+    S2-SAM's store of the last gradients."""
     if not directions:
         result.kind = "plain"
     mask = result.active_mask
@@ -368,11 +384,8 @@ def single_step(
     finally:
         perturbation.restore_(pp, backup, shards)
     del backup
-    if commit([out.output.loss, out.norms.sum()], [], out.layer_norms, mask) and keep is not None:
-        # The gradient tensors themselves (after the optimizer's unscaling/clipping):
-        # zero_grad(set_to_none=True) detaches them from .grad, no copy is made.
-        for param, grad in zip(out.params, shards.local(out.grads)):
-            keep[id(param)] = grad
+    kept = (out.params, out.grads) if keep else None
+    return Passed([out.output.loss, out.norms.sum()], [], out.layer_norms, mask, kept)
 
 
 def commit(
@@ -380,10 +393,7 @@ def commit(
     result: StepResult,
     step: int,
     inclusion: Tensor | None,
-    first: list[Tensor],
-    second: list[Tensor],
-    layer_norms: Tensor,
-    update_mask: Tensor,
+    passed: Passed,
     *,
     layers: LayerFreezer,
     selection: LayerSelection,
@@ -396,12 +406,13 @@ def commit(
     update scaling, the norms fed to the counters and, when it drew the step, to the
     selection -- or a skip. Whether the update was made.
 
-    ``first`` / ``second``: scalars (loss, gradient-norm probe) of each pass;
-    ``layer_norms``: the first pass's per-layer norms, which the selection learns from;
-    ``inclusion``: each layer's probability of having been drawn, for the update scaling
-    (``None``: no scaling this step). Every process takes the same decision: one
-    non-finite value anywhere makes the averaged scalars non-finite everywhere.
+    ``passed``: what the step function computed (each pass's scalars, the first pass's
+    per-layer norms, the layers drawn); ``inclusion``: each layer's probability of having
+    been drawn, for the update scaling (``None``: no scaling this step). Every process takes
+    the same decision: one non-finite value anywhere makes the averaged scalars non-finite
+    everywhere.
     """
+    first, second, layer_norms = passed.first, passed.second, passed.layer_norms
     device = layer_norms.device
     scalars = torch.stack([s.detach().float().reshape(()).to(device) for s in (*first, *second)])
     if loop.averager is not None:
@@ -439,9 +450,9 @@ def commit(
             update = functools.partial(scale_update, scaled, before, extra)
             loop.after_update(update) if loop.after_update is not None else update()
         norms = host[k:].double()
-        record_norms(update_mask, norms)
+        record_norms(passed.update_mask, norms)
         if result.drawn:
-            selection.update(update_mask, norms)
+            selection.update(passed.update_mask, norms)
         return True
     result.skipped = True
     result.skip_reason = reason
@@ -450,7 +461,7 @@ def commit(
         f"SL-SAM skipped step {step}: {reason}. Weights, optimizer state and"
         " layer selection are unchanged.",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=3,
     )
     loop.optimizer_step(True)
     return False

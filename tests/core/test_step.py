@@ -29,7 +29,18 @@ from lightning_slsam.core.engine import SparseSAMEngine
 from lightning_slsam.core.partition import LayerFreezer, build_partition
 from lightning_slsam.core.passes import Passes, split_per_sample
 from lightning_slsam.core.perturbation import SAMPerturbation
-from lightning_slsam.core.step import STEP_KINDS, Loop, MethodParts, StepResult, gradient_pass
+from lightning_slsam.core.step import (
+    STEP_KINDS,
+    Loop,
+    MethodParts,
+    Passed,
+    StepResult,
+    commit,
+    gradient_pass,
+    plain_step,
+    sam_step,
+    single_step,
+)
 from lightning_slsam.methods.esam import SharpestSamples
 from lightning_slsam.methods.looksam import Lookahead
 from lightning_slsam.methods.registry import method_spec
@@ -504,6 +515,42 @@ def test_a_pass_reports_each_tensors_and_each_layers_gradient_norm():
     again = gradient_pass(loop, result, freezer, WHOLE, freezer.activate(mask), mask)
     assert float(again.output.loss) != pytest.approx(loss, rel=1e-3)
     assert result.loss is out.output.loss and len(result.pass_numel) == 2
+    freezer.release()
+
+
+def test_step_functions_return_what_they_computed_and_only_commit_updates():
+    net = make_mlp()
+    x, y = make_data(16).tensors
+    freezer = LayerFreezer(build_partition(net, layers="module"))
+    mask = torch.tensor([True, False, True, True])
+    steps = []
+    loop = _loop(net, x, y)
+    loop.optimizer_step = steps.append
+    before = [p.detach().clone() for p in net.parameters()]
+    perturbation = SAMPerturbation(RHO)
+    selection = UniformSelection(4, 0.75, torch.Generator().manual_seed(0))
+    sam = sam_step(loop, _result(net, mask.tolist()), freezer, selection=selection,
+                   perturbation=perturbation, method=MethodParts(), isolation=None,
+                   shards=WHOLE, sync_first_pass=True)  # fmt: skip
+    one = plain_step(loop, _result(net, mask.tolist()), freezer, method=MethodParts(),
+                     shards=WHOLE)  # fmt: skip
+    p0 = dict(net.named_parameters())["0.weight"]
+    single = single_step(
+        loop, _result(net, mask.tolist()), freezer, perturbation=perturbation,
+        directions={id(p0): torch.ones_like(p0)}, shards=WHOLE, keep=True,
+    )  # fmt: skip
+    # Nothing was committed: no optimizer step, the weights as they were (restored exactly)
+    assert steps == [] and all(torch.equal(p, b) for p, b in zip(net.parameters(), before))
+    assert isinstance(sam, Passed) and len(sam.first) == len(sam.second) == 2
+    assert len(one.first) == 2 and one.second == [] and one.kept is None
+    assert torch.equal(sam.update_mask, mask) and sam.layer_norms.shape == (4,)
+    assert single.kept is not None and len(single.kept[0]) == len(single.kept[1]) > 0
+    # commit makes the update the returned record describes
+    result = _result(net, mask.tolist())
+    made = commit(loop, result, 0, None, sam, layers=freezer, selection=selection,
+                  update_scale=None, pool=perturbation.pool, shards=WHOLE,
+                  record_norms=lambda mask, norms: None)  # fmt: skip
+    assert made and steps == [False] and not result.skipped
     freezer.release()
 
 
