@@ -189,8 +189,10 @@ class SparseSAMEngine:
             # as the step moves them: each process's own shards (FSDP2)
             directions = dict(zip(found, self.shards.local(list(found.values()))))
         # Without any (the first step), a plain step on every layer, not a draw (the
-        # selection neither draws nor learns).
+        # selection neither draws nor learns); S2-SAM keeps its gradients.
         drawn = not (kind == "single" and not directions)
+        if not drawn:
+            kind = "plain"
         mask = self.selection.sample() if drawn else self.freezer.all.clone()
         inclusion = self.selection.inclusion() if drawn and self.update_scale else None
         if (self.check_masks or loop.check_draw) and loop.averager is not None:
@@ -215,7 +217,7 @@ class SparseSAMEngine:
                 )  # fmt: skip
             else:
                 passed = plain_step(loop, result, self.freezer, method=self.method,
-                                    shards=self.shards)  # fmt: skip
+                                    shards=self.shards, keep=not drawn and own is None)  # fmt: skip
             made = commit(
                 loop, result, self.num_steps, inclusion, passed, layers=self.freezer,
                 selection=self.selection, update_scale=self.update_scale,

@@ -342,14 +342,17 @@ def sam_step(
 
 def plain_step(
     loop: Loop, result: StepResult, layers: LayerFreezer, *, method: MethodParts, shards: Whole,
+    keep: bool = False,
 ) -> Passed:  # fmt: skip
     """One pass on the layers in ``result.active_mask``; a ``"reuse"`` step lets the method
-    adjust the gradients for the update (LookSAM)."""
+    adjust the gradients for the update (LookSAM). ``keep``: return the step's tensors and
+    gradients (single-step SAM's first step, which has no direction yet: S2-SAM's store)."""
     mask = result.active_mask
     out = gradient_pass(loop, result, layers, shards, layers.activate(mask), mask)
     if result.kind == "reuse" and method.adjust_grads is not None:
         method.adjust_grads(out.params, out.grads, shards)
-    return Passed([out.output.loss, out.norms.sum()], [], out.layer_norms, mask)
+    kept = (out.params, out.grads) if keep else None
+    return Passed([out.output.loss, out.norms.sum()], [], out.layer_norms, mask, kept)
 
 
 def single_step(
@@ -363,11 +366,9 @@ def single_step(
     keep: bool = False,
 ) -> Passed:
     """Single-step SAM: one pass at weights perturbed along each active tensor's direction
-    (``directions``, by ``id`` of the tensor), restored exactly before the update. Without
-    any, the step is a plain one. ``keep``: return the step's tensors and gradients, for
-    S2-SAM's store of the last gradients."""
-    if not directions:
-        result.kind = "plain"
+    (``directions``, by ``id`` of the tensor), restored exactly before the update (a step
+    without any is a plain one: the engine runs :func:`plain_step` then). ``keep``: return
+    the step's tensors and gradients, for S2-SAM's store of the last gradients."""
     mask = result.active_mask
     active = layers.activate(mask)
     pp = [p for p in active if id(p) in directions]
