@@ -150,7 +150,6 @@ def test_step_times_attach_to_rows_and_the_frontier_keeps_the_undominated(task, 
             }
         )
     )
-    benefit.TIME_TASKS["toy"] = "toy"
     table = benefit.task_table(benefit.read_runs(task))
     benefit.add_times("toy", table, benefit.step_times("toy", str(times)))
     rows = table["rows"]
