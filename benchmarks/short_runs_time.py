@@ -60,7 +60,6 @@ TASKS = {
     "mlp_noisy": ("examples/configs/tasks/mlp_digits_noisy.yaml", 60),
     "effnet_noisy": ("examples/configs/tasks/efficientnet_digits_noisy.yaml", 12),
     "minilm_noisy": ("examples/configs/tasks/minilm_rotten_tomatoes_noisy.yaml", 8),
-    "glassllm_noisy": ("examples/configs/tasks/glassllm_rotten_tomatoes_noisy.yaml", 10),
 }
 #: label: (method, options), as the comparison script's baselines.
 BASELINES = {"adamw": ("adamw", {}), "sam": ("sam", {}), "slsam_paper": ("slsam_paper", {}),

@@ -47,7 +47,6 @@ __all__ = [
     "RottenTomatoesLMDataModule",
     "book_reference",
     "load_glassllm",
-    "load_glassllm_tokenizer",
 ]
 
 #: The languages the ``glassllm`` package has weights for.
@@ -123,15 +122,7 @@ def _llama_state_dict(arrays: dict[str, np.ndarray], config: Any) -> dict[str, T
 
 def _tokenizer(vocab: dict[str, Any]) -> Any:
     """glassllm's BPE (NFC, spaces as ``▁``, merges within chunks) as a fast tokenizer."""
-    from tokenizers import (
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        pre_tokenizers,
-        processors,
-    )
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     merges = [tuple(pair) for pair in vocab["merges"]]
@@ -144,27 +135,18 @@ def _tokenizer(vocab: dict[str, Any]) -> Any:
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(_CHUNK), behavior="isolated")
     tokenizer.decoder = decoders.Replace(_SPACE, " ")
     pad, unk, bos, eos = _SPECIALS
-    ids = {token: i for i, token in enumerate(_SPECIALS)}
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A {eos}", special_tokens=[(bos, ids[bos]), (eos, ids[eos])]
-    )
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, pad_token=pad, unk_token=unk, bos_token=bos, eos_token=eos
     )
 
 
-def load_glassllm(
-    language: str = "en", pretrained: bool = True, num_labels: int | None = None
-) -> tuple[Any, Any]:
+def load_glassllm(language: str = "en", pretrained: bool = True) -> tuple[Any, Any]:
     """glassllm's pretrained model as a ``LlamaForCausalLM`` (train mode, float32) and its
     tokenizer as a ``PreTrainedTokenizerFast``, converted in memory.
 
-    The tokenizer adds ``<bos>`` (2) and ``<eos>`` (3) around a sentence when asked for
-    special tokens (the default of a call); the language model's data module asks for none
-    and adds them itself. The output embedding is the input embedding (one tensor).
-    ``pretrained=False`` gives the same architecture with random weights. With
-    ``num_labels``, the model is a ``LlamaForSequenceClassification`` instead: the same
-    decoder, and a new linear head over the last token's state (``<eos>``).
+    The tokenizer adds no special tokens; ``<bos>`` (2) and ``<eos>`` (3) are the caller's.
+    The output embedding is the input embedding (one tensor). ``pretrained=False`` gives
+    the same architecture with random weights.
 
     Raises:
         ValueError: naming ``language`` if it is not ``"en"`` or ``"pt"``.
@@ -172,29 +154,19 @@ def load_glassllm(
     """
     require("transformers", "load_glassllm")
     arrays, vocab = _glassllm_files(language)
-    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+    from transformers import LlamaForCausalLM
 
     config = _llama_config(arrays)
-    if num_labels is not None:
-        config.num_labels = num_labels
-    model = (
-        LlamaForCausalLM(config) if num_labels is None else LlamaForSequenceClassification(config)
-    )
+    model = LlamaForCausalLM(config)
     if pretrained:
         state = _llama_state_dict(arrays, config)
         missing, unexpected = model.load_state_dict(state, strict=False)
-        # lm_head.weight may be listed as missing: it is embed_tokens.weight, loaded above;
-        # a classifier's head is new.
-        if unexpected or set(missing) - {"lm_head.weight", "score.weight"}:
+        # lm_head.weight may be listed as missing: it is embed_tokens.weight, loaded above.
+        if unexpected or set(missing) - {"lm_head.weight"}:
             raise RuntimeError(f"glassllm -> Llama: missing {missing}, unexpected {unexpected}")
-    if num_labels is None and model.lm_head.weight is not model.model.embed_tokens.weight:
+    if model.lm_head.weight is not model.model.embed_tokens.weight:
         raise RuntimeError("LlamaForCausalLM did not tie lm_head.weight to embed_tokens.weight.")
     return model.train(), _tokenizer(vocab)
-
-
-def load_glassllm_tokenizer(language: str = "en") -> Any:
-    """glassllm's tokenizer alone (see :func:`load_glassllm`)."""
-    return _tokenizer(_glassllm_files(language)[1])
 
 
 @dataclass
@@ -254,7 +226,7 @@ class RottenTomatoesLMDataModule(RottenTomatoesDataModule):
             return  # tokenised already (setup runs once per stage)
         texts, _ = load_rotten_tomatoes(self.csv_path or default_csv_path())
         train_idx, val_idx, _ = self.split_indices(len(texts))
-        tokenizer = load_glassllm_tokenizer(self.language)
+        tokenizer = _tokenizer(_glassllm_files(self.language)[1])
         self.collate_fn = CausalLMCollator(tokenizer.pad_token_id)  # type: ignore[assignment]
         bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
 
@@ -405,7 +377,7 @@ def book_reference(tokens: int = 4096, length: int = 64, batch_size: int = 16,
     check_number("length", length, ">= 2", lambda v: isinstance(v, int) and v >= 2)
     check_number("tokens", tokens, f">= length ({length})",
                  lambda v: isinstance(v, int) and v >= length)  # fmt: skip
-    tokenizer = load_glassllm_tokenizer(language)
+    tokenizer = _tokenizer(_glassllm_files(language)[1])
     ids = tokenizer(_book_text(), add_special_tokens=False)["input_ids"]
     windows = torch.cat(reference_windows(ids, length, batch_size=1 << 30))
     count = tokens // length

