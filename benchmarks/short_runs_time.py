@@ -60,6 +60,7 @@ TASKS = {
     "mlp_noisy": ("examples/configs/tasks/mlp_digits_noisy.yaml", 60),
     "effnet_noisy": ("examples/configs/tasks/efficientnet_digits_noisy.yaml", 12),
     "minilm_noisy": ("examples/configs/tasks/minilm_rotten_tomatoes_noisy.yaml", 8),
+    "vit_noisy": ("examples/configs/tasks/vit_digits_noisy.yaml", 100),
 }
 #: label: (method, options), as the comparison script's baselines.
 BASELINES = {"adamw": ("adamw", {}), "sam": ("sam", {}), "slsam_paper": ("slsam_paper", {}),

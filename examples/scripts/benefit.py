@@ -49,6 +49,7 @@ TASKS = {
     "mlp_noisy": "MLP from scratch, digits, 40% label noise",
     "effnet_noisy": "EfficientNet-Lite0 fine-tune, digits, 40% label noise",
     "minilm_noisy": "MiniLM-L6 fine-tune, Rotten Tomatoes, 30% of the labels wrong",
+    "vit_noisy": "ViT from scratch, digits, 40% label noise",
 }
 TIMES = os.path.join(ROOT, "benchmarks", "results", "short_runs_time.json")
 DRAWS = 2000
