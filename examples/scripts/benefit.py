@@ -239,8 +239,12 @@ def plot(tables: dict[str, dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(6.5 * len(tables), 5.2), layout="constrained")
-    axes = figure.subplots(1, len(tables), squeeze=False)[0]
+    columns = min(2, len(tables))
+    rows = math.ceil(len(tables) / columns)
+    figure = Figure(figsize=(6.5 * columns, 5.2 * rows), layout="constrained")
+    axes = figure.subplots(rows, columns, squeeze=False).ravel()
+    for ax in axes[len(tables) :]:
+        ax.set_axis_off()
     for ax, (task, t) in zip(axes, tables.items()):
         for point, marker, colour in (("best_epoch", "o", "tab:blue"), ("end", "s", "tab:orange")):
             points = [] if t.get("adamw_time") is None else [(t["adamw_time"], 0.0)]
