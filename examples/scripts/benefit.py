@@ -231,9 +231,10 @@ def frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def plot(tables: dict[str, dict[str, Any]], path: str) -> None:
-    """Share of SAM's gain against step time relative to SAM's, a panel per task and a
-    marker per point of the run (best epoch: circles, end: squares), the frontier drawn;
-    controls pale, rows under ``FLOOR`` marked at the floor with their share."""
+    """Share of SAM's gain against step time relative to SAM's, a panel per task (two to a
+    row) and a marker per point of the run (best epoch: circles, end: squares), the
+    frontier drawn; controls pale, rows under ``FLOOR`` marked at the floor with their
+    share."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -372,8 +373,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 continue
             add_times(task, tables[task], step_times(task, args.times))
     text = render(tables)
-    if any(row.get("time") is not None for t in tables.values() for row in t["rows"].values()):
-        plot(tables, os.path.join(args.results, "share.png"))
+    # A share is plotted only where SAM's gain is real at one point of the run at least.
+    gained = {task: t for task, t in tables.items() if t["best_epoch"]["real"] or t["end"]["real"]}
+    if any(row.get("time") is not None for t in gained.values() for row in t["rows"].values()):
+        plot(gained, os.path.join(args.results, "share.png"))
     with open(os.path.join(args.results, "share.md"), "w") as handle:
         handle.write(text)
     with open(os.path.join(args.results, "share.json"), "w") as handle:

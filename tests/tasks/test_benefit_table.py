@@ -160,3 +160,22 @@ def test_step_times_attach_to_rows_and_the_frontier_keeps_the_undominated(task, 
         (0.45, 0.5),
         (1.0, 1.0),
     ]
+
+
+def test_the_plot_leaves_out_a_task_where_sams_gain_is_not_real(tmp_path, monkeypatch):
+    results = tmp_path / "results"
+    gained, flat = str(results / "gained"), str(results / "flat")
+    for seed, (a, s) in enumerate(((0.80, 0.70), (0.70, 0.85), (0.75, 0.78))):
+        write(flat, "adamw", "adamw", seed, lr=1e-3, val=0.9, best=a, end=a)
+        write(flat, "sam", "sam", seed, lr=1e-3, rho=0.1, val=0.9, best=s, end=s)
+        jitter = 0.01 * (seed - 1)
+        write(gained, "adamw", "adamw", seed, lr=1e-3, val=0.9, best=0.7 + jitter, end=0.7)
+        write(gained, "sam", "sam", seed, lr=1e-3, rho=0.1, val=0.9, best=0.9 + jitter, end=0.9)
+    times = tmp_path / "times.json"
+    rows = [{"task": t, "configs": {"sam": {"ratio_to_sam": 1.0}}} for t in ("gained", "flat")]
+    times.write_text(json.dumps({"results": rows}))
+    plotted = []
+    monkeypatch.setattr(benefit, "plot", lambda tables, path: plotted.append(sorted(tables)))
+    tables = benefit.main(["--results", str(results), "--times", str(times)])
+    assert sorted(tables) == ["flat", "gained"]  # both tabulated
+    assert plotted == [["gained"]]  # only the task where SAM gains is drawn
