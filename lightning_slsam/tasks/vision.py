@@ -166,7 +166,11 @@ class ImageClassifier(SAMMixin, L.LightningModule):
         super().__init__()
         require("timm", "ImageClassifier")
         self.save_hyperparameters()
-        self.model = efficientnet_lite0(num_classes, pretrained)
+        self._classify_with(efficientnet_lite0(num_classes, pretrained), num_classes)
+
+    def _classify_with(self, model: nn.Module, num_classes: int) -> None:
+        """The network and its held-out metrics (each subclass builds its own network)."""
+        self.model = model
         self.val_acc = Accuracy(task="multiclass", num_classes=num_classes)
         self.test_acc = Accuracy(task="multiclass", num_classes=num_classes)
 
@@ -226,9 +230,7 @@ class MLPClassifier(ImageClassifier):
         layers: list[nn.Module] = [nn.Flatten()]
         for a, b in itertools.pairwise(sizes):
             layers += [nn.Linear(a, b), nn.ReLU()]
-        self.model = nn.Sequential(*layers, nn.Linear(sizes[-1], num_classes))
-        self.val_acc = Accuracy(task="multiclass", num_classes=num_classes)
-        self.test_acc = Accuracy(task="multiclass", num_classes=num_classes)
+        self._classify_with(nn.Sequential(*layers, nn.Linear(sizes[-1], num_classes)), num_classes)
 
 
 class ViTClassifier(ImageClassifier):
@@ -278,9 +280,8 @@ class ViTClassifier(ImageClassifier):
         self.save_hyperparameters()
         from timm.models.vision_transformer import VisionTransformer
 
-        self.model = VisionTransformer(
+        vit = VisionTransformer(
             img_size=image_size, patch_size=patch_size, num_classes=num_classes,
             embed_dim=width, depth=depth, num_heads=heads, mlp_ratio=2.0,
         )  # fmt: skip
-        self.val_acc = Accuracy(task="multiclass", num_classes=num_classes)
-        self.test_acc = Accuracy(task="multiclass", num_classes=num_classes)
+        self._classify_with(vit, num_classes)
