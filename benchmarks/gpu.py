@@ -150,7 +150,7 @@ class Bookkeeping:
 
     HOOKS = (("selection", "sample"), ("selection", "inclusion"), ("selection", "refine"),
              ("selection", "update"), ("freezer", "activate"), ("freezer", "release"),
-             (None, "record_norms"), (None, "count"))  # fmt: skip
+             (None, "count"))  # fmt: skip
 
     def __init__(self, engine: Any) -> None:
         self.seconds = 0.0

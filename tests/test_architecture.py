@@ -314,7 +314,7 @@ def test_public_classes_and_functions_have_runnable_examples(name):
 
 #: The most of the package's files and functions one SparseLayerSAM() training step through a
 #: Trainer may run (benchmarks/step_path.py; docs/architecture.md draws the path).
-MAX_STEP_FILES, MAX_STEP_FUNCTIONS = 12, 51
+MAX_STEP_FILES, MAX_STEP_FUNCTIONS = 12, 52
 
 
 def test_one_step_runs_few_of_the_packages_files_and_functions():
@@ -332,4 +332,8 @@ def test_one_step_runs_few_of_the_packages_files_and_functions():
             "core/engine.py:SparseSAMEngine.step"} <= names  # fmt: skip
     # No front-end copy of the pass loop, no FSDP2 arithmetic on one device.
     assert not any(f.startswith("lightning/fabric") for f in path["by_file"])
-    assert path["by_file"]["parallel/shards.py"] == ["Whole.local", "Whole.norms", "Whole.reshard"]
+    assert path["by_file"]["parallel/shards.py"] == [
+        "Shards.local",
+        "Shards.norms",
+        "Shards.reshard",
+    ]

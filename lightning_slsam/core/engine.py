@@ -55,6 +55,7 @@ from lightning_slsam.core.step import (
     STEP_KINDS,
     Loop,
     MethodParts,
+    StepContext,
     StepResult,
     commit,
     plain_step,
@@ -172,66 +173,67 @@ class SparseSAMEngine:
         """Run one training step of the method with the training loop's ``loop``."""
         # FSDP2: a forward without backward (validation) may have left the root unsharded.
         self.shards.reshard()
-        if self.num_steps == 0:
+        method, step = self.method, self.num_steps
+        if step == 0:
             if self._module is not None:
                 self.freezer.check_owned(self._module)
-            if self.method.check_optimizer is not None and loop.optimizer is not None:
-                self.method.check_optimizer(loop.optimizer)
-        kind = self.method.kind(self.num_steps)
+            if loop.optimizer is not None:
+                method.check_optimizer(loop.optimizer)
+        kind = method.kind(step)
         if kind not in STEP_KINDS:
             raise ValueError(f"The method named step kind {kind!r}; the kinds are {STEP_KINDS}.")
-        # A single-step method's directions: the last step's gradients (S2-SAM), or the
-        # method's own (Momentum-SAM's, from the optimizer).
-        own = self.method.directions
-        directions = self.last_grad
-        if kind == "single" and own is not None:
-            found = own(loop.optimizer, self.partition.flat_params)
-            # as the step moves them: each process's own shards (FSDP2)
-            directions = dict(zip(found, self.shards.local(list(found.values()))))
-        # Without any (the first step), a plain step on every layer, not a draw (the
-        # selection neither draws nor learns); S2-SAM keeps its gradients.
+        ctx = StepContext(step, loop, self.freezer, self.isolation, self.shards)
+        # A single-step method's directions (S2-SAM: the last step's gradients;
+        # Momentum-SAM: the optimizer's momentum). Without any (the first step), a plain
+        # step on every layer, not a draw (the selection neither draws nor learns).
+        directions = (
+            method.directions(ctx, self.partition.flat_params, self.last_grad)
+            if kind == "single" else {}
+        )  # fmt: skip
         drawn = not (kind == "single" and not directions)
         if not drawn:
             kind = "plain"
+        # S2-SAM keeps the gradients of its steps, the first plain one included.
+        keep = method.keeps_last_grads and (kind == "single" or not drawn)
         mask = self.selection.sample() if drawn else self.freezer.all.clone()
         inclusion = self.selection.inclusion() if drawn and self.update_scale else None
         if (self.check_masks or loop.check_draw) and loop.averager is not None:
-            check_same_draw(mask, kind, STEP_KINDS, self.num_steps, loop.averager)
-        result = StepResult(None, mask, self.trainable_numel, kind, drawn=drawn)
+            check_same_draw(mask, kind, STEP_KINDS, step, loop.averager)
         try:
-            if self.method.before_step is not None:
-                self.method.before_step(
-                    self.num_steps, loop, result, self.freezer, self.isolation, self.shards
-                )
+            extra = method.before_step(ctx)
             if kind == "sam":
                 passed = sam_step(
-                    loop, result, self.freezer, selection=self.selection,
-                    perturbation=self.perturbation, method=self.method,
-                    isolation=self.isolation, shards=self.shards,
-                    sync_first_pass=self.sync_first_pass,
+                    ctx, mask, selection=self.selection, perturbation=self.perturbation,
+                    method=method, sync_first_pass=self.sync_first_pass,
                 )  # fmt: skip
             elif kind == "single":
-                passed = single_step(
-                    loop, result, self.freezer, perturbation=self.perturbation,
-                    directions=directions, shards=self.shards, keep=own is None,
-                )  # fmt: skip
+                passed = single_step(ctx, mask, perturbation=self.perturbation,
+                                     directions=directions, keep=keep)  # fmt: skip
             else:
-                passed = plain_step(loop, result, self.freezer, method=self.method,
-                                    shards=self.shards, keep=not drawn and own is None)  # fmt: skip
-            made = commit(
-                loop, result, self.num_steps, inclusion, passed, layers=self.freezer,
-                selection=self.selection, update_scale=self.update_scale,
-                pool=self.perturbation.pool, shards=self.shards, record_norms=self.record_norms,
-            )  # fmt: skip
-            if made and passed.kept is not None:
-                # The gradient tensors themselves (after the optimizer's unscaling and
-                # clipping): zero_grad(set_to_none=True) detaches them from .grad, no copy.
-                params, grads = passed.kept
-                for param, grad in zip(params, self.shards.local(grads)):
-                    self.last_grad[id(param)] = grad
+                passed = plain_step(ctx, mask, method=method, reuse=kind == "reuse", keep=keep)
+            outcome = commit(ctx, passed, inclusion, update_scale=self.update_scale,
+                             pool=self.perturbation.pool)  # fmt: skip
+            if outcome.norms is not None:  # the update was made
+                if drawn:
+                    self.selection.update(passed.update_mask, outcome.norms)
+                if passed.kept is not None:
+                    # The gradient tensors themselves (after the optimizer's unscaling and
+                    # clipping): zero_grad(set_to_none=True) detaches them from .grad.
+                    params, grads = passed.kept
+                    for param, grad in zip(params, self.shards.local(grads)):
+                        self.last_grad[id(param)] = grad
         finally:
             self.freezer.release()
-        self.count(result)
+        total = max(self.trainable_numel, 1)
+        result = StepResult(
+            passed.first[0], passed.active_mask, self.trainable_numel, kind,
+            pass_numel=passed.pass_numel, extra_backward=extra.backward,
+            allreduce_bytes=extra.allreduce_bytes + passed.allreduce_bytes
+            + outcome.allreduce_bytes,
+            skipped=outcome.skip_reason is not None, skip_reason=outcome.skip_reason,
+            drawn=drawn, active_ratio=sum(n / total for n in passed.pass_numel),
+        )  # fmt: skip
+        self.count(result, passed.update_mask, outcome.norms)
         return result
 
     def train_step(
@@ -305,9 +307,9 @@ class SparseSAMEngine:
         self.active_ratio_sum = 0.0
         self.last_result: StepResult | None = None
 
-    def count(self, result: StepResult) -> None:
-        """Count a finished step (and set its :attr:`~StepResult.active_ratio`)."""
-        result.active_ratio = sum(n / max(result.trainable_numel, 1) for n in result.pass_numel)
+    def count(self, result: StepResult, measured: Tensor, norms: Tensor | None) -> None:
+        """Count a finished step, with the first-pass norms ``norms`` (float64, CPU; ``None``
+        for a skipped step) of the layers in ``measured``."""
         self.num_steps += 1
         if result.skipped:
             self.num_skipped += 1
@@ -315,12 +317,10 @@ class SparseSAMEngine:
             self.counts += result.active_mask.to(torch.int64)
             self.active_ratio_sum += result.active_ratio
             self.kind_counts[result.kind] = self.kind_counts.get(result.kind, 0) + 1
+        if norms is not None:
+            self.norm_sums += torch.where(measured, norms, 0.0)
+            self.norm_counts += measured.to(torch.int64)
         self.last_result = result
-
-    def record_norms(self, mask: Tensor, norms: Tensor) -> None:
-        """Add the first-pass norms ``norms`` of the layers in ``mask`` (float64, CPU)."""
-        self.norm_sums += torch.where(mask, norms, 0.0)
-        self.norm_counts += mask.to(torch.int64)
 
     @property
     def mean_active_ratio(self) -> float:

@@ -19,7 +19,13 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
-__all__ = ["BN_STATS", "PassIsolation", "RandomState", "RunningStats"]
+__all__ = [
+    "BN_STATS",
+    "PassIsolation",
+    "RandomState",
+    "RunningStats",
+    "StepIsolation",
+]
 
 #: Which pass's running statistics a SAM step keeps.
 BN_STATS = ("first", "second", "both")
@@ -107,10 +113,10 @@ class PassIsolation:
         self.bn_stats = bn_stats
         self.replay_dropout = bool(replay_dropout)
 
-    def begin(self) -> _Isolated:
+    def begin(self) -> StepIsolation:
         """One SAM step's isolation; snapshots taken before its first pass."""
         stats = self.stats
-        return _Isolated(
+        return StepIsolation(
             stats,
             before=stats.snapshot() if stats and self.bn_stats == "second" else None,
             rng=RandomState() if self.replay_dropout else None,
@@ -125,7 +131,10 @@ class PassIsolation:
 
 
 @dataclass
-class _Isolated:
+class StepIsolation:
+    """One SAM step's isolation (:meth:`PassIsolation.begin`): the snapshots it keeps, and
+    what to do as the passes go."""
+
     stats: RunningStats | None
     before: list[Tensor] | None
     rng: RandomState | None

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_slsam.parallel.shards import WHOLE, Whole
+from lightning_slsam.parallel.shards import WHOLE, Shards
 
 __all__ = ["ASAM_ETA", "PERTURBATION_NORMS", "BackupPool", "SAMPerturbation", "group_norms",
            "is_weight_name"]  # fmt: skip
@@ -150,7 +150,7 @@ class SAMPerturbation:
         inplace: bool = True,
         masks: list[Tensor] | None = None,
         scaled: list[bool] | None = None,
-        shards: Whole = WHOLE,
+        shards: Shards = WHOLE,
     ) -> list[Tensor]:
         """Move ``params`` along ``grads`` in place; return the backup for :meth:`restore_`.
 
@@ -205,6 +205,6 @@ class SAMPerturbation:
 
     @staticmethod
     @torch.no_grad()
-    def restore_(params: list[Tensor], backup: list[Tensor], shards: Whole = WHOLE) -> None:
+    def restore_(params: list[Tensor], backup: list[Tensor], shards: Shards = WHOLE) -> None:
         """Copy the pre-ascent values back, bit for bit."""
         _copy(shards.local(params), backup)

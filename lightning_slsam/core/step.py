@@ -11,17 +11,20 @@ Three kinds of step make every method of the plugin:
   known before the step (S2-SAM: each layer's gradient from the last step it was trained
   in; Momentum-SAM: against the optimizer's momentum).
 
-Each returns what it computed (:class:`Passed`: each pass's scalars, the per-layer norms,
-the layers drawn, the gradients a single-step method keeps); the engine then ends the step
-with :func:`commit`: one host transfer of the losses, a finiteness probe of each pass and
-the per-layer gradient norms, then the optimizer's update or a skip with the weights
-restored exactly and nothing else changed.
+Each returns what it computed (:class:`Passed`: each pass's scalars and size, the
+per-layer norms, the layers drawn and updated, the gradients a single-step method keeps);
+the engine then ends the step with :func:`commit` -- one host transfer of the losses, a
+finiteness probe of each pass and the per-layer gradient norms, then the optimizer's
+update or a skip with the weights restored exactly and nothing else changed -- and builds
+the step's record (:class:`StepResult`) once, from both.
 
-They work on explicit arguments: the training loop's callables (:class:`Loop`), the step's
-record (:class:`StepResult`), the layers (a :class:`~lightning_slsam.core.partition.LayerFreezer`),
-the selection, the perturbation, and the method's optional hooks (:class:`MethodParts`:
-ESAM's sample choice, SSAM-F's ascent mask, LookSAM's stored component). The stateful
-shell around them -- drawing the layers, counting, saving -- is
+They work on explicit arguments: the step's context (:class:`StepContext`: the training
+loop's callables, a :class:`Loop`; the layers, a
+:class:`~lightning_slsam.core.partition.LayerFreezer`; the pass isolation and the shards),
+the layers drawn, the selection, the perturbation, and what the method adds
+(:class:`MethodParts`, whose hooks do nothing unless the method overrides them: ESAM's
+sample choice, SSAM-F's ascent mask, LookSAM's stored component). The stateful shell
+around them -- drawing the layers, counting, saving -- is
 :class:`~lightning_slsam.core.engine.SparseSAMEngine`.
 """
 
@@ -29,27 +32,30 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
-from lightning_slsam.core.isolation import PassIsolation
+from lightning_slsam.core.isolation import PassIsolation, StepIsolation
 from lightning_slsam.core.partition import LayerFreezer
 from lightning_slsam.core.passes import Passes, PassOutput
 from lightning_slsam.core.perturbation import BackupPool, SAMPerturbation
 from lightning_slsam.parallel.ddp import GradientAverager, average_grads
-from lightning_slsam.parallel.shards import Whole
+from lightning_slsam.parallel.shards import Shards
 from lightning_slsam.selection.rules import LayerSelection
 
 __all__ = [
     "STEP_KINDS",
+    "ExtraWork",
     "Loop",
     "MethodParts",
+    "Outcome",
     "Passed",
+    "StepContext",
+    "StepKind",
     "StepResult",
     "commit",
     "gradient_pass",
@@ -61,7 +67,8 @@ __all__ = [
 
 #: The kinds a step can be: SAM's two passes, one plain pass, LookSAM's reuse (a plain pass
 #: plus the stored component), a single-step SAM pass.
-STEP_KINDS = ("sam", "plain", "reuse", "single")
+StepKind = Literal["sam", "plain", "reuse", "single"]
+STEP_KINDS: tuple[StepKind, ...] = ("sam", "plain", "reuse", "single")
 
 
 @dataclass
@@ -98,9 +105,37 @@ class Loop:
     optimizer: Any = None
 
 
+@dataclass(frozen=True)
+class StepContext:
+    """One step's surroundings, as the step functions and a method's hooks see them.
+
+    Attributes:
+        step: the step's 0-based count of optimizer steps (skipped ones included).
+        loop: what the training loop handed the step.
+        layers: the layers, frozen and unfrozen a draw at a time.
+        isolation: what one pass may leave behind (running statistics, random streams;
+            ``None`` when the model has neither).
+        shards: the :mod:`~lightning_slsam.parallel.shards` seam (whole tensors, or FSDP2
+            shards).
+    """
+
+    step: int
+    loop: Loop
+    layers: LayerFreezer
+    isolation: PassIsolation | None
+    shards: Shards
+
+
+class ExtraWork(NamedTuple):
+    """What a hook ran outside the training passes: backward passes, bytes all-reduced."""
+
+    backward: int = 0
+    allreduce_bytes: int = 0
+
+
 @dataclass
 class StepResult:
-    """What happened in one step.
+    """What happened in one step (built once, by the engine, when the step has ended).
 
     Attributes:
         loss: first-pass loss, detached.
@@ -116,13 +151,13 @@ class StepResult:
             from it.
         active_ratio: the SL-SAM paper's "Active Ratio": the fraction of trainable
             parameters with a gradient, summed over the training passes (plain AdamW 1.0,
-            SAM 2.0); set when the step ends.
+            SAM 2.0).
     """
 
     loss: Tensor | None
     active_mask: Tensor
     trainable_numel: int
-    kind: str
+    kind: StepKind
     pass_numel: list[int] = field(default_factory=list)
     extra_backward: int = 0
     allreduce_bytes: int = 0
@@ -146,27 +181,22 @@ class MethodParts:
     """What a method adds to the shared steps (this base adds nothing: SAM on every step).
 
     A method's specification builds its parts (:meth:`~lightning_slsam.methods.spec.
-    MethodSpec.parts`); the engine runs the step kind :meth:`kind` names and passes the
-    parts to it. Each hook is ``None`` unless the method defines it:
+    MethodSpec.parts`); the engine runs the step kind :meth:`kind` names. Every hook gets
+    the step's :class:`StepContext` first and does nothing here; a method overrides those
+    it needs:
 
-    * ``before_step(step, loop, result, layers, isolation, shards)`` -- before the step's
-      kind runs (SSAM-F's Fisher refresh);
-    * ``choose_samples(first, forward_backward) -> subsets`` -- the second pass's samples,
-      one index tensor per micro-batch (ESAM);
-    * ``ascent_masks(params, shards) -> masks`` -- coordinate masks on the ascent (SSAM-F);
-    * ``after_sam_step(params, first_grads, params2, grads2, shards)`` -- with the
-      perturbed tensors, their first-pass gradients (kept when :attr:`keeps_first_grads`)
-      and the second pass's tensors and gradients (LookSAM's store);
-    * ``adjust_grads(params, grads, shards)`` -- on a ``"reuse"`` step, before the update
-      (LookSAM);
-    * ``directions(optimizer, params) -> {id(param): direction}`` -- a ``"single"`` step's
-      directions (Momentum-SAM: the optimizer's momentum); without it, the gradients of the
-      last step each tensor was trained in (S2-SAM);
-    * ``check_optimizer(optimizer)`` -- refuse an optimizer the method cannot use, before
-      the first step changes anything (Momentum-SAM: one without momentum).
+    * :meth:`check_optimizer` -- refuse an optimizer the method cannot use, before the
+      first step changes anything (Momentum-SAM: one without momentum);
+    * :meth:`before_step` -- before the step's kind runs (SSAM-F's Fisher refresh);
+    * :meth:`choose_samples` -- the second pass's samples (ESAM);
+    * :meth:`ascent_masks` -- coordinate masks on the ascent (SSAM-F);
+    * :meth:`after_sam_step` -- with the perturbed tensors and both passes' gradients
+      (LookSAM's store);
+    * :meth:`adjust_grads` -- on a ``"reuse"`` step, before the update (LookSAM);
+    * :meth:`directions` -- a ``"single"`` step's directions (S2-SAM: the last step's
+      gradients; Momentum-SAM: the optimizer's momentum).
 
-    ``shards`` is the :mod:`~lightning_slsam.parallel.shards` seam (whole tensors, or FSDP2
-    shards). A hook reports a warning through :attr:`warn` (the engine's builder sets it:
+    A hook reports a warning through :attr:`warn` (the engine's builder sets it:
     Lightning's rank-zero warning under the callback).
 
     State the parts own is saved with the engine's: :meth:`state_dict` returns plain values
@@ -176,22 +206,54 @@ class MethodParts:
 
     #: Whether the steps' losses must carry per-sample losses (ESAM's sample choice).
     needs_per_sample: bool = False
-    #: Whether the SAM step keeps the first pass's gradients for ``after_sam_step``.
+    #: Whether the SAM step keeps the first pass's gradients for :meth:`after_sam_step`.
     keeps_first_grads: bool = False
-    before_step: Callable[..., None] | None = None
-    choose_samples: Callable[[PassOutput, Passes], list[Tensor]] | None = None
-    ascent_masks: Callable[[list[Tensor], Whole], list[Tensor]] | None = None
-    after_sam_step: Callable[..., None] | None = None
-    adjust_grads: Callable[[list[Tensor], list[Tensor], Whole], None] | None = None
-    directions: Callable[[Any, list[Tensor]], dict[int, Tensor]] | None = None
-    check_optimizer: Callable[[Any], None] | None = None
+    #: Whether a single-step method's directions are the gradients of the last step each
+    #: tensor was trained in (S2-SAM): the engine keeps them after each update.
+    keeps_last_grads: bool = True
     #: How a hook reports a warning.
     warn: Callable[[str], None] = warnings.warn
 
-    def kind(self, step: int) -> str:
-        """The kind of step ``step`` (0-based count of optimizer steps): one of
-        :data:`STEP_KINDS`."""
+    def kind(self, step: int) -> StepKind:
+        """The kind of step ``step`` (0-based count of optimizer steps)."""
         return "sam"
+
+    def check_optimizer(self, optimizer: Any) -> None:
+        """Raise a ``ValueError`` naming the fix for an optimizer the method cannot use."""
+
+    def before_step(self, ctx: StepContext) -> ExtraWork:
+        """Run before the step's kind; returns the work it did outside the training passes."""
+        return ExtraWork()
+
+    def choose_samples(
+        self, ctx: StepContext, first: PassOutput, isolated: StepIsolation | None
+    ) -> list[Tensor] | None:
+        """The second pass's samples, one index tensor per micro-batch (``None``: all of
+        them), from the first pass's output; an extra forward runs inside
+        ``isolated.extra_forward()`` (``isolated``: the step's isolation, ``None`` when there
+        is nothing to isolate). Set :attr:`needs_per_sample` to get per-sample losses."""
+        return None
+
+    def ascent_masks(self, ctx: StepContext, params: list[Tensor]) -> list[Tensor] | None:
+        """A coordinate mask per perturbed tensor (``None``: the whole ascent)."""
+        return None
+
+    def after_sam_step(self, ctx: StepContext, params: list[Tensor], first_grads: list[Tensor],
+                       params2: list[Tensor], grads2: list[Tensor]) -> None:  # fmt: skip
+        """After a SAM step's second pass: the perturbed tensors, their first-pass gradients
+        (empty unless :attr:`keeps_first_grads`), the second pass's tensors and gradients."""
+
+    def adjust_grads(self, ctx: StepContext, params: list[Tensor], grads: list[Tensor]) -> None:
+        """On a ``"reuse"`` step, change ``grads`` in place before the update."""
+
+    def directions(
+        self, ctx: StepContext, params: Sequence[Tensor], last_grads: dict[int, Tensor]
+    ) -> dict[int, Tensor]:
+        """A ``"single"`` step's direction of each of ``params`` that has one, by ``id``, as
+        the step moves them (each process's own shards under FSDP2); empty: none yet (the
+        engine runs a plain step). Here: ``last_grads``, the gradients of the last step
+        each tensor was trained in."""
+        return last_grads
 
     def state_dict(self, index: dict[int, int]) -> dict[str, Any]:
         """The parts' state; ``index`` maps ``id(tensor)`` to its position."""
@@ -212,6 +274,8 @@ class _Pass:
     slots: Tensor  # each tensor's normalisation group
     norms: Tensor  # per-tensor gradient norms
     layer_norms: Tensor  # per-layer gradient norms
+    numel: int  # parameters the pass trained
+    allreduce_bytes: int  # bytes it all-reduced
 
 
 @dataclass
@@ -224,6 +288,10 @@ class Passed:
         layer_norms: the first pass's per-layer gradient norms, which the selection learns
             from.
         update_mask: the layers drawn for the first pass, those the selection learns about.
+        active_mask: the layers the update trains (the draw, or the selection's refinement
+            of it for the second pass).
+        pass_numel: parameters with a gradient in each pass.
+        allreduce_bytes: bytes the passes all-reduced across processes.
         kept: a single-step method's tensors and their gradients, stored for its next step
             once the update is made (``None``: nothing to keep).
     """
@@ -232,14 +300,29 @@ class Passed:
     second: list[Tensor]
     layer_norms: Tensor
     update_mask: Tensor
+    active_mask: Tensor
+    pass_numel: list[int]
+    allreduce_bytes: int
     kept: tuple[list[Tensor], list[Tensor]] | None = None
 
 
+class Outcome(NamedTuple):
+    """How :func:`commit` ended a step.
+
+    Attributes:
+        skip_reason: why the update was skipped (``None``: it was made).
+        allreduce_bytes: bytes all-reduced doing so.
+        norms: when the update was made, the first pass's per-layer gradient norms as the
+            selection learns them (float64, CPU; loss scale removed).
+    """
+
+    skip_reason: str | None
+    allreduce_bytes: int
+    norms: Tensor | None = None
+
+
 def gradient_pass(
-    loop: Loop,
-    result: StepResult,
-    layers: LayerFreezer,
-    shards: Whole,
+    ctx: StepContext,
     active: list[Tensor],
     mask: Tensor,
     subsets: list[Tensor] | None = None,
@@ -250,51 +333,45 @@ def gradient_pass(
     Under DDP the gradients are averaged across processes first (``sync``); otherwise the
     per-layer norms alone are. FSDP2 has averaged its sharded gradients already.
     """
+    loop, layers, shards = ctx.loop, ctx.layers, ctx.shards
     loop.zero_grad()
     fb = loop.forward_backward
     output = fb(subsets=subsets) if subsets else fb()
-    if result.loss is None:
-        result.loss = output.loss
-    result.pass_numel.append(layers.numel(mask))
+    sent = 0
     averager = None if shards.sharded else loop.averager
     if averager is not None and sync:
-        result.allreduce_bytes += average_grads(active, averager)
+        sent += average_grads(active, averager)
     params = [p for p in active if p.grad is not None]  # a tensor the forward skipped: norm 0
     grads = [p.grad for p in params]
     slots = layers.slots(params)
     norms = shards.norms(grads, output.loss.device)  # type: ignore[arg-type]
     layer_norms = layers.layer_norms(norms, slots)
     if averager is not None and not sync:
-        result.allreduce_bytes += averager.average_([layer_norms])
-    return _Pass(output, active, params, grads, slots, norms, layer_norms)  # type: ignore[arg-type]
+        sent += averager.average_([layer_norms])
+    return _Pass(output, active, params, grads, slots, norms, layer_norms,  # type: ignore[arg-type]
+                 layers.numel(mask), sent)  # fmt: skip
 
 
 def sam_step(
-    loop: Loop,
-    result: StepResult,
-    layers: LayerFreezer,
+    ctx: StepContext,
+    mask: Tensor,
     *,
     selection: LayerSelection,
     perturbation: SAMPerturbation,
     method: MethodParts,
-    isolation: PassIsolation | None,
-    shards: Whole,
     sync_first_pass: bool,
 ) -> Passed:
-    """SAM's two passes on the layers in ``result.active_mask``."""
-    mask1 = result.active_mask
-    iso = isolation.begin() if isolation is not None else None
+    """SAM's two passes on the layers in ``mask``."""
+    layers, shards = ctx.layers, ctx.shards
+    iso = ctx.isolation.begin() if ctx.isolation is not None else None
     # 1. The gradient at the current weights, on the drawn layers.
-    first = gradient_pass(
-        loop, result, layers, shards, layers.activate(mask1), mask1, sync=sync_first_pass
-    )
+    first = gradient_pass(ctx, layers.activate(mask), mask, sync=sync_first_pass)
     # 2. The layers the second pass trains (a selection may narrow or widen the draw).
-    mask2, active2 = mask1, first.active
+    mask2, active2 = mask, first.active
     if selection.refines:
         norms = first.layer_norms.double().cpu() if selection.refine_uses_norms else None
-        mask2 = selection.refine(mask1, norms)
+        mask2 = selection.refine(mask, norms)
         active2 = layers.activate(mask2)
-    result.active_mask = mask2
     keep = {id(p) for p in active2}
     chosen = [i for i, p in enumerate(first.params) if id(p) in keep]
     pp = [first.params[i] for i in chosen]
@@ -305,71 +382,62 @@ def sam_step(
     keep_first = method.keeps_first_grads
     backup = perturbation.perturb_(
         pp, pg, first.norms[chosen], first.slots[chosen], layers.num_groups,
-        inplace=not keep_first,
-        masks=method.ascent_masks(pp, shards) if method.ascent_masks is not None else None,
-        scaled=layers.weight_flags(pp) if perturbation.adaptive else None,
-        shards=shards,
+        inplace=not keep_first, masks=method.ascent_masks(ctx, pp),
+        scaled=layers.weight_flags(pp) if perturbation.adaptive else None, shards=shards,
     )  # fmt: skip
     # Free the first-pass gradients before the next forward (unless kept).
     first.grads.clear()
     if not keep_first:
         pg = []
-    loop.zero_grad()
+    ctx.loop.zero_grad()
     if iso is not None:
         iso.first_pass_done()
     # 4. The gradient at the perturbed weights, then the exact restore.
     try:
-        subsets = None
-        if method.choose_samples is not None:
-            with iso.extra_forward() if iso is not None else nullcontext():
-                subsets = method.choose_samples(first.output, loop.forward_backward)
+        subsets = method.choose_samples(ctx, first.output, iso)
         if iso is not None:
             iso.second_pass_starts()
-        second = gradient_pass(loop, result, layers, shards, active2, mask2, subsets=subsets)
+        second = gradient_pass(ctx, active2, mask2, subsets=subsets)
     finally:
         perturbation.restore_(pp, backup, shards)
         if iso is not None:
             iso.step_done()
     del backup
-    if method.after_sam_step is not None:
-        method.after_sam_step(pp, pg, second.params, second.grads, shards)
+    method.after_sam_step(ctx, pp, pg, second.params, second.grads)
     # 5. The update with the second pass's gradients (or a skip): the engine's commit.
     return Passed(
         [first.output.loss, first.norms.sum()], [second.output.loss, second.norms.sum()],
-        first.layer_norms, mask1,
+        first.layer_norms, mask, mask2, [first.numel, second.numel],
+        first.allreduce_bytes + second.allreduce_bytes,
     )  # fmt: skip
 
 
 def plain_step(
-    loop: Loop, result: StepResult, layers: LayerFreezer, *, method: MethodParts, shards: Whole,
+    ctx: StepContext, mask: Tensor, *, method: MethodParts, reuse: bool = False,
     keep: bool = False,
 ) -> Passed:  # fmt: skip
-    """One pass on the layers in ``result.active_mask``; a ``"reuse"`` step lets the method
-    adjust the gradients for the update (LookSAM). ``keep``: return the step's tensors and
-    gradients (single-step SAM's first step, which has no direction yet: S2-SAM's store)."""
-    mask = result.active_mask
-    out = gradient_pass(loop, result, layers, shards, layers.activate(mask), mask)
-    if result.kind == "reuse" and method.adjust_grads is not None:
-        method.adjust_grads(out.params, out.grads, shards)
-    kept = (out.params, out.grads) if keep else None
-    return Passed([out.output.loss, out.norms.sum()], [], out.layer_norms, mask, kept)
+    """One pass on the layers in ``mask``; a ``reuse`` step (LookSAM's) lets the method
+    adjust the gradients for the update. ``keep``: return the step's tensors and gradients
+    (single-step SAM's first step, which has no direction yet: S2-SAM's store)."""
+    out = gradient_pass(ctx, ctx.layers.activate(mask), mask)
+    if reuse:
+        method.adjust_grads(ctx, out.params, out.grads)
+    return _one_pass(out, mask, keep)
 
 
 def single_step(
-    loop: Loop,
-    result: StepResult,
-    layers: LayerFreezer,
+    ctx: StepContext,
+    mask: Tensor,
     *,
     perturbation: SAMPerturbation,
     directions: dict[int, Tensor],
-    shards: Whole,
     keep: bool = False,
 ) -> Passed:
     """Single-step SAM: one pass at weights perturbed along each active tensor's direction
     (``directions``, by ``id`` of the tensor), restored exactly before the update (a step
     without any is a plain one: the engine runs :func:`plain_step` then). ``keep``: return
     the step's tensors and gradients, for S2-SAM's store of the last gradients."""
-    mask = result.active_mask
+    layers, shards = ctx.layers, ctx.shards
     active = layers.activate(mask)
     pp = [p for p in active if id(p) in directions]
     pg = [directions[id(p)] for p in pp]
@@ -381,43 +449,42 @@ def single_step(
         scaled=layers.weight_flags(pp) if perturbation.adaptive else None, shards=shards,
     )  # fmt: skip
     try:
-        out = gradient_pass(loop, result, layers, shards, active, mask)
+        out = gradient_pass(ctx, active, mask)
     finally:
         perturbation.restore_(pp, backup, shards)
     del backup
+    return _one_pass(out, mask, keep)
+
+
+def _one_pass(out: _Pass, mask: Tensor, keep: bool) -> Passed:
     kept = (out.params, out.grads) if keep else None
-    return Passed([out.output.loss, out.norms.sum()], [], out.layer_norms, mask, kept)
+    return Passed([out.output.loss, out.norms.sum()], [], out.layer_norms, mask, mask,
+                  [out.numel], out.allreduce_bytes, kept)  # fmt: skip
 
 
 def commit(
-    loop: Loop,
-    result: StepResult,
-    step: int,
-    inclusion: Tensor | None,
+    ctx: StepContext,
     passed: Passed,
+    inclusion: Tensor | None,
     *,
-    layers: LayerFreezer,
-    selection: LayerSelection,
     update_scale: float | None,
     pool: BackupPool,
-    shards: Whole,
-    record_norms: Callable[[Tensor, Tensor], None],
-) -> bool:
-    """End step ``step``: one host transfer, then the update -- the optimizer's step, the
-    update scaling, the norms fed to the counters and, when it drew the step, to the
-    selection -- or a skip. Whether the update was made.
+) -> Outcome:
+    """End the step: one host transfer, then the update -- the optimizer's step and the
+    update scaling, returning the per-layer norms for the counters and the selection -- or
+    a skip.
 
     ``passed``: what the step function computed (each pass's scalars, the first pass's
-    per-layer norms, the layers drawn); ``inclusion``: each layer's probability of having
-    been drawn, for the update scaling (``None``: no scaling this step). Every process takes
-    the same decision: one non-finite value anywhere makes the averaged scalars non-finite
-    everywhere.
+    per-layer norms, the layers drawn and updated); ``inclusion``: each layer's probability
+    of having been drawn, for the update scaling (``None``: no scaling this step). Every
+    process takes the same decision: one non-finite value anywhere makes the averaged
+    scalars non-finite everywhere.
     """
+    loop, layers = ctx.loop, ctx.layers
     first, second, layer_norms = passed.first, passed.second, passed.layer_norms
     device = layer_norms.device
     scalars = torch.stack([s.detach().float().reshape(()).to(device) for s in (*first, *second)])
-    if loop.averager is not None:
-        result.allreduce_bytes += loop.averager.average_([scalars])
+    sent = loop.averager.average_([scalars]) if loop.averager is not None else 0
     if loop.grad_scale is not None:
         # The selection learns from true gradient norms, not loss-scaled ones.
         layer_norms = layer_norms / loop.grad_scale().to(device).float()
@@ -438,34 +505,28 @@ def commit(
         if inclusion is not None and update_scale is not None:
             factors = (1.0 / inclusion.clamp(min=1e-300)).clamp(max=update_scale)
             for on, factor, group in zip(
-                result.active_mask.tolist(), factors.tolist(), layers.partition.params
+                passed.active_mask.tolist(), factors.tolist(), layers.partition.params
             ):
                 if on and factor > 1.0:
                     scaled.extend(group)
                     extra.extend([factor - 1.0] * len(group))
         if scaled:
-            scaled = shards.local(scaled)  # FSDP2: each process scales its own shards
+            scaled = ctx.shards.local(scaled)  # FSDP2: each process scales its own shards
             before = pool.copy(scaled)
         loop.optimizer_step(False)
         if scaled:
             update = functools.partial(scale_update, scaled, before, extra)
             loop.after_update(update) if loop.after_update is not None else update()
-        norms = host[k:].double()
-        record_norms(passed.update_mask, norms)
-        if result.drawn:
-            selection.update(passed.update_mask, norms)
-        return True
-    result.skipped = True
-    result.skip_reason = reason
+        return Outcome(None, sent, host[k:].double())
     loop.zero_grad()
     warnings.warn(
-        f"SL-SAM skipped step {step}: {reason}. Weights, optimizer state and"
+        f"SL-SAM skipped step {ctx.step}: {reason}. Weights, optimizer state and"
         " layer selection are unchanged.",
         RuntimeWarning,
         stacklevel=3,
     )
     loop.optimizer_step(True)
-    return False
+    return Outcome(reason, sent)
 
 
 def scale_update(params: list[Tensor], before: list[Tensor], factors: list[float]) -> None:

@@ -249,11 +249,10 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
             self.engine = self._build_engine(partition, pl_module)
         self.partition = partition
         check_engine(self, trainer, pl_module, self.engine)
-        if self.engine.method.check_optimizer is not None:  # before the first step
-            try:
-                self.engine.method.check_optimizer(trainer.optimizers[0])
-            except ValueError as err:
-                raise MisconfigurationException(str(err)) from None
+        try:  # before the first step
+            self.engine.method.check_optimizer(trainer.optimizers[0])
+        except ValueError as err:
+            raise MisconfigurationException(str(err)) from None
         # A checkpoint saved with other trainable tensors waits for the first batch: the
         # epoch-start hooks (a finetuning callback's unfreezing) set the trainable set.
         if self._pending_state is not None and not differs_by_trainable(

@@ -135,15 +135,6 @@ class StepDriver:
         self._user_step: Callable[..., Any] | None = None
         self._first_output: Any = None
 
-    def serves(self, controller: SAMController) -> bool:
-        """Whether this driver belongs to the module's current fit with ``controller``."""
-        trainer = attached_trainer(self.module)
-        return (
-            self.controller is controller
-            and self.trainer is trainer
-            and trainer.optimizers[:1] == [self.optimizer.optimizer]
-        )
-
     # -- the step ----------------------------------------------------------------------
     def training_step(self, user_step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Buffer the batch, and once a group is complete run the SAM step over it; return
@@ -151,9 +142,13 @@ class StepDriver:
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         if self._pending_plateau:
             self.step_pending_plateau_schedulers()
-        micro_batches = self._accumulate(args, kwargs)
-        if micro_batches is None:
-            return None  # buffered for gradient accumulation; the step comes later
+        # Gradient accumulation: the batches of a group are buffered and the step runs on
+        # the last; the epoch's last batch closes a partial group (asked only while one is open).
+        self._buffer.append((args, kwargs))
+        k = self.controller.accumulate_grad_batches
+        if len(self._buffer) < k and not epoch_ends_with_this_batch(self.trainer):
+            return None
+        micro_batches, self._buffer = self._buffer, []
         engine = self.controller.engine
         if engine is None:
             raise RuntimeError(f"{type(self.controller).__name__} ran a step before on_fit_start.")
@@ -198,15 +193,6 @@ class StepDriver:
         args, kwargs = call
         batch = self.module.sam_subset_batch(args[0], index, self._size(call))
         return (batch, *args[1:]), kwargs
-
-    def _accumulate(self, args: tuple, kwargs: dict) -> list[Call] | None:
-        self._buffer.append((args, kwargs))
-        # The epoch's last batch closes a partial group (asked only while one is open).
-        k = self.controller.accumulate_grad_batches
-        if len(self._buffer) < k and not epoch_ends_with_this_batch(self.trainer):
-            return None
-        group, self._buffer = self._buffer, []
-        return group
 
     def _optimizer_step(self, skip: bool) -> None:
         if skip and self.scaler is not None:

@@ -42,9 +42,15 @@ def _wrap_training_step(user_step: Callable[..., Any]) -> Callable[..., Any]:
             output = user_step(self, *args, **kwargs)
             # Per-sample losses (returned for ESAM) are averaged for automatic optimization.
             return split_per_sample(output)[0] if isinstance(output, Tensor) else output
-        # The module's step driver runs the SAM step (a new one for each fit).
+        # The module's step driver runs the SAM step (a new one for each fit: another
+        # callback, Trainer or optimizer).
         driver = self._slsam_driver
-        if driver is None or not driver.serves(controller):
+        if (
+            driver is None
+            or driver.controller is not controller
+            or driver.trainer is not trainer
+            or trainer.optimizers[:1] != [driver.optimizer.optimizer]
+        ):
             driver = self._slsam_driver = StepDriver(self, controller)
         return driver.training_step(user_step, args, kwargs)
 

@@ -19,14 +19,16 @@ runs its step (docs/paper-and-code.md).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
+from lightning_slsam.core.isolation import StepIsolation
 from lightning_slsam.core.passes import PER_SAMPLE_NEEDED, Passes, PassOutput
-from lightning_slsam.core.step import MethodParts
+from lightning_slsam.core.step import MethodParts, StepContext
 from lightning_slsam.methods.options import RATIO
 from lightning_slsam.methods.spec import MethodSpec, option
 from lightning_slsam.selection.rules import LayerSelection, UniformSelection, WrappedSelection
@@ -77,7 +79,16 @@ class SharpestSamples(MethodParts):
     def __init__(self, data_ratio: float) -> None:
         self.data_ratio = float(data_ratio)
 
-    def choose_samples(self, first: PassOutput, forward_backward: Passes) -> list[Tensor]:
+    def choose_samples(
+        self, ctx: StepContext, first: PassOutput, isolated: StepIsolation | None
+    ) -> list[Tensor]:
+        # The extra forward leaves running statistics and random streams as they were.
+        with isolated.extra_forward() if isolated is not None else nullcontext():
+            return self.select(first, ctx.loop.forward_backward)
+
+    def select(self, first: PassOutput, forward_backward: Passes) -> list[Tensor]:
+        """The samples of each micro-batch whose loss ``forward_backward`` (at the perturbed
+        weights) raised most over ``first``'s."""
         before = first.per_sample
         if not before or any(b is None for b in before):
             raise ValueError(PER_SAMPLE_NEEDED)  # a loop that does not check it earlier

@@ -25,10 +25,10 @@ import torch
 from torch import Tensor
 
 from lightning_slsam.core.partition import by_position
-from lightning_slsam.core.step import MethodParts
+from lightning_slsam.core.step import MethodParts, StepContext, StepKind
 from lightning_slsam.methods.options import number
 from lightning_slsam.methods.spec import MethodSpec, option
-from lightning_slsam.parallel.shards import Whole
+from lightning_slsam.parallel.shards import Shards
 
 __all__ = ["AMPLIFICATION_LIMIT", "LookSAMSpec", "Lookahead", "amplification_message"]
 
@@ -91,15 +91,21 @@ class Lookahead(MethodParts):
         self.orthogonal_ratio: float | None = None
         #: The SAM step keeps the first pass's gradients for the store (``alpha > 0``).
         self.keeps_first_grads = self.alpha > 0
-        self.after_sam_step = self.store if self.keeps_first_grads else None
 
-    def kind(self, step: int) -> str:
+    def kind(self, step: int) -> StepKind:
         return "sam" if step % self.interval == 0 else "reuse"
 
     @torch.no_grad()
+    def after_sam_step(self, ctx: StepContext, pp: list[Tensor], pg: list[Tensor],
+                       params2: list[Tensor], grads2: list[Tensor]) -> None:  # fmt: skip
+        """After a SAM step: ``g_v`` of every perturbed tensor (with ``alpha > 0``)."""
+        if self.keeps_first_grads:
+            self.store(pp, pg, params2, grads2, ctx.shards)
+
     def store(self, pp: list[Tensor], pg: list[Tensor], params2: list[Tensor],
-              grads2: list[Tensor], shards: Whole) -> None:  # fmt: skip
-        """After a SAM step: ``g_v`` of every perturbed tensor."""
+              grads2: list[Tensor], shards: Shards) -> None:  # fmt: skip
+        """``g_v`` of every perturbed tensor (``pp``, ``pg``: the first pass's tensors and
+        gradients; ``params2``, ``grads2``: the second pass's)."""
         g_s = {id(p): g for p, g in zip(params2, grads2)}
         pairs = [(p, g, g_s[id(p)]) for p, g in zip(pp, pg) if id(p) in g_s]
         if not pairs:
@@ -124,8 +130,9 @@ class Lookahead(MethodParts):
                 self.warn(message)
 
     @torch.no_grad()
-    def adjust_grads(self, params: list[Tensor], grads: list[Tensor], shards: Whole) -> None:
+    def adjust_grads(self, ctx: StepContext, params: list[Tensor], grads: list[Tensor]) -> None:
         """Reuse step: ``g <- g + alpha * ||g|| / ||g_v|| * g_v`` (tensors with a ``g_v``)."""
+        shards = ctx.shards
         pairs = [(g, self.vertical[id(p)]) for p, g in zip(params, grads) if id(p) in self.vertical]
         if not pairs or self.alpha == 0:
             return

@@ -30,6 +30,7 @@ where SAM runs 0.05-0.2: the default here is 1.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -37,7 +38,7 @@ import torch
 from torch import Tensor
 
 from lightning_slsam.core.perturbation import SAMPerturbation
-from lightning_slsam.core.step import MethodParts
+from lightning_slsam.core.step import MethodParts, StepContext, StepKind
 from lightning_slsam.methods.options import number
 from lightning_slsam.methods.spec import MethodSpec, option
 
@@ -84,14 +85,23 @@ def _describe(defaults: dict[str, Any]) -> str:
 class MomentumParts(MethodParts):
     """Every step a single-step step along minus the optimizer's momentum."""
 
-    def kind(self, step: int) -> str:
+    keeps_last_grads = False
+
+    def kind(self, step: int) -> StepKind:
         return "single"
 
-    @staticmethod
-    def check_optimizer(optimizer: Any) -> None:  # type: ignore[override]
+    def check_optimizer(self, optimizer: Any) -> None:
         check_momentum(optimizer)
 
-    def directions(self, optimizer: Any, params: list[Tensor]) -> dict[int, Tensor]:  # type: ignore[override]
+    def directions(
+        self, ctx: StepContext, params: Sequence[Tensor], last_grads: dict[int, Tensor]
+    ) -> dict[int, Tensor]:
+        """Each tensor's momentum, by ``id``, as the step moves it (each process's own
+        shards under FSDP2)."""
+        found = self.momentum(ctx.loop.optimizer, params)
+        return dict(zip(found, ctx.shards.local(list(found.values()))))
+
+    def momentum(self, optimizer: Any, params: Sequence[Tensor]) -> dict[int, Tensor]:
         """Each tensor's momentum, by ``id`` (the optimizer's own tensor: nothing copied);
         empty before the optimizer's first step."""
         if optimizer is None:

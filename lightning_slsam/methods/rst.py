@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from lightning_slsam.core.step import MethodParts
+from lightning_slsam.core.step import MethodParts, StepKind
 from lightning_slsam.methods.options import number
 from lightning_slsam.methods.spec import MethodSpec, option
 
@@ -32,7 +32,7 @@ class Coin(MethodParts):
         self.probability = float(probability)
         self.generator = generator
 
-    def kind(self, step: int) -> str:
+    def kind(self, step: int) -> StepKind:
         draw = torch.rand((), generator=self.generator, dtype=torch.float64)
         return "sam" if bool(draw < self.probability) else "plain"
 

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from lightning_slsam.core.step import MethodParts
+from lightning_slsam.core.step import MethodParts, StepKind
 from lightning_slsam.methods.spec import MethodSpec
 
 __all__ = ["S2SAMSpec", "SingleStepParts"]
@@ -23,7 +23,7 @@ __all__ = ["S2SAMSpec", "SingleStepParts"]
 class SingleStepParts(MethodParts):
     """Every step a single-step SAM step (the engine makes the first one plain)."""
 
-    def kind(self, step: int) -> str:
+    def kind(self, step: int) -> StepKind:
         return "single"
 
 

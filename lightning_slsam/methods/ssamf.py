@@ -24,13 +24,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_slsam.core.isolation import PassIsolation
-from lightning_slsam.core.partition import LayerFreezer, by_position
+from lightning_slsam.core.partition import by_position
 from lightning_slsam.core.passes import Passes
-from lightning_slsam.core.step import Loop, MethodParts, StepResult
+from lightning_slsam.core.step import ExtraWork, MethodParts, StepContext
 from lightning_slsam.methods.options import number
 from lightning_slsam.methods.spec import MethodSpec, option
-from lightning_slsam.parallel.shards import WHOLE, Whole
+from lightning_slsam.parallel.shards import WHOLE, Shards
 
 __all__ = ["FisherMask", "SSAMFSpec"]
 
@@ -57,7 +56,7 @@ class FisherMask(MethodParts):
         >>> mask.due(0), mask.due(3)  # refreshed at the first step, then every 10
         (True, True)
         >>> mask.set_fisher(w, [torch.tensor([0.1, 0.9, 0.5, 0.0])])
-        >>> mask.ascent_masks(w), mask.due(3), mask.due(10)
+        >>> mask.masks_for(w), mask.due(3), mask.due(10)
         ([tensor([0., 1., 1., 0.])], False, True)
     """
 
@@ -71,13 +70,11 @@ class FisherMask(MethodParts):
         """Whether the mask must be recomputed before optimizer step ``step``."""
         return not self.masks or step % self.mask_interval == 0
 
-    def before_step(
-        self, step: int, loop: Loop, result: StepResult, layers: LayerFreezer,
-        isolation: PassIsolation | None, shards: Whole,
-    ) -> None:  # fmt: skip
+    def before_step(self, ctx: StepContext) -> ExtraWork:
         """Refresh the mask from per-sample gradients when it is due."""
-        if not self.due(step):
-            return
+        if not self.due(ctx.step):
+            return ExtraWork()
+        loop, layers, shards = ctx.loop, ctx.layers, ctx.shards
         fb = loop.forward_backward
         sizes = fb.batch_sizes
         active = layers.activate(layers.all)
@@ -91,6 +88,8 @@ class FisherMask(MethodParts):
         empty = torch.zeros(0, dtype=torch.long)
         # One sample per pass: normalisation layers use their running statistics (which
         # also keeps these passes from changing them).
+        backward = sent = 0
+        isolation = ctx.isolation
         with isolation.evaluating() if isolation is not None else nullcontext():
             for i in range(count):
                 for loss_scale in sources:
@@ -104,16 +103,19 @@ class FisherMask(MethodParts):
                     present = [j for j, g in enumerate(grads) if g is not None]
                     squares = [shards.local([grads[j]])[0].float().square() for j in present]
                     torch._foreach_add_([fisher[j] for j in present], squares)
-                    result.extra_backward += 1
+                    backward += 1
         loop.zero_grad()
         if group is not None:  # (g / world)^2 summed over sources, times world: the mean
             torch._foreach_mul_(fisher, float(len(sources)))
         elif loop.averager is not None:  # the same mask on every process
-            result.allreduce_bytes += loop.averager.average_(fisher)
+            sent = loop.averager.average_(fisher)
         self.set_fisher(active, fisher, shards)
+        return ExtraWork(backward, sent)
 
     @torch.no_grad()
-    def set_fisher(self, params: list[Tensor], fisher: list[Tensor], shards: Whole = WHOLE) -> None:
+    def set_fisher(
+        self, params: list[Tensor], fisher: list[Tensor], shards: Shards = WHOLE
+    ) -> None:
         """Keep the top ``1 - sparsity`` coordinates of ``fisher`` over all ``params``
         (ties by position). Under FSDP2 ``fisher`` holds each process's local shards and
         the top coordinates are those of the whole tensors."""
@@ -121,7 +123,10 @@ class FisherMask(MethodParts):
         chosen = shards.top(fisher, keep, params)
         self.masks = {id(p): c.to(p.dtype) for p, c in zip(params, chosen)}
 
-    def ascent_masks(self, params: list[Tensor], shards: Whole = WHOLE) -> list[Tensor]:
+    def ascent_masks(self, ctx: StepContext, params: list[Tensor]) -> list[Tensor]:
+        return self.masks_for(params, ctx.shards)
+
+    def masks_for(self, params: list[Tensor], shards: Shards = WHOLE) -> list[Tensor]:
         """The masks of ``params`` (all ones for a tensor the Fisher pass did not see)."""
         return [
             self.masks.get(id(p), torch.ones_like(s)) for p, s in zip(params, shards.local(params))

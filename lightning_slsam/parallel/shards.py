@@ -1,11 +1,11 @@
-"""The one seam between the step and sharded parameters: :class:`Whole` tensors (one device,
-DDP) or :class:`FSDP2Shards` (``fully_shard``).
+"""The one seam between the step and sharded parameters: :class:`Shards` for whole tensors
+(one device, DDP) or :class:`FSDP2Shards` (``fully_shard``).
 
 The step is written as single-device code and asks the seam for what depends on where a
-tensor's elements live: the tensors to change in place (:meth:`Whole.local`), gradient norms
-(:meth:`Whole.norms`), sums over a tensor's elements (:meth:`Whole.sums`), the largest
-coordinates of a set of tensors (:meth:`Whole.top`), and per-tensor state as whole tensors
-for a checkpoint (:meth:`Whole.full`, :meth:`Whole.shard`).
+tensor's elements live: the tensors to change in place (:meth:`Shards.local`), gradient norms
+(:meth:`Shards.norms`), sums over a tensor's elements (:meth:`Shards.sums`), the largest
+coordinates of a set of tensors (:meth:`Shards.top`), and per-tensor state as whole tensors
+for a checkpoint (:meth:`Shards.full`, :meth:`Shards.shard`).
 
 Under FSDP2 every parameter, and its gradient, is a ``DTensor`` whose rows are split across
 the data-parallel processes. SAM's ascent, its exact restore, LookSAM's stored component and
@@ -18,7 +18,7 @@ global ones, identical on every process.
 >>> import torch
 >>> seam = shards_of([torch.zeros(2)], None)
 >>> type(seam).__name__, seam.sharded
-('Whole', False)
+('Shards', False)
 >>> seam.norms([torch.tensor([3.0, 4.0]), torch.ones(4)]).tolist()
 [5.0, 2.0]
 """
@@ -35,7 +35,7 @@ from torch import Tensor
 __all__ = [
     "WHOLE",
     "FSDP2Shards",
-    "Whole",
+    "Shards",
     "fsdp_modules",
     "reshard",
     "shards_of",
@@ -76,8 +76,8 @@ def reshard(modules: Sequence[torch.nn.Module]) -> None:
         sub.reshard()  # type: ignore[operator]
 
 
-class Whole:
-    """Whole tensors on every process (one device, DDP): the seam does nothing of its own.
+class Shards:
+    """Shards tensors on every process (one device, DDP): the seam does nothing of its own.
 
     Norms are float32, or the gradients' dtype when it is wider: float32 for half-precision
     gradients, float64 for float64 ones, so a float64 model's perturbation radius is
@@ -130,7 +130,7 @@ class Whole:
 
 
 #: The seam of whole tensors (it holds no state: one serves every engine).
-WHOLE = Whole()
+WHOLE = Shards()
 
 
 class _Layout:
@@ -177,7 +177,7 @@ def _sum_over_shards(values: Tensor, layout: _Layout | None) -> Tensor:
     return torch.where(mask, partial, values)
 
 
-class FSDP2Shards(Whole):
+class FSDP2Shards(Shards):
     """Parameters sharded by FSDP2's ``fully_shard``: each process changes its own shards,
     and sums over a tensor's elements are completed across the shards.
 
@@ -245,9 +245,9 @@ class FSDP2Shards(Whole):
         reshard(self.modules)
 
 
-def shards_of(params: Sequence[Tensor], module: torch.nn.Module | None) -> Whole:
+def shards_of(params: Sequence[Tensor], module: torch.nn.Module | None) -> Shards:
     """The seam for ``params`` (a model's trainable tensors): :class:`FSDP2Shards` when any
-    of them is an FSDP2 shard, else :class:`Whole`.
+    of them is an FSDP2 shard, else :class:`Shards`.
 
     Raises:
         ValueError: for a tensor sharded over a multi-dimensional mesh (tensor parallelism

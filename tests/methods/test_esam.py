@@ -177,7 +177,7 @@ def test_the_documented_data_ratio_keeps_what_the_official_selection_keeps(gamma
                           gamma=gamma, n=n)  # fmt: skip
         sharpness = torch.randperm(n, generator=torch.Generator().manual_seed(n)).double()
         first = PassOutput(torch.tensor(0.0), [torch.zeros(n, dtype=torch.float64)])
-        chosen = SharpestSamples(spec.data_ratio).choose_samples(
+        chosen = SharpestSamples(spec.data_ratio).select(
             first, lambda backward, s=sharpness: PassOutput(torch.tensor(0.0), [s])
         )[0]
         cutoff = torch.topk(sharpness, int(n * gamma))[0][-1]

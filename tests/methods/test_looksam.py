@@ -70,8 +70,11 @@ def test_the_interval_names_each_steps_kind():
                                                                     "sam"]  # fmt: skip
     assert {Lookahead(1, 0.7, 1e-12).kind(t) for t in range(10)} == {"sam"}
     # alpha=0: plain steps in between, nothing stored.
-    assert Lookahead(3, 0.0, 1e-12).after_sam_step is None
-    assert not Lookahead(3, 0.0, 1e-12).keeps_first_grads
+    parts = Lookahead(3, 0.0, 1e-12)
+    assert not parts.keeps_first_grads
+    w = torch.zeros(2)
+    parts.after_sam_step(None, [w], [], [w], [torch.ones(2)])
+    assert parts.vertical == {}
 
 
 @pytest.mark.parametrize(

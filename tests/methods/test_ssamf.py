@@ -146,7 +146,7 @@ def test_the_official_ssamf_run_is_one_plain_step_then_the_documented_callback()
             )
             engine.train_step(closure, opt, batch_size=len(y))
             weights.append([p.detach().clone() for p in net.parameters()])
-            masks.append(engine.method.ascent_masks(list(net.parameters())))
+            masks.append(engine.method.masks_for(list(net.parameters())))
         return weights, masks
 
     def gap(a, b):
