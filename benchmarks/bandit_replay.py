@@ -77,8 +77,8 @@ def record(task: str, path: str) -> None:
             return False
 
     class RecordingSpec(SAMSpec):
-        def selection(self, num_layers, generator):
-            return Recorder(num_layers)
+        def selection(self, layers, generator):
+            return Recorder(layers.num_layers)
 
     class RecordingSAM(SAM):
         spec_class = RecordingSpec

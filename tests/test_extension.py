@@ -24,6 +24,7 @@ from lightning_slsam import (
     make_callback,
     make_engine,
 )
+from lightning_slsam.core.partition import LayerPartition
 from lightning_slsam.core.step import MethodParts
 from lightning_slsam.methods.registry import SPECS, register_method
 from lightning_slsam.methods.sam import SAMSpec
@@ -58,8 +59,8 @@ class AlternateSpec(LayerSubsetSpec):
     name: ClassVar[str] = "alternate"
     label: ClassVar[str] = "AlternateSAM"
 
-    def selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
-        return Alternate(num_layers)
+    def selection(self, layers: LayerPartition, generator: torch.Generator) -> LayerSelection:
+        return Alternate(layers.num_layers)
 
 
 class AlternateSAM(SAMCallback):

@@ -355,9 +355,9 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
                 trainer.progress_bar_metrics[name] = _Count(round(metrics[key]))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.perturbation.pool = BackupPool()  # the weight backups are not needed after fit
         if self.engine is None or self.partition is None:
             return
+        self.engine.perturbation.pool = BackupPool()  # the weight backups are not needed now
         # trainer.log_dir is a collective under DDP: every rank asks, rank 0 writes.
         directory = record_dir(trainer)
         if trainer.is_global_zero:

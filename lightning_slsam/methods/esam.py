@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from lightning_slsam.core.isolation import StepIsolation
+from lightning_slsam.core.partition import LayerPartition
 from lightning_slsam.core.passes import PER_SAMPLE_NEEDED, Passes, PassOutput
 from lightning_slsam.core.step import MethodParts, StepContext
 from lightning_slsam.methods.options import RATIO
@@ -121,8 +122,8 @@ class ESAMSpec(MethodSpec):
     weight_ratio: float = option(0.5, RATIO)
     data_ratio: float = option(0.5, RATIO)
 
-    def selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
-        return ExpandToAll(UniformSelection(num_layers, self.weight_ratio, generator))
+    def selection(self, layers: LayerPartition, generator: torch.Generator) -> LayerSelection:
+        return ExpandToAll(UniformSelection(layers.num_layers, self.weight_ratio, generator))
 
     def parts(self, generator: torch.Generator) -> MethodParts:
         return SharpestSamples(self.data_ratio) if self.data_ratio < 1 else MethodParts()

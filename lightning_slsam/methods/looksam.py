@@ -171,4 +171,4 @@ class LookSAMSpec(MethodSpec):
     alpha: float = option(0.7, number(0))
 
     def parts(self, generator: torch.Generator) -> MethodParts:
-        return Lookahead(self.interval, self.alpha, self.perturbation.eps)
+        return Lookahead(self.interval, self.alpha, self.make_perturbation().eps)

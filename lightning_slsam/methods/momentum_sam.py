@@ -146,10 +146,9 @@ class MomentumSAMSpec(MethodSpec):
                 " its authors' code: leave them at their defaults."
             )
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def make_perturbation(self) -> SAMPerturbation:
         # Against the momentum: the same move as SAM's ascent, with the opposite sign.
-        self.perturbation = SAMPerturbation(-self.rho, norm="global")
+        return SAMPerturbation(-self.rho, norm="global")
 
     def parts(self, generator: torch.Generator) -> MethodParts:
         return MomentumParts()

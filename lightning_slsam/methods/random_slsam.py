@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from lightning_slsam.core.partition import LayerPartition
 from lightning_slsam.methods.options import one_of
 from lightning_slsam.methods.spec import LayerSubsetSpec, option
 from lightning_slsam.selection.rules import LayerSelection, UniformSelection
@@ -47,5 +48,5 @@ class RandomSLSAMSpec(LayerSubsetSpec):
 
     preset: str = option("paper", one_of(tuple(PRESETS)))
 
-    def selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
-        return UniformSelection(num_layers, self.layer_ratio, generator)
+    def selection(self, layers: LayerPartition, generator: torch.Generator) -> LayerSelection:
+        return UniformSelection(layers.num_layers, self.layer_ratio, generator)

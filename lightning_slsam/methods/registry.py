@@ -228,8 +228,8 @@ def register_method(spec_class: type[MethodSpec], **implied: Any) -> type[Method
         ... class HalfSAMSpec(MethodSpec):
         ...     name: ClassVar[str] = "half_sam"
         ...     label: ClassVar[str] = "HalfSAM"
-        ...     def selection(self, num_layers, generator):
-        ...         return UniformSelection(num_layers, 0.5, generator)
+        ...     def selection(self, layers, generator):
+        ...         return UniformSelection(layers.num_layers, 0.5, generator)
         >>> engine = make_engine("half_sam", torch.nn.Linear(4, 2), seed=0)
         >>> type(engine.selection).__name__, engine.selection.ratio
         ('UniformSelection', 0.5)

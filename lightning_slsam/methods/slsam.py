@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from lightning_slsam.core.partition import LayerPartition
 from lightning_slsam.methods.options import invalid, number, one_of
 from lightning_slsam.methods.spec import LayerSubsetSpec, Warn, option
 from lightning_slsam.selection.bandit import (
@@ -114,23 +115,17 @@ class SLSAMSpec(LayerSubsetSpec):
             raise invalid("p_min", self.p_min, f"at most layer_ratio={self.layer_ratio:g} (the"
                           " floors alone would exceed the layer budget)")  # fmt: skip
 
-    def layer_costs(self, num_layers: int) -> torch.Tensor | None:
+    def layer_costs(self, layers: LayerPartition) -> torch.Tensor | None:
         """The bandit's per-layer costs: ``None`` under the count budget, else each layer's
-        parameter count (known once :meth:`build_engine` has partitioned the model)."""
+        parameter count."""
         if self.setting("budget") == "count":
             return None
-        numel = getattr(self, "layer_numel", None)
-        if numel is None or len(numel) != num_layers:
-            raise ValueError(
-                f"{self.label}(budget='compute') needs each layer's parameter count: build the"
-                " engine with build_engine (or make_engine), which partitions the model."
-            )
-        return torch.tensor(numel, dtype=torch.float64)
+        return torch.tensor(layers.numel, dtype=torch.float64)
 
-    def selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
+    def selection(self, layers: LayerPartition, generator: torch.Generator) -> LayerSelection:
         return LayerBandit(
-            num_layers, self.layer_ratio, self.p_min, self.setting("alpha_p"),
-            self.setting("bandit_loss"), generator, costs=self.layer_costs(num_layers),
+            layers.num_layers, self.layer_ratio, self.p_min, self.setting("alpha_p"),
+            self.setting("bandit_loss"), generator, costs=self.layer_costs(layers),
         )  # fmt: skip
 
     def adopt_selection_state(self, saved: dict[str, Any], current: dict[str, Any],
@@ -143,7 +138,7 @@ class SLSAMSpec(LayerSubsetSpec):
         version's dense warm-up) starts afresh.
         """
         bandit = _innermost(saved)
-        costs = self.layer_costs(bandit["probs"].numel())
+        costs = _innermost(current).get("costs")  # the running bandit's, from the model's layers
         wanted = {
             "layer_ratio": self.layer_ratio,
             "p_min": self.p_min,

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from lightning_slsam.core.partition import LayerPartition
 from lightning_slsam.methods.options import RATIO
 from lightning_slsam.methods.slsam import SLSAMSpec
 from lightning_slsam.methods.spec import option
@@ -136,8 +137,8 @@ class CostAwareSLSAMSpec(SLSAMSpec):
 
     depth: float = option(0.5, RATIO)
 
-    def selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
-        bandit = super().selection(num_layers, generator)
+    def selection(self, layers: LayerPartition, generator: torch.Generator) -> LayerSelection:
+        bandit = super().selection(layers, generator)
         if self.depth >= 1.0:
             return bandit
         cut = torch.Generator().manual_seed(int(generator.initial_seed()) + 2)

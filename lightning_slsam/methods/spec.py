@@ -202,26 +202,38 @@ class MethodSpec:
 
     def __post_init__(self) -> None:
         # The one place a method's options are checked: each option's rule, then the rules
-        # between options. Every message names the class.
+        # between options. Every message names the class. Then the options are fixed.
         try:
             for f in fields(self):
                 if f.init and "rule" in f.metadata:
-                    setattr(self, f.name, f.metadata["rule"](f.name, getattr(self, f.name)))
+                    value = f.metadata["rule"](f.name, getattr(self, f.name))
+                    object.__setattr__(self, f.name, value)
             self.check_combined()
         except ValueError as err:
             raise ValueError(f"{self.label}: {err}") from None
-        self.perturbation = SAMPerturbation(
-            self.rho, norm=self.perturbation_norm, adaptive=self.adaptive
-        )
+        object.__setattr__(self, "_validated", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_validated", False):
+            raise AttributeError(
+                f"{self.label}'s options are fixed once checked: build another"
+                f" ({self.label}(..., {name}=...), or dataclasses.replace(spec, {name}=...))."
+            )
+        object.__setattr__(self, name, value)
+
+    def make_perturbation(self) -> SAMPerturbation:
+        """The ascent an engine of this method applies (each engine gets its own: its
+        backup pool holds that engine's weights)."""
+        return SAMPerturbation(self.rho, norm=self.perturbation_norm, adaptive=self.adaptive)
 
     def check_combined(self) -> None:
         """Check the rules between options, after each option's own (none here); raise
         :func:`~lightning_slsam.methods.options.invalid`'s error."""
 
     # -- what each method chooses -------------------------------------------------------
-    def selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
-        """The layer-selection rule (default: every layer)."""
-        return AllLayers(num_layers)
+    def selection(self, layers: LayerPartition, generator: torch.Generator) -> LayerSelection:
+        """The layer-selection rule over ``layers`` (default: every layer)."""
+        return AllLayers(layers.num_layers)
 
     def parts(self, generator: torch.Generator) -> MethodParts:
         """What the method adds to the steps (default: nothing, SAM on every step);
@@ -315,9 +327,8 @@ class MethodSpec:
             partition = self.partition(module, warn)
         if seed is None:
             seed = self.seed if self.seed is not None else default_seed()
-        self.layer_numel = list(partition.numel)  # a compute budget's per-layer costs
         try:
-            selection = self.selection(partition.num_layers, torch.Generator().manual_seed(seed))
+            selection = self.selection(partition, torch.Generator().manual_seed(seed))
         except ValueError as err:
             raise ValueError(
                 f"{err} (the model has {partition.num_layers} layers with layers={self.layers!r})"
@@ -327,7 +338,7 @@ class MethodSpec:
         return SparseSAMEngine(
             partition,
             selection,
-            self.perturbation,
+            self.make_perturbation(),
             parts,
             module=module,
             bn_stats=self.bn_stats,
@@ -358,8 +369,8 @@ class LayerSubsetSpec(MethodSpec):
         >>> class UniformSAMSpec(LayerSubsetSpec):
         ...     name: ClassVar[str] = "uniform_sam"
         ...     label: ClassVar[str] = "UniformSAM"
-        ...     def selection(self, num_layers, generator):
-        ...         return UniformSelection(num_layers, self.layer_ratio, generator)
+        ...     def selection(self, layers, generator):
+        ...         return UniformSelection(layers.num_layers, self.layer_ratio, generator)
         >>> spec = UniformSAMSpec(layer_ratio=0.5)
         >>> engine = spec.build_engine(torch.nn.Linear(4, 2), seed=0)
         >>> engine.selection.ratio, spec.samples_layers, spec.update_scale

@@ -12,6 +12,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from lightning_slsam.core.partition import LayerPartition
 from lightning_slsam.methods.spec import LayerSubsetSpec
 from lightning_slsam.selection.rules import LayerSelection
 
@@ -70,8 +71,9 @@ class TopSLSAMSpec(LayerSubsetSpec):
     name: ClassVar[str] = "top_slsam"
     label: ClassVar[str] = "TopSLSAM"
 
-    def selection(self, num_layers: int, generator: torch.Generator) -> LayerSelection:
-        return TopKSelection(num_layers, max(1, round(self.layer_ratio * num_layers)))
+    def selection(self, layers: LayerPartition, generator: torch.Generator) -> LayerSelection:
+        n = layers.num_layers
+        return TopKSelection(n, max(1, round(self.layer_ratio * n)))
 
     def coverage_warning(self, engine: object, steps: float, name: str | None = None) -> None:
         """Nothing to check: the greedy pick has no draw whose updates could be counted."""

@@ -89,8 +89,7 @@ def test_tensors_unfrozen_by_backbone_finetuning_are_sampled_from_then_on(caplog
         assert rows[name]["frequency"] == f"{want:.6f}"
     assert int(engine.counts[:4].max()) <= 12 and int(engine.counts[:4].sum()) > 0
     # The bandit grew: every layer has a probability, and the budget holds.
-    spec = sam.spec
-    costs = torch.tensor(spec.layer_numel, dtype=torch.float64)
+    costs = torch.tensor(engine.partition.numel, dtype=torch.float64)
     assert sam.probs.numel() == 6
     torch.testing.assert_close((costs * sam.probs).sum(), 0.5 * costs.sum(), rtol=1e-9, atol=0)
     # The active ratio counts the backbone once it trains.

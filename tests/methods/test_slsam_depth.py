@@ -10,6 +10,7 @@ from helpers import make_data, make_mlp
 from torch import nn
 
 from lightning_slsam import CostAwareSLSAM, SparseLayerSAM, make_callback
+from lightning_slsam.core.partition import build_partition
 from lightning_slsam.methods.slsam_depth import DepthCut
 from lightning_slsam.selection.bandit import LayerBandit
 from lightning_slsam.selection.rules import LayerSelection, UniformSelection
@@ -163,8 +164,8 @@ def test_cost_aware_sl_sam_is_sl_sam_with_a_depth_cut(preset):
     cut_masks, _, cut_engine = _train(CostAwareSLSAM(preset=preset, depth=0.5, seed=4).spec)
     assert isinstance(cut_engine.selection, DepthCut) and cut_masks != ref_masks
     bandit = SparseLayerSAM(preset=preset, seed=4).spec
-    bandit.build_engine(make_mlp(seed=2))  # the layers' sizes, for the compute budget
-    inner = bandit.selection(8, torch.Generator().manual_seed(4))
+    layers = build_partition(make_mlp(seed=2))  # the layers' sizes, for the compute budget
+    inner = bandit.selection(layers, torch.Generator().manual_seed(4))
     by_hand = DepthCut(inner, 0.5, torch.Generator().manual_seed(6))
     first = by_hand.sample()
     assert first.tolist() == cut_masks[0]

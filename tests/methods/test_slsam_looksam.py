@@ -54,7 +54,7 @@ class _PaperWithLookahead(SLSAMSpec):
     name: ClassVar[str] = "paper_with_lookahead"
 
     def parts(self, generator: torch.Generator) -> MethodParts:
-        return Lookahead(3, 0.7, self.perturbation.eps)
+        return Lookahead(3, 0.7, self.make_perturbation().eps)
 
 
 def _train(spec, steps=9):

@@ -166,3 +166,36 @@ def test_sl_sam_on_the_schedules_of_other_methods_is_their_combination():
         method_spec("slsam_looksam", sam_interval=3)
     with pytest.raises(TypeError, match=r"^SparseLayerSAM has no option 'schedule'; .*SLS2SAM"):
         method_spec("slsam", schedule="single")
+
+
+@pytest.mark.parametrize("name", ["sam", "slsam", "momentum_sam"])
+def test_a_spec_is_only_its_options_and_each_engine_owns_what_it_builds(name):
+    import dataclasses
+
+    spec = method_spec(name, rho=0.05)
+    before = dict(vars(spec))
+    first, second = (spec.build_engine(make_mlp(), seed=0) for _ in range(2))
+    # Building engines leaves the spec as it was: nothing written back (layer sizes, say).
+    assert vars(spec) == before
+    # Each engine has its own perturbation (its backup pool holds that engine's weights).
+    assert first.perturbation is not second.perturbation
+    assert first.perturbation.pool is not second.perturbation.pool
+    assert abs(first.perturbation.rho) == 0.05  # Momentum-SAM moves against the momentum
+    # Once checked, the options are fixed: a changed copy is another spec, checked again.
+    with pytest.raises(AttributeError, match=r"fixed once checked.*dataclasses\.replace"):
+        spec.rho = 0.1
+    assert spec.rho == 0.05
+    assert dataclasses.replace(spec, rho=0.1).rho == 0.1
+    with pytest.raises(ValueError, match="`rho`"):
+        dataclasses.replace(spec, rho=-1.0)
+
+
+def test_the_compute_budget_reads_the_layer_sizes_from_the_partition():
+    from lightning_slsam.core.partition import build_partition
+
+    spec = method_spec("slsam_ablation", budget="compute", layer_ratio=0.5)
+    layers = build_partition(make_mlp())
+    bandit = spec.selection(layers, torch.Generator().manual_seed(0))
+    assert bandit.costs.tolist() == [float(n) for n in layers.numel]
+    count = method_spec("slsam_ablation", budget="count", layer_ratio=0.5)
+    assert count.selection(layers, torch.Generator().manual_seed(0)).costs is None

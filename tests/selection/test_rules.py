@@ -12,6 +12,7 @@ from probes import RHO, Recorder, gradients, setup_engine
 from torch import nn
 
 from lightning_slsam import RandomSLSAM, TopSLSAM
+from lightning_slsam.core.partition import build_partition
 from lightning_slsam.methods.esam import ExpandToAll
 from lightning_slsam.methods.registry import method_spec
 from lightning_slsam.methods.top_slsam import TopKSelection
@@ -69,9 +70,10 @@ def test_top_k_keeps_the_largest_norms_with_ties_broken_by_model_order():
     assert TopKSelection(3, k=3).always_all and rule.refines
     # Top-SL-SAM's k is round(layer_ratio * N), at least 1; the spec checks layer_ratio.
     gen = torch.Generator()
-    assert method_spec("top_slsam", layer_ratio=0.01).selection(5, gen).k == 1
-    assert method_spec("top_slsam", layer_ratio=0.5).selection(5, gen).k == 2
-    assert method_spec("top_slsam", layer_ratio=1.0).selection(5, gen).k == 5
+    five = build_partition(nn.Sequential(*(nn.Linear(2, 2, bias=False) for _ in range(5))))
+    assert method_spec("top_slsam", layer_ratio=0.01).selection(five, gen).k == 1
+    assert method_spec("top_slsam", layer_ratio=0.5).selection(five, gen).k == 2
+    assert method_spec("top_slsam", layer_ratio=1.0).selection(five, gen).k == 5
     for ratio in (0, 1.5, "0.2"):
         with pytest.raises(ValueError, match=r"`layer_ratio` must be in \(0, 1\]"):
             method_spec("top_slsam", layer_ratio=ratio)
