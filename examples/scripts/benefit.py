@@ -210,8 +210,9 @@ def step_times(task: str, path: str = TIMES) -> dict[str, float]:
 
 
 #: Configurations that do the step work of another: SparseLayerSAM() without its update
-#: scaling draws and computes as SparseLayerSAM() does.
-SAME_WORK = {"slsam_unscaled": "slsam"}
+#: scaling draws and computes as SparseLayerSAM() does; LookSAM at another ``alpha`` runs the
+#: same passes (at ``alpha=0`` a reuse step skips one scaled add, a little less).
+SAME_WORK = {"slsam_unscaled": "slsam", "looksam_alpha01": "looksam", "looksam_alpha0": "looksam"}
 
 
 def time_of(label: str, times: dict[str, float]) -> float | None:

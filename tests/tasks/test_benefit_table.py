@@ -156,6 +156,13 @@ def test_step_times_attach_to_rows_and_the_frontier_keeps_the_undominated(task, 
     # a control is timed as its sampler
     assert rows["slsam"]["time"] == rows["slsam_rho0"]["time"] == 0.45
     assert rows["sam"]["time"] == 1.0 and table["adamw_time"] == 0.6
+    # a radius variant and a configuration doing another's work are timed as that method;
+    # a configuration nobody timed has no time
+    times_of = {"slsam": 0.45, "looksam": 0.6}
+    assert benefit.time_of("slsam (rho 0.1)", times_of) == 0.45
+    assert benefit.time_of("slsam_unscaled", times_of) == 0.45
+    assert benefit.time_of("looksam_alpha01", times_of) == 0.6
+    assert benefit.time_of("rst", times_of) is None
     assert benefit.frontier([(0.6, 0.0), (0.45, 0.5), (1.0, 1.0), (0.8, 0.4)]) == [
         (0.45, 0.5),
         (1.0, 1.0),
