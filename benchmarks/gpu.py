@@ -13,7 +13,7 @@ products (``torch.set_float32_matmul_precision("high")``).
 
 Methods: AdamW, SAM, the paper's SL-SAM (``slsam_paper``), ``SparseLayerSAM()`` (``slsam``),
 RST, ESAM, LookSAM, S2-SAM, SL-S2-SAM and cost-aware SL-SAM (``slsam_depth``), each with its
-own AdamW through :meth:`SparseSAMEngine.train_step` -- the step SAMMixin runs inside
+own AdamW through :meth:`SAMEngine.train_step` -- the step SAMMixin runs inside
 Lightning -- with ``rho=0.01`` and ``layer_ratio=0.2`` as in ``make bench``
 (``step_time.make_step``).
 

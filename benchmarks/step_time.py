@@ -15,7 +15,7 @@ Methods are named as in ``lightning_slsam.METHODS`` (``adamw``, ``sam``, ``slsam
 the plugin's SAM against. The combinations (``slsam_rst``, ``slsam_looksam``,
 ``slsam_depth``) run on the paper's preset, as they did before their classes defaulted to
 ``preset="default"`` (:data:`OPTIONS`). The plugin's methods run
-:class:`lightning_slsam.core.engine.SparseSAMEngine` -- the code SAMMixin calls inside
+:class:`lightning_slsam.core.engine.SAMEngine` -- the code SAMMixin calls inside
 Lightning -- so the figures are the training step's own cost (no data loading, no Lightning
 loop).
 

@@ -14,7 +14,7 @@ from helpers import loader, make_data, make_mlp
 from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 
-from lightning_slsam.core.engine import SparseSAMEngine
+from lightning_slsam.core.engine import SAMEngine
 from lightning_slsam.core.partition import build_partition
 from lightning_slsam.core.perturbation import SAMPerturbation
 from lightning_slsam.selection.rules import LayerSelection
@@ -91,7 +91,7 @@ class FixedSelection(LayerSelection):
 
 
 def loss_closure(net, x, y, observe=None):
-    """The forward pass for SparseSAMEngine.train_step, optionally watching the model."""
+    """The forward pass for SAMEngine.train_step, optionally watching the model."""
 
     def compute_loss():
         if observe is not None:
@@ -103,7 +103,7 @@ def loss_closure(net, x, y, observe=None):
 
 def fixed_engine(net, mask, rho=0.05, norm="global"):
     partition = build_partition(net)
-    return SparseSAMEngine(partition, FixedSelection(mask), SAMPerturbation(rho, norm=norm))
+    return SAMEngine(partition, FixedSelection(mask), SAMPerturbation(rho, norm=norm))
 
 
 def batches(dataset, batch_size):

@@ -237,13 +237,13 @@ def test_the_hugging_face_front_end_and_the_core_import_nothing_of_the_lightning
 def test_the_layering_check_counts_type_only_imports_not_those_in_functions():
     source = (
         "from typing import TYPE_CHECKING\n"
-        "if TYPE_CHECKING:\n    from lightning_slsam.core.engine import SparseSAMEngine\n"
+        "if TYPE_CHECKING:\n    from lightning_slsam.core.engine import SAMEngine\n"
         "try:\n    import torch\nexcept ImportError:\n    import lightning_slsam.parallel\n"
         "def later():\n    import lightning_slsam.cli.command\n"
     )
     assert _module_level_imports(source) == {
         "lightning_slsam.core.engine",
-        "lightning_slsam.core.engine.SparseSAMEngine",
+        "lightning_slsam.core.engine.SAMEngine",
         "lightning_slsam.parallel",
     }
 
@@ -328,8 +328,8 @@ def test_one_step_runs_few_of_the_packages_files_and_functions():
     assert path["files"] <= MAX_STEP_FILES and path["functions"] <= MAX_STEP_FUNCTIONS, path
     # The step reads top-down in the core: the step functions, the pass loop, the engine.
     names = {f"{f}:{n}" for f, functions in path["by_file"].items() for n in functions}
-    assert {"core/step.py:sam_step", "core/step.py:commit", "core/passes.py:Passes.__call__",
-            "core/engine.py:SparseSAMEngine.step"} <= names  # fmt: skip
+    assert {"core/step.py:sam_step", "core/step.py:commit", "core/passes.py:PassRunner.__call__",
+            "core/engine.py:SAMEngine.step"} <= names  # fmt: skip
     # No front-end copy of the pass loop, no FSDP2 arithmetic on one device.
     assert not any(f.startswith("lightning/fabric") for f in path["by_file"])
     assert path["by_file"]["parallel/shards.py"] == [

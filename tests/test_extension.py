@@ -258,7 +258,7 @@ def test_a_user_step_kind_trains_and_resumes_bit_for_bit(tmp_path):
         2, cut_dir, ckpt_path=str(cut_dir / "every_other-epoch=0.ckpt")
     )
     assert kinds.kinds == ["plain", "sam", "plain"]
-    assert cb.engine.method.steps_run == 6
+    assert cb.engine.parts.steps_run == 6
     for name, value in full.items():
         assert torch.equal(resumed[name], value), name
 

@@ -66,7 +66,7 @@ def first_ratio(kind: str, seed: int) -> float:
             default_root_dir=scratch,
         )  # fmt: skip
         trainer.fit(model, datamodule=data)
-    ratio = callback.engine.method.orthogonal_ratio
+    ratio = callback.engine.parts.orthogonal_ratio
     assert ratio is not None
     return ratio
 

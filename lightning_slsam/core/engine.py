@@ -1,11 +1,11 @@
-"""The stateful shell around the step functions: :class:`SparseSAMEngine`.
+"""The stateful shell around the step functions: :class:`SAMEngine`.
 
 Each step, the engine asks the method which kind of step it is, draws the layers from the
 selection, runs the step function of that kind (:mod:`lightning_slsam.core.step`) and
 counts what happened; it saves and loads everything needed to continue identically. It
 knows nothing of Lightning: a training loop hands it a
-:class:`~lightning_slsam.core.step.Loop` (``engine.step(loop)``), or a plain PyTorch loop
-calls :meth:`SparseSAMEngine.train_step`.
+:class:`~lightning_slsam.core.step.LoopHooks` (``engine.step(loop)``), or a plain PyTorch loop
+calls :meth:`SAMEngine.train_step`.
 
 Layers outside the active set are frozen for the step. Every step synchronises with the
 host once, at its end: losses, a finiteness probe and the per-layer norms travel together;
@@ -25,7 +25,7 @@ does the same from a method's name and options):
 >>> partition = build_partition(net)  # 4 layers: 2 weights, 2 biases
 >>> bandit = LayerBandit(partition.num_layers, layer_ratio=0.5,
 ...                      generator=torch.Generator().manual_seed(0))
->>> engine = SparseSAMEngine(partition, bandit, SAMPerturbation(rho=0.05), module=net)
+>>> engine = SAMEngine(partition, bandit, SAMPerturbation(rho=0.05), module=net)
 >>> opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
 >>> x, y = torch.randn(32, 4), torch.randint(0, 2, (32,))
 >>> result = engine.train_step(lambda: torch.nn.functional.cross_entropy(net(x), y), opt)
@@ -49,11 +49,11 @@ from torch import Tensor
 
 from lightning_slsam.core.isolation import PassIsolation, RunningStats
 from lightning_slsam.core.partition import LayerFreezer, LayerPartition, by_position
-from lightning_slsam.core.passes import Passes, split_per_sample
+from lightning_slsam.core.passes import PassRunner, split_per_sample
 from lightning_slsam.core.perturbation import SAMPerturbation
 from lightning_slsam.core.step import (
     STEP_KINDS,
-    Loop,
+    LoopHooks,
     MethodParts,
     StepContext,
     StepResult,
@@ -66,10 +66,10 @@ from lightning_slsam.parallel.ddp import DDPAverager, check_same_draw
 from lightning_slsam.parallel.shards import shards_of
 from lightning_slsam.selection.rules import LayerSelection
 
-__all__ = ["SparseSAMEngine", "normalized_entropy"]
+__all__ = ["SAMEngine", "normalized_entropy"]
 
 
-class SparseSAMEngine:
+class SAMEngine:
     """Runs the steps of a method over a :class:`~lightning_slsam.core.partition.LayerPartition`
     (pure PyTorch).
 
@@ -78,7 +78,7 @@ class SparseSAMEngine:
         selection: the layer-selection rule (a
             :class:`~lightning_slsam.selection.bandit.LayerBandit` for SL-SAM).
         perturbation: the ascent applied to the perturbed tensors.
-        method: what the method adds to the steps -- the kind of each step, ESAM's sample
+        parts: what the method adds to the steps -- the kind of each step, ESAM's sample
             choice, SSAM-F's mask, LookSAM's store (default: SAM on every step).
         module: the model, whose normalisation layers' running statistics are managed.
         bn_stats: which pass's running statistics a two-pass step keeps: ``"first"``
@@ -118,7 +118,7 @@ class SparseSAMEngine:
         partition: LayerPartition,
         selection: LayerSelection,
         perturbation: SAMPerturbation,
-        method: MethodParts | None = None,
+        parts: MethodParts | None = None,
         module: torch.nn.Module | None = None,
         bn_stats: str = "first",
         replay_dropout: bool = False,
@@ -137,7 +137,7 @@ class SparseSAMEngine:
         self.partition = partition  # also builds self.freezer
         self.selection = selection
         self.perturbation = perturbation
-        self.method = method if method is not None else MethodParts()
+        self.parts = parts if parts is not None else MethodParts()
         self.sync_first_pass = bool(sync_first_pass)
         self.check_masks = bool(check_masks)
         self.update_scale = None if update_scale is None else float(update_scale)
@@ -166,20 +166,20 @@ class SparseSAMEngine:
     @property
     def needs_per_sample(self) -> bool:
         """Whether the steps need per-sample losses (ESAM's sample choice)."""
-        return self.method.needs_per_sample
+        return self.parts.needs_per_sample
 
     # -- the step ---------------------------------------------------------------------
-    def step(self, loop: Loop) -> StepResult:
+    def step(self, loop: LoopHooks) -> StepResult:
         """Run one training step of the method with the training loop's ``loop``."""
         # FSDP2: a forward without backward (validation) may have left the root unsharded.
         self.shards.reshard()
-        method, step = self.method, self.num_steps
+        parts, step = self.parts, self.num_steps
         if step == 0:
             if self._module is not None:
                 self.freezer.check_owned(self._module)
             if loop.optimizer is not None:
-                method.check_optimizer(loop.optimizer)
-        kind = method.kind(step)
+                parts.check_optimizer(loop.optimizer)
+        kind = parts.kind(step)
         if kind not in STEP_KINDS:
             raise ValueError(f"The method named step kind {kind!r}; the kinds are {STEP_KINDS}.")
         ctx = StepContext(step, loop, self.freezer, self.isolation, self.shards)
@@ -187,30 +187,30 @@ class SparseSAMEngine:
         # Momentum-SAM: the optimizer's momentum). Without any (the first step), a plain
         # step on every layer, not a draw (the selection neither draws nor learns).
         directions = (
-            method.directions(ctx, self.partition.flat_params, self.last_grad)
+            parts.directions(ctx, self.partition.flat_params, self.last_grad)
             if kind == "single" else {}
         )  # fmt: skip
         drawn = not (kind == "single" and not directions)
         if not drawn:
             kind = "plain"
         # S2-SAM keeps the gradients of its steps, the first plain one included.
-        keep = method.keeps_last_grads and (kind == "single" or not drawn)
+        keep = parts.keeps_last_grads and (kind == "single" or not drawn)
         mask = self.selection.sample() if drawn else self.freezer.all.clone()
         inclusion = self.selection.inclusion() if drawn and self.update_scale else None
         if (self.check_masks or loop.check_draw) and loop.averager is not None:
             check_same_draw(mask, kind, STEP_KINDS, step, loop.averager)
         try:
-            extra = method.before_step(ctx)
+            extra = parts.before_step(ctx)
             if kind == "sam":
                 passed = sam_step(
                     ctx, mask, selection=self.selection, perturbation=self.perturbation,
-                    method=method, sync_first_pass=self.sync_first_pass,
+                    parts=parts, sync_first_pass=self.sync_first_pass,
                 )  # fmt: skip
             elif kind == "single":
                 passed = single_step(ctx, mask, perturbation=self.perturbation,
                                      directions=directions, keep=keep)  # fmt: skip
             else:
-                passed = plain_step(ctx, mask, method=method, reuse=kind == "reuse", keep=keep)
+                passed = plain_step(ctx, mask, parts=parts, reuse=kind == "reuse", keep=keep)
             outcome = commit(ctx, passed, inclusion, update_scale=self.update_scale,
                              pool=self.perturbation.pool)  # fmt: skip
             if outcome.norms is not None:  # the update was made
@@ -273,7 +273,7 @@ class SparseSAMEngine:
                 )
             return batch_size
 
-        passes = Passes(
+        passes = PassRunner(
             [None], loss, Tensor.backward, size=size, subset=lambda _, index: index,
             needs_per_sample=self.needs_per_sample,
         )  # fmt: skip
@@ -284,10 +284,10 @@ class SparseSAMEngine:
                 optimizer.step()
 
         if ddp is None:
-            return self.step(Loop(passes, zero_grad, optimizer_step, optimizer=optimizer))
+            return self.step(LoopHooks(passes, zero_grad, optimizer_step, optimizer=optimizer))
         averager, first = self._ddp(ddp, self._module)
         with ddp.no_sync():  # type: ignore[operator]
-            loop = Loop(
+            loop = LoopHooks(
                 passes, zero_grad, optimizer_step, None, averager, first, optimizer=optimizer
             )
             return self.step(loop)
@@ -384,7 +384,7 @@ class SparseSAMEngine:
             "kind_counts": dict(self.kind_counts),
             "active_ratio_sum": self.active_ratio_sum,
             "last_grad": {index[k]: v for k, v in self.last_grad.items()},
-            **self.method.state_dict(index),
+            **self.parts.state_dict(index),
         }
         return self._per_tensor(state, self.shards.full)
 
@@ -410,7 +410,7 @@ class SparseSAMEngine:
         state = self._per_tensor(state, self.shards.shard)  # FSDP2: this process's shards
         tensors = self.freezer.tensors()
         self.last_grad = by_position(state.get("last_grad", {}), tensors)
-        self.method.load_state_dict(state, tensors)
+        self.parts.load_state_dict(state, tensors)
 
     def carry_state(
         self, state: dict[str, Any], layer_names: list[str], tensor_names: list[str]

@@ -1,7 +1,7 @@
-"""The one pass loop: a forward/backward pass over a step's micro-batches (:class:`Passes`).
+"""The one pass loop: a forward/backward pass over a step's micro-batches (:class:`PassRunner`).
 
 Every front-end -- the Lightning mixin, :class:`~lightning_slsam.FabricSAM`, the plain loop
-of :meth:`~lightning_slsam.core.engine.SparseSAMEngine.train_step` -- runs its passes
+of :meth:`~lightning_slsam.core.engine.SAMEngine.train_step` -- runs its passes
 through this loop and differs only in what it hands over: how one micro-batch's loss is
 computed, how a loss is back-propagated, and how a batch is cut to some of its samples.
 
@@ -16,7 +16,7 @@ trainable reached it, and returns the summed loss with the per-sample losses
 >>> x = [torch.tensor([1.0, 3.0]), torch.tensor([5.0])]  # two micro-batches
 >>> def loss(batch):  # per-sample losses: a 1-D tensor
 ...     return split_per_sample(w * batch)
->>> passes = Passes(x, loss, torch.Tensor.backward, scale=0.5)
+>>> passes = PassRunner(x, loss, torch.Tensor.backward, scale=0.5)
 >>> out = passes()
 >>> out.loss, w.grad  # (mean([2, 6]) + 10) / 2; its gradient (2 + 5) / 2
 (tensor(7.), tensor(3.5000))
@@ -34,7 +34,7 @@ from torch import Tensor
 __all__ = [
     "PER_SAMPLE_NEEDED",
     "PassOutput",
-    "Passes",
+    "PassRunner",
     "batch_size",
     "batch_subset",
     "first_tensor",
@@ -87,7 +87,7 @@ class PassOutput:
     per_sample: list[Tensor | None]
 
 
-class Passes:
+class PassRunner:
     """Forward/backward passes over one step's micro-batches.
 
     Args:

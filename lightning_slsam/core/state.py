@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lightning_slsam.core.engine import SparseSAMEngine
+from lightning_slsam.core.engine import SAMEngine
 from lightning_slsam.core.partition import LayerPartition
 
 __all__ = [
@@ -29,7 +29,7 @@ class CheckpointMismatch(ValueError):
     """A checkpoint's method state was saved for other layers than the model's."""
 
 
-def method_state(method: str, spec: Any, engine: SparseSAMEngine) -> dict[str, Any]:
+def method_state(method: str, spec: Any, engine: SAMEngine) -> dict[str, Any]:
     """What a checkpoint holds of a SAM method: ``method``'s name, ``spec``'s options
     (a method's specification) and ``engine``'s state with the layers it was saved for."""
     partition = engine.partition
@@ -43,7 +43,7 @@ def method_state(method: str, spec: Any, engine: SparseSAMEngine) -> dict[str, A
     }
 
 
-def apply_method_state(state: dict[str, Any], engine: SparseSAMEngine, *, owner: str,
+def apply_method_state(state: dict[str, Any], engine: SAMEngine, *, owner: str,
                        spec: Any, warn: Callable[[str], Any],
                        preset: str | None = None) -> None:  # fmt: skip
     """Restore :func:`method_state`'s output into ``engine`` after checking that it was

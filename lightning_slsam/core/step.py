@@ -19,13 +19,13 @@ update or a skip with the weights restored exactly and nothing else changed -- a
 the step's record (:class:`StepResult`) once, from both.
 
 They work on explicit arguments: the step's context (:class:`StepContext`: the training
-loop's callables, a :class:`Loop`; the layers, a
+loop's callables, a :class:`LoopHooks`; the layers, a
 :class:`~lightning_slsam.core.partition.LayerFreezer`; the pass isolation and the shards),
 the layers drawn, the selection, the perturbation, and what the method adds
 (:class:`MethodParts`, whose hooks do nothing unless the method overrides them: ESAM's
 sample choice, SSAM-F's ascent mask, LookSAM's stored component). The stateful shell
 around them -- drawing the layers, counting, saving -- is
-:class:`~lightning_slsam.core.engine.SparseSAMEngine`.
+:class:`~lightning_slsam.core.engine.SAMEngine`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from torch import Tensor
 
 from lightning_slsam.core.isolation import PassIsolation, StepIsolation
 from lightning_slsam.core.partition import LayerFreezer
-from lightning_slsam.core.passes import Passes, PassOutput
+from lightning_slsam.core.passes import PassOutput, PassRunner
 from lightning_slsam.core.perturbation import BackupPool, SAMPerturbation
 from lightning_slsam.parallel.ddp import GradientAverager, average_grads
 from lightning_slsam.parallel.shards import Shards
@@ -50,7 +50,7 @@ from lightning_slsam.selection.rules import LayerSelection
 __all__ = [
     "STEP_KINDS",
     "ExtraWork",
-    "Loop",
+    "LoopHooks",
     "MethodParts",
     "Outcome",
     "Passed",
@@ -72,12 +72,12 @@ STEP_KINDS: tuple[StepKind, ...] = ("sam", "plain", "reuse", "single")
 
 
 @dataclass
-class Loop:
+class LoopHooks:
     """What the training loop hands a step.
 
     Attributes:
         forward_backward: runs one pass over the step's batch (:class:`~lightning_slsam.
-            core.passes.Passes`).
+            core.passes.PassRunner`).
         zero_grad: sets every gradient to ``None``.
         optimizer_step: ``optimizer_step(skip)`` steps the base optimizer; ``skip=True``:
             every gradient is ``None`` and nothing may change, but per-step counters such as
@@ -95,7 +95,7 @@ class Loop:
             fine), whose state a method may read: Momentum-SAM's momentum.
     """
 
-    forward_backward: Passes
+    forward_backward: PassRunner
     zero_grad: Callable[[], None]
     optimizer_step: Callable[[bool], None]
     grad_scale: Callable[[], Tensor] | None = None
@@ -120,7 +120,7 @@ class StepContext:
     """
 
     step: int
-    loop: Loop
+    loop: LoopHooks
     layers: LayerFreezer
     isolation: PassIsolation | None
     shards: Shards
@@ -358,7 +358,7 @@ def sam_step(
     *,
     selection: LayerSelection,
     perturbation: SAMPerturbation,
-    method: MethodParts,
+    parts: MethodParts,
     sync_first_pass: bool,
 ) -> Passed:
     """SAM's two passes on the layers in ``mask``."""
@@ -379,10 +379,10 @@ def sam_step(
     # 3. The ascent. A non-finite first pass is only detected at the end of the step
     # (checking here would cost a second host sync every step); the exact restore undoes
     # whatever a NaN perturbation did.
-    keep_first = method.keeps_first_grads
+    keep_first = parts.keeps_first_grads
     backup = perturbation.perturb_(
         pp, pg, first.norms[chosen], first.slots[chosen], layers.num_groups,
-        inplace=not keep_first, masks=method.ascent_masks(ctx, pp),
+        inplace=not keep_first, masks=parts.ascent_masks(ctx, pp),
         scaled=layers.weight_flags(pp) if perturbation.adaptive else None, shards=shards,
     )  # fmt: skip
     # Free the first-pass gradients before the next forward (unless kept).
@@ -394,7 +394,7 @@ def sam_step(
         iso.first_pass_done()
     # 4. The gradient at the perturbed weights, then the exact restore.
     try:
-        subsets = method.choose_samples(ctx, first.output, iso)
+        subsets = parts.choose_samples(ctx, first.output, iso)
         if iso is not None:
             iso.second_pass_starts()
         second = gradient_pass(ctx, active2, mask2, subsets=subsets)
@@ -403,7 +403,7 @@ def sam_step(
         if iso is not None:
             iso.step_done()
     del backup
-    method.after_sam_step(ctx, pp, pg, second.params, second.grads)
+    parts.after_sam_step(ctx, pp, pg, second.params, second.grads)
     # 5. The update with the second pass's gradients (or a skip): the engine's commit.
     return Passed(
         [first.output.loss, first.norms.sum()], [second.output.loss, second.norms.sum()],
@@ -413,7 +413,7 @@ def sam_step(
 
 
 def plain_step(
-    ctx: StepContext, mask: Tensor, *, method: MethodParts, reuse: bool = False,
+    ctx: StepContext, mask: Tensor, *, parts: MethodParts, reuse: bool = False,
     keep: bool = False,
 ) -> Passed:  # fmt: skip
     """One pass on the layers in ``mask``; a ``reuse`` step (LookSAM's) lets the method
@@ -421,7 +421,7 @@ def plain_step(
     (single-step SAM's first step, which has no direction yet: S2-SAM's store)."""
     out = gradient_pass(ctx, ctx.layers.activate(mask), mask)
     if reuse:
-        method.adjust_grads(ctx, out.params, out.grads)
+        parts.adjust_grads(ctx, out.params, out.grads)
     return _one_pass(out, mask, keep)
 
 

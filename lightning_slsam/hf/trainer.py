@@ -42,16 +42,16 @@ from torch import Tensor
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from lightning_slsam.core.engine import SparseSAMEngine
+from lightning_slsam.core.engine import SAMEngine
 from lightning_slsam.core.passes import (
     PER_SAMPLE_NEEDED,
-    Passes,
+    PassRunner,
     loss_scale_reader,
     skip_with_scaler,
     split_per_sample,
 )
 from lightning_slsam.core.state import apply_method_state, method_state
-from lightning_slsam.core.step import Loop, StepResult
+from lightning_slsam.core.step import LoopHooks, StepResult
 from lightning_slsam.methods.registry import spec_from
 from lightning_slsam.methods.spec import MethodSpec
 from lightning_slsam.parallel.ddp import DDPAverager
@@ -85,7 +85,7 @@ class SAMTrainerMixin:
 
     Attributes:
         sam_engine: the method's engine (:class:`~lightning_slsam.core.engine.
-            SparseSAMEngine`): ``last_result``, ``counts``, ``selection.probs``, ...
+            SAMEngine`): ``last_result``, ``counts``, ``selection.probs``, ...
         sam_spec: the method's validated specification.
     """
 
@@ -99,7 +99,7 @@ class SAMTrainerMixin:
         self.sam_spec = spec
         model = trainer.model
         seed = spec.seed if spec.seed is not None else int(trainer.args.seed)
-        self.sam_engine: SparseSAMEngine = spec.build_engine(model, seed=seed, warn=_warn)
+        self.sam_engine: SAMEngine = spec.build_engine(model, seed=seed, warn=_warn)
         if self.sam_engine.needs_per_sample and not _gives_per_sample(self, model):
             raise ValueError(
                 f"{PER_SAMPLE_NEEDED} With SAMTrainer: {type(_base_model(model)).__name__} is"
@@ -156,14 +156,14 @@ class SAMTrainerMixin:
         self._sam_hook_optimizer()
         self._sam_pending = None
         self._sam_model, self._sam_items = model, items
-        passes = Passes(
+        passes = PassRunner(
             micro_batches, self._sam_loss, trainer.accelerator.backward,
             needs_per_sample=engine.needs_per_sample,
         )  # fmt: skip
         scaler = getattr(trainer.accelerator, "scaler", None)
         ddp = _ddp(model)
         averager, first = self._sam_averager(ddp, unwrapped) if ddp is not None else (None, False)
-        loop = Loop(
+        loop = LoopHooks(
             passes, functools.partial(model.zero_grad, set_to_none=True),
             functools.partial(self._sam_optimizer_step, scaler=scaler),
             loss_scale_reader(scaler), averager, check_draw=first,

@@ -35,7 +35,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
-from lightning_slsam.core.engine import SparseSAMEngine
+from lightning_slsam.core.engine import SAMEngine
 from lightning_slsam.core.partition import LayerPartition
 from lightning_slsam.core.perturbation import BackupPool
 from lightning_slsam.core.state import (
@@ -48,7 +48,7 @@ from lightning_slsam.core.step import StepResult
 from lightning_slsam.lightning.compat import (
     attached_trainer,
 )
-from lightning_slsam.lightning.driver import SAMController, find_sam_callback
+from lightning_slsam.lightning.driver import SAMCallbackBase, find_sam_callback
 from lightning_slsam.lightning.record import (
     RATIO_METRIC,
     fit_message,
@@ -111,7 +111,7 @@ class _Count(int):
 _CALLBACKS: dict[type[MethodSpec], type[SAMCallback]] = {}
 
 
-class SAMCallback(Callback, ChecksOptions, SAMController):
+class SAMCallback(Callback, ChecksOptions, SAMCallbackBase):
     """Base of the plugin's SAM methods; use a method class such as ``SparseLayerSAM``.
 
     A thin Lightning shell over the method's specification (:attr:`spec_class`, pure
@@ -172,7 +172,7 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
         for key, value in checked.items():
             setattr(self, key, value)
         self.partition: LayerPartition | None = None
-        self.engine: SparseSAMEngine | None = None
+        self.engine: SAMEngine | None = None
         self.frequency_csv_path: str | None = None
         self.frequency_plot_path: str | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -250,7 +250,7 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
         self.partition = partition
         check_engine(self, trainer, pl_module, self.engine)
         try:  # before the first step
-            self.engine.method.check_optimizer(trainer.optimizers[0])
+            self.engine.parts.check_optimizer(trainer.optimizers[0])
         except ValueError as err:
             raise MisconfigurationException(str(err)) from None
         # A checkpoint saved with other trainable tensors waits for the first batch: the
@@ -264,7 +264,7 @@ class SAMCallback(Callback, ChecksOptions, SAMController):
         if trainer.ckpt_path is None:  # before any progress bar: the warning has its own line
             self._check_coverage(trainer)
 
-    def _build_engine(self, partition: LayerPartition, module: torch.nn.Module) -> SparseSAMEngine:
+    def _build_engine(self, partition: LayerPartition, module: torch.nn.Module) -> SAMEngine:
         seed = self.spec.seed if self.spec.seed is not None else default_seed()
         trainer = attached_trainer(module)
         if trainer is not None and trainer.world_size > 1:

@@ -11,6 +11,7 @@ from typing import Any
 
 from lightning_slsam.core.partition import LayerSpec
 from lightning_slsam.lightning.callback import SAMCallback
+from lightning_slsam.methods.spec import Preset
 from lightning_slsam.selection.bandit import LayerBandit
 
 class SAM(SAMCallback):
@@ -51,7 +52,7 @@ class SparseLayerSAM(SAMCallback):
         check_masks: bool = False,
         layer_ratio: float = 0.2,
         p_min: float = 0.001,
-        preset: str = "default",
+        preset: Preset = "default",
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str = "norm",
         accumulate_grad_batches: int = 1,
@@ -77,7 +78,7 @@ class RandomSLSAM(SAMCallback):
         sync_first_pass: bool = True,
         check_masks: bool = False,
         layer_ratio: float = 0.2,
-        preset: str = "paper",
+        preset: Preset = "paper",
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str = "norm",
         accumulate_grad_batches: int = 1,
@@ -165,7 +166,7 @@ class SLS2SAM(SparseLayerSAM):
         check_masks: bool = False,
         layer_ratio: float = 0.2,
         p_min: float = 0.001,
-        preset: str = "paper",
+        preset: Preset = "paper",
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str = "norm",
         accumulate_grad_batches: int = 1,
@@ -282,7 +283,7 @@ class SLSAMRST(SparseLayerSAM):
         probability: float = 0.5,
         layer_ratio: float = 0.2,
         p_min: float = 0.001,
-        preset: str = "default",
+        preset: Preset = "default",
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str = "norm",
         accumulate_grad_batches: int = 1,
@@ -308,7 +309,7 @@ class SLSAMLookSAM(SparseLayerSAM):
         alpha: float = 0.7,
         layer_ratio: float = 0.2,
         p_min: float = 0.001,
-        preset: str = "default",
+        preset: Preset = "default",
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str = "norm",
         accumulate_grad_batches: int = 1,
@@ -332,7 +333,7 @@ class CostAwareSLSAM(SparseLayerSAM):
         check_masks: bool = False,
         layer_ratio: float = 0.2,
         p_min: float = 0.001,
-        preset: str = "default",
+        preset: Preset = "default",
         depth: float = 0.5,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str = "norm",
@@ -357,7 +358,7 @@ class SLSAMAblation(SparseLayerSAM):
         check_masks: bool = False,
         layer_ratio: float = 0.2,
         p_min: float = 0.001,
-        preset: str = "default",
+        preset: Preset = "default",
         budget: str | None = None,
         bandit_loss: str | None = None,
         alpha_p: float | None = None,

@@ -28,12 +28,12 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
 from lightning_slsam.core.passes import (
-    Passes,
+    PassRunner,
     loss_scale_reader,
     skip_with_scaler,
     split_per_sample,
 )
-from lightning_slsam.core.step import Loop
+from lightning_slsam.core.step import LoopHooks
 from lightning_slsam.lightning.compat import (
     attached_trainer,
     automatic_scheduler_configs,
@@ -43,14 +43,14 @@ from lightning_slsam.lightning.compat import (
 from lightning_slsam.parallel.ddp import GradientAverager
 
 if TYPE_CHECKING:
-    from lightning_slsam.core.engine import SparseSAMEngine
+    from lightning_slsam.core.engine import SAMEngine
 
-__all__ = ["SAMController", "StepDriver", "driver_of", "find_sam_callback", "loss_of"]
+__all__ = ["SAMCallbackBase", "StepDriver", "driver_of", "find_sam_callback", "loss_of"]
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 
 
-class SAMController:
+class SAMCallbackBase:
     """What the driver reads from the SAM callback: the base of
     :class:`~lightning_slsam.SAMCallback`, and how the mixin recognises it on a Trainer.
 
@@ -61,7 +61,7 @@ class SAMController:
         gradient_clip_algorithm: ``"norm"`` or ``"value"``.
     """
 
-    engine: SparseSAMEngine | None = None
+    engine: SAMEngine | None = None
     accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str = "norm"
@@ -72,7 +72,7 @@ def find_sam_callback(trainer: Any) -> Any:
     the setup checks refuse more than one)."""
     if trainer is not None:
         for callback in trainer.callbacks:
-            if isinstance(callback, SAMController):
+            if isinstance(callback, SAMCallbackBase):
                 return callback
     return None
 
@@ -112,7 +112,7 @@ class StepDriver:
         controller: the SAM callback on its Trainer (the options and the engine).
     """
 
-    def __init__(self, module: Any, controller: SAMController) -> None:
+    def __init__(self, module: Any, controller: SAMCallbackBase) -> None:
         trainer = attached_trainer(module)
         self.module, self.controller, self.trainer = module, controller, trainer
         self.optimizer = module.optimizers()
@@ -131,7 +131,7 @@ class StepDriver:
         #: Plateau schedulers due after the last batch, stepped at the next training step.
         self._pending_plateau: list[tuple[str, int]] = []
         #: The running step's passes, the user's training_step and its first output.
-        self._passes: Passes | None = None
+        self._passes: PassRunner | None = None
         self._user_step: Callable[..., Any] | None = None
         self._first_output: Any = None
 
@@ -154,13 +154,13 @@ class StepDriver:
             raise RuntimeError(f"{type(self.controller).__name__} ran a step before on_fit_start.")
         module = self.module
         self._user_step, self._first_output = user_step, None
-        self._passes = Passes(
+        self._passes = PassRunner(
             micro_batches, self._loss, module.manual_backward,
             scale=1.0 / self.controller.accumulate_grad_batches, size=self._size,
-            subset=self._subset, needs_per_sample=engine.method.needs_per_sample,
+            subset=self._subset, needs_per_sample=engine.parts.needs_per_sample,
             error=MisconfigurationException,
         )  # fmt: skip
-        loop = Loop(self._passes, self._zero_grad, self._optimizer_step, self.grad_scale,
+        loop = LoopHooks(self._passes, self._zero_grad, self._optimizer_step, self.grad_scale,
                     self.averager, optimizer=self.optimizer)  # fmt: skip
         trainer = self.trainer
         try:

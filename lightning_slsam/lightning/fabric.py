@@ -27,16 +27,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_slsam.core.engine import SparseSAMEngine
+from lightning_slsam.core.engine import SAMEngine
 from lightning_slsam.core.passes import (
-    Passes,
+    PassRunner,
     loss_scale_reader,
     skip_with_scaler,
     split_per_sample,
 )
 from lightning_slsam.core.regions import compile_blocks_instead, compiled_whole
 from lightning_slsam.core.state import apply_method_state, method_state
-from lightning_slsam.core.step import Loop, StepResult
+from lightning_slsam.core.step import LoopHooks, StepResult
 from lightning_slsam.lightning.setup_checks import check_compiled_sampling
 from lightning_slsam.methods.registry import spec_from
 from lightning_slsam.methods.spec import MethodSpec, default_seed
@@ -177,7 +177,7 @@ class FabricSAM:
         if self.spec.samples_layers:  # as the callback: each compiled block one layer
             compile_blocks_instead(model._forward_module)
         self.partition = self.spec.partition(module)
-        self.engine: SparseSAMEngine = self.spec.build_engine(
+        self.engine: SAMEngine = self.spec.build_engine(
             module, seed=seed, partition=self.partition, warn=_warn
         )
         self._check_parameters(module)
@@ -239,12 +239,12 @@ class FabricSAM:
             self.engine, change = self.spec.follow_trainable(self.engine, module, _warn)
             self.partition = self.engine.partition
             _info(f"{self.name}, before step {self.engine.num_steps}: {change}")
-        passes = Passes(
+        passes = PassRunner(
             batches, lambda batch: split_per_sample(loss_fn(batch)), self.fabric.backward,
             scale=1.0 / len(batches), needs_per_sample=self.engine.needs_per_sample,
         )  # fmt: skip
         scaler = getattr(self.fabric.strategy.precision, "scaler", None)
-        loop = Loop(
+        loop = LoopHooks(
             passes, self._zero_grad, lambda skip: self._optimizer_step(skip, scaler),
             loss_scale_reader(scaler), self.averager,
             check_draw=self.averager is not None and not self._checked_draw,

@@ -26,7 +26,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from lightning_slsam.core.engine import SparseSAMEngine
+    from lightning_slsam.core.engine import SAMEngine
     from lightning_slsam.core.partition import LayerPartition
 
 __all__ = [
@@ -472,7 +472,7 @@ def fresh_stem(directory: str, versioned: bool) -> str:
     return stem
 
 
-def fit_message(name: str, engine: SparseSAMEngine, chart: str | None) -> str:
+def fit_message(name: str, engine: SAMEngine, chart: str | None) -> str:
     """The line printed at the end of fit."""
     message = (
         f"{name}: mean active ratio {engine.mean_active_ratio:.3f}x over the passes"
@@ -535,7 +535,7 @@ def fixed_tensors(partition: LayerPartition) -> list[FixedTensor]:
 
 def write_record(
     stem: str,
-    engine: SparseSAMEngine,
+    engine: SAMEngine,
     partition: LayerPartition,
     plot: bool,
     title: str,

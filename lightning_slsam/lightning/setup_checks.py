@@ -19,7 +19,7 @@ from lightning_slsam.core.regions import (
     repeated_blocks,
     torch_guards_requires_grad,
 )
-from lightning_slsam.lightning.driver import SAMController
+from lightning_slsam.lightning.driver import SAMCallbackBase
 from lightning_slsam.lightning.mixin import SAMMixin
 from lightning_slsam.methods.options import check_choice, check_flag, check_int
 
@@ -128,7 +128,7 @@ def check_fit_setup(callback: Any, trainer: Any, pl_module: Any) -> None:
             " precision, gradient accumulation and clipping work there), FSDP2 through"
             " ModelParallelStrategy (fully_shard in configure_model), or a single device."
         )
-    others = [cb for cb in trainer.callbacks if isinstance(cb, SAMController)]
+    others = [cb for cb in trainer.callbacks if isinstance(cb, SAMCallbackBase)]
     if len(others) > 1:
         raise MisconfigurationException(
             f"{len(others)} SAM callbacks are attached to the Trainer"

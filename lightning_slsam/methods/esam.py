@@ -28,7 +28,7 @@ from torch import Tensor
 
 from lightning_slsam.core.isolation import StepIsolation
 from lightning_slsam.core.partition import LayerPartition
-from lightning_slsam.core.passes import PER_SAMPLE_NEEDED, Passes, PassOutput
+from lightning_slsam.core.passes import PER_SAMPLE_NEEDED, PassOutput, PassRunner
 from lightning_slsam.core.step import MethodParts, StepContext
 from lightning_slsam.methods.options import RATIO
 from lightning_slsam.methods.spec import MethodSpec, option
@@ -87,7 +87,7 @@ class SharpestSamples(MethodParts):
         with isolated.extra_forward() if isolated is not None else nullcontext():
             return self.select(first, ctx.loop.forward_backward)
 
-    def select(self, first: PassOutput, forward_backward: Passes) -> list[Tensor]:
+    def select(self, first: PassOutput, forward_backward: PassRunner) -> list[Tensor]:
         """The samples of each micro-batch whose loss ``forward_backward`` (at the perturbed
         weights) raised most over ``first``'s."""
         before = first.per_sample

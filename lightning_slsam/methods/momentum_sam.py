@@ -107,7 +107,7 @@ class MomentumParts(MethodParts):
         if optimizer is None:
             raise ValueError(
                 "MomentumSAM reads the optimizer's momentum, but this training loop does not"
-                " hand the step its optimizer (Loop.optimizer)."
+                " hand the step its optimizer (LoopHooks.optimizer)."
             )
         base = base_optimizer(optimizer)
         state = base.state

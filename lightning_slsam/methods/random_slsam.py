@@ -16,13 +16,13 @@ import torch
 
 from lightning_slsam.core.partition import LayerPartition
 from lightning_slsam.methods.options import one_of
-from lightning_slsam.methods.spec import LayerSubsetSpec, option
+from lightning_slsam.methods.spec import LayerSubsetSpec, Preset, Setting, option
 from lightning_slsam.selection.rules import LayerSelection, UniformSelection
 
 __all__ = ["RandomSLSAMSpec"]
 
 #: What each preset sets (see :meth:`~lightning_slsam.methods.spec.MethodSpec.setting`).
-PRESETS: dict[str, dict[str, Any]] = {
+PRESETS: dict[Preset, dict[Setting, Any]] = {
     "paper": {"head_always_active": False, "max_update_scale": 1.0},
     "default": {"head_always_active": True, "max_update_scale": 3.0},
 }
@@ -40,13 +40,13 @@ class RandomSLSAMSpec(LayerSubsetSpec):
 
     name: ClassVar[str] = "random_slsam"
     label: ClassVar[str] = "RandomSLSAM"
-    PRESETS: ClassVar[dict[str, dict[str, Any]]] = PRESETS
-    PRESET_WORDS: ClassVar[dict[str, str]] = {
+    PRESETS: ClassVar[dict[Preset, dict[Setting, Any]]] = PRESETS
+    PRESET_WORDS: ClassVar[dict[Preset, str]] = {
         "paper": "the SL-SAM paper's ablation",
         "default": "head every step, updates scaled up to 3x",
     }
 
-    preset: str = option("paper", one_of(tuple(PRESETS)))
+    preset: Preset = option("paper", one_of(tuple(PRESETS)))
 
     def selection(self, layers: LayerPartition, generator: torch.Generator) -> LayerSelection:
         return UniformSelection(layers.num_layers, self.layer_ratio, generator)

@@ -90,7 +90,7 @@ from lightning_slsam.methods.top_slsam import TopSLSAMSpec
 if TYPE_CHECKING:
     import torch
 
-    from lightning_slsam.core.engine import SparseSAMEngine
+    from lightning_slsam.core.engine import SAMEngine
 
 __all__ = [
     "RENAMED",
@@ -191,7 +191,7 @@ def spec_from(method: str | MethodSpec, options: dict[str, Any], *, owner: str,
     return method_spec(method, **options)
 
 
-def make_engine(name: str, module: torch.nn.Module, **options: Any) -> SparseSAMEngine:
+def make_engine(name: str, module: torch.nn.Module, **options: Any) -> SAMEngine:
     """The engine of method ``name`` (``"slsam"``, ``"sam"``, ...; see :data:`SPECS`) for
     ``module``, with ``options`` overriding the method's defaults: what the method's
     callback builds at fit start, for a plain PyTorch loop.

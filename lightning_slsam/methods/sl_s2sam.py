@@ -18,7 +18,7 @@ from lightning_slsam.core.step import MethodParts
 from lightning_slsam.methods.options import one_of
 from lightning_slsam.methods.s2sam import SingleStepParts
 from lightning_slsam.methods.slsam import _PRESET_HINT, PRESETS, SLSAMSpec
-from lightning_slsam.methods.spec import option
+from lightning_slsam.methods.spec import Preset, option
 
 __all__ = ["SLS2SAMSpec"]
 
@@ -30,7 +30,7 @@ class SLS2SAMSpec(SLSAMSpec):
     name: ClassVar[str] = "sl_s2sam"
     label: ClassVar[str] = "SLS2SAM"
 
-    preset: str = option("paper", one_of(tuple(PRESETS), _PRESET_HINT))
+    preset: Preset = option("paper", one_of(tuple(PRESETS), _PRESET_HINT))
 
     def parts(self, generator: torch.Generator) -> MethodParts:
         return SingleStepParts()

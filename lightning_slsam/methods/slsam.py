@@ -36,7 +36,7 @@ import torch
 
 from lightning_slsam.core.partition import LayerPartition
 from lightning_slsam.methods.options import invalid, number, one_of
-from lightning_slsam.methods.spec import LayerSubsetSpec, Warn, option
+from lightning_slsam.methods.spec import LayerSubsetSpec, Preset, Setting, Warn, option
 from lightning_slsam.selection.bandit import (
     REL_TOL,
     LayerBandit,
@@ -52,7 +52,7 @@ __all__ = ["PRESETS", "PRESET_WORDS", "SLSAMSpec"]
 #: ``alpha_p``: the bandit's loss and step size; ``head_always_active``: the fresh task
 #: head trained every step; ``max_update_scale``: the cap on each drawn layer's update
 #: factor ``1 / q`` (1: no scaling).
-PRESETS: dict[str, dict[str, Any]] = {
+PRESETS: dict[Preset, dict[Setting, Any]] = {
     "default": {
         "budget": "compute",
         "bandit_loss": "rank",
@@ -70,7 +70,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 #: Each preset in words (the run summary and the option's help print it).
-PRESET_WORDS = {
+PRESET_WORDS: dict[Preset, str] = {
     "default": "parameter budget, rank bandit, head every step, updates scaled up to 3x;"
     " preset='paper' is the paper's method",
     "paper": "the SL-SAM paper's exact method",
@@ -102,11 +102,11 @@ class SLSAMSpec(LayerSubsetSpec):
 
     name: ClassVar[str] = "slsam"
     label: ClassVar[str] = "SparseLayerSAM"
-    PRESETS: ClassVar[dict[str, dict[str, Any]]] = PRESETS
-    PRESET_WORDS: ClassVar[dict[str, str]] = PRESET_WORDS
+    PRESETS: ClassVar[dict[Preset, dict[Setting, Any]]] = PRESETS
+    PRESET_WORDS: ClassVar[dict[Preset, str]] = PRESET_WORDS
 
     p_min: float = option(1e-3, number(0, 1, low_open=True, high_open=True, note=", e.g. 1e-3"))
-    preset: str = option("default", one_of(tuple(PRESETS), _PRESET_HINT))
+    preset: Preset = option("default", one_of(tuple(PRESETS), _PRESET_HINT))
 
     def check_combined(self) -> None:
         super().check_combined()

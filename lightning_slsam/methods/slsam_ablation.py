@@ -21,7 +21,7 @@ import torch
 from lightning_slsam.core.partition import LayerPartition, find_new_head
 from lightning_slsam.methods.options import FLAG, number, one_of
 from lightning_slsam.methods.slsam import SLSAMSpec
-from lightning_slsam.methods.spec import Warn, option
+from lightning_slsam.methods.spec import Setting, Warn, option
 from lightning_slsam.selection.bandit import DEFAULT_ALPHA
 
 __all__ = ["SLSAMAblationSpec"]
@@ -54,7 +54,7 @@ class SLSAMAblationSpec(SLSAMSpec):
     head_always_active: bool | None = option(None, FLAG.or_none(" (the preset's)"))
     max_update_scale: float | None = option(None, number(1).or_none(" (the preset's)"))
 
-    def setting(self, name: str) -> Any:
+    def setting(self, name: Setting) -> Any:
         given = getattr(self, name)
         if given is not None:
             return given

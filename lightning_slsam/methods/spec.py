@@ -3,7 +3,7 @@
 A :class:`MethodSpec` holds one method's options, checked once when it is built, and
 builds the method's parts -- the layer partition, the selection, the perturbation and what
 the method adds to the steps (:class:`~lightning_slsam.core.step.MethodParts`) -- and from
-them the :class:`~lightning_slsam.core.engine.SparseSAMEngine`. No Lightning anywhere: the
+them the :class:`~lightning_slsam.core.engine.SAMEngine`. No Lightning anywhere: the
 Lightning callbacks (:mod:`lightning_slsam.lightning.callbacks`) are thin shells over these,
 and a plain PyTorch loop uses them directly::
 
@@ -24,11 +24,11 @@ import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
 
-from lightning_slsam.core.engine import SparseSAMEngine
+from lightning_slsam.core.engine import SAMEngine
 from lightning_slsam.core.isolation import BN_STATS
 from lightning_slsam.core.partition import (
     LayerPartition,
@@ -58,10 +58,17 @@ __all__ = [
     "SAM_RHO",
     "LayerSubsetSpec",
     "MethodSpec",
+    "Preset",
+    "Setting",
     "default_seed",
     "option",
     "option_hint",
 ]
+
+#: The presets a layer sampler may offer: its defaults beyond the paper, or the paper's method.
+Preset = Literal["default", "paper"]
+#: What a method fixes or its preset decides (:meth:`MethodSpec.setting`).
+Setting = Literal["budget", "bandit_loss", "alpha_p", "head_always_active", "max_update_scale"]
 
 #: Default radius of every method: the SL-SAM paper's.
 SAM_RHO = 0.01
@@ -240,7 +247,7 @@ class MethodSpec:
         ``generator``: the method's own (RST's coin)."""
         return MethodParts()
 
-    def setting(self, name: str) -> Any:
+    def setting(self, name: Setting) -> Any:
         """A setting the method fixes or its ``preset`` decides: ``"head_always_active"``
         (train the fresh task head every step; ``False`` here) or ``"max_update_scale"``
         (the cap on the update factor ``1 / q``; 1 here: no scaling)."""
@@ -253,7 +260,7 @@ class MethodSpec:
         return None if cap <= 1.0 else float(cap)
 
     def coverage_warning(
-        self, engine: SparseSAMEngine, steps: float, name: str | None = None
+        self, engine: SAMEngine, steps: float, name: str | None = None
     ) -> str | None:
         """The guard rail's line for a run with ``steps`` steps left, or ``None``: whether its
         sampled layers can expect too few updates (:mod:`lightning_slsam.selection.coverage`),
@@ -289,8 +296,8 @@ class MethodSpec:
         return build_partition(module, self.layers, active, self.always_frozen, regions)
 
     def follow_trainable(
-        self, engine: SparseSAMEngine, module: torch.nn.Module, warn: Warn = warnings.warn
-    ) -> tuple[SparseSAMEngine, str]:
+        self, engine: SAMEngine, module: torch.nn.Module, warn: Warn = warnings.warn
+    ) -> tuple[SAMEngine, str]:
         """``engine`` carried over to ``module``'s trainable set now, and a sentence saying
         what changed.
 
@@ -298,7 +305,7 @@ class MethodSpec:
         steps (Lightning's ``BackboneFinetuning`` unfreezing a backbone, say): a tensor
         that became trainable is sampled like any layer from the next step on, one the
         model froze leaves the layers; every other layer keeps its state
-        (:meth:`~lightning_slsam.core.engine.SparseSAMEngine.carry_state`). The same
+        (:meth:`~lightning_slsam.core.engine.SAMEngine.carry_state`). The same
         generators continue, so a run resumed across the change draws what it would have.
         """
         old, partition = engine.partition, self.partition(module, warn)
@@ -314,7 +321,7 @@ class MethodSpec:
         seed: int | None = None,
         partition: LayerPartition | None = None,
         warn: Warn = warnings.warn,
-    ) -> SparseSAMEngine:
+    ) -> SAMEngine:
         """This method's engine for ``module``.
 
         Args:
@@ -335,7 +342,7 @@ class MethodSpec:
             ) from None
         parts = self.parts(torch.Generator().manual_seed(seed + 1))
         parts.warn = warn
-        return SparseSAMEngine(
+        return SAMEngine(
             partition,
             selection,
             self.make_perturbation(),
@@ -384,13 +391,13 @@ class LayerSubsetSpec(MethodSpec):
     samples_layers: ClassVar[bool] = True
     #: What each value of the ``preset`` option sets (empty: the method has no presets),
     #: and each in words (the run summary prints them).
-    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
-    PRESET_WORDS: ClassVar[dict[str, str]] = {}
+    PRESETS: ClassVar[dict[Preset, dict[Setting, Any]]] = {}
+    PRESET_WORDS: ClassVar[dict[Preset, str]] = {}
 
     layer_ratio: float = option(0.2, RATIO)
 
     def coverage_warning(
-        self, engine: SparseSAMEngine, steps: float, name: str | None = None
+        self, engine: SAMEngine, steps: float, name: str | None = None
     ) -> str | None:
         if engine.selection.always_all:
             return None
@@ -399,7 +406,7 @@ class LayerSubsetSpec(MethodSpec):
             name or self.label, figure, steps, self.layer_ratio, self.update_scale
         )
 
-    def setting(self, name: str) -> Any:
+    def setting(self, name: Setting) -> Any:
         if self.PRESETS:
             return self.PRESETS[self.preset][name]  # type: ignore[attr-defined]
         return super().setting(name)

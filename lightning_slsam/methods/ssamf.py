@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_slsam.core.partition import by_position
-from lightning_slsam.core.passes import Passes
+from lightning_slsam.core.passes import PassRunner
 from lightning_slsam.core.step import ExtraWork, MethodParts, StepContext
 from lightning_slsam.methods.options import number
 from lightning_slsam.methods.spec import MethodSpec, option
@@ -147,7 +147,7 @@ class FisherMask(MethodParts):
 
 
 def _sample_sources(
-    fb: Passes, group: Any, count: int, device: torch.device
+    fb: PassRunner, group: Any, count: int, device: torch.device
 ) -> tuple[int, list[float | None]]:
     """FSDP2: the per-sample count every process can serve, and this process's loss scale
     for each source process (1 for itself, 0 for the others)."""

@@ -13,7 +13,7 @@ from helpers import make_data, make_mlp
 from probes import fixed_engine, loss_closure
 from torch import nn
 
-from lightning_slsam.core.engine import SparseSAMEngine
+from lightning_slsam.core.engine import SAMEngine
 from lightning_slsam.core.partition import build_partition
 from lightning_slsam.core.perturbation import SAMPerturbation
 from lightning_slsam.core.step import MethodParts
@@ -51,7 +51,7 @@ def test_engine_in_a_plain_loop_learns():
     x, y = make_data(128).tensors
     opt = torch.optim.AdamW(net.parameters(), lr=3e-2)
     partition = build_partition(net)
-    engine = SparseSAMEngine(
+    engine = SAMEngine(
         partition,
         LayerBandit(
             partition.num_layers, layer_ratio=0.5, generator=torch.Generator().manual_seed(0)
@@ -105,7 +105,7 @@ def test_a_method_naming_a_kind_the_engine_lacks_is_refused_and_its_kinds_run():
     net = make_mlp()
     partition = build_partition(net)
     # The kind is checked at the step that names it, before anything changes.
-    engine = SparseSAMEngine(partition, LayerBandit(8), SAMPerturbation(0.05), Twice())
+    engine = SAMEngine(partition, LayerBandit(8), SAMPerturbation(0.05), Twice())
     x, y = make_data(16).tensors
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     assert engine.train_step(loss_closure(net, x, y), opt).kind == "sam"
@@ -117,7 +117,7 @@ def test_a_method_naming_a_kind_the_engine_lacks_is_refused_and_its_kinds_run():
     assert all(p.requires_grad for p in net.parameters())
     assert engine.num_steps == 1
     # The kinds a method names are run: here SAM and plain steps in turn.
-    engine = SparseSAMEngine(partition, LayerBandit(8), SAMPerturbation(0.05), Alternate())
+    engine = SAMEngine(partition, LayerBandit(8), SAMPerturbation(0.05), Alternate())
     results = [engine.train_step(loss_closure(net, x, y), opt) for _ in range(4)]
     assert [(r.kind, r.num_backward) for r in results] == [("sam", 2), ("plain", 1)] * 2
     assert engine.kind_counts == {"sam": 2, "plain": 2}
@@ -125,8 +125,8 @@ def test_a_method_naming_a_kind_the_engine_lacks_is_refused_and_its_kinds_run():
 
 def test_loading_the_state_of_another_number_of_layers_is_refused():
     net = make_mlp()
-    engine = SparseSAMEngine(build_partition(net), LayerBandit(8), SAMPerturbation(0.05))
-    other = SparseSAMEngine(build_partition(net, layers="module"), LayerBandit(4),
+    engine = SAMEngine(build_partition(net), LayerBandit(8), SAMPerturbation(0.05))
+    other = SAMEngine(build_partition(net, layers="module"), LayerBandit(4),
                             SAMPerturbation(0.05))  # fmt: skip
     with pytest.raises(ValueError, match="has 4 layers but the model has 8"):
         engine.load_state_dict(other.state_dict())

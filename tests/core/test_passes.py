@@ -1,7 +1,7 @@
 """The one pass loop (:mod:`lightning_slsam.core.passes`): each pass over a step's
 micro-batches -- the accumulation scale, sample subsets, per-sample losses, the loss scale,
 a backward only where the loss reaches a trainable tensor -- the plain loop's passes through
-``SparseSAMEngine.train_step``, and the batch helpers every front-end shares."""
+``SAMEngine.train_step``, and the batch helpers every front-end shares."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from torch import nn
 from lightning_slsam import make_engine
 from lightning_slsam.core.passes import (
     PER_SAMPLE_NEEDED,
-    Passes,
     PassOutput,
+    PassRunner,
     first_tensor,
     skip_with_scaler,
     split_per_sample,
@@ -35,7 +35,7 @@ class Model:
         self.per_sample = per_sample
         self.calls: list[tuple[list[float], bool, int]] = []
         self.backwards: list[float] = []
-        self.passes: Passes | None = None
+        self.passes: PassRunner | None = None
 
     def loss(self, batch):
         number = self.passes.number if self.passes is not None else -1
@@ -47,8 +47,8 @@ class Model:
         self.backwards.append(float(loss.detach()))
         loss.backward()
 
-    def make(self, micro_batches, **options) -> Passes:
-        self.passes = Passes(micro_batches, self.loss, self.backward, **options)
+    def make(self, micro_batches, **options) -> PassRunner:
+        self.passes = PassRunner(micro_batches, self.loss, self.backward, **options)
         return self.passes
 
 
@@ -151,7 +151,7 @@ def test_backward_runs_only_when_the_loss_reaches_a_trainable_tensor():
         backwards.append(float(value.detach()))
         value.backward()
 
-    out = Passes([torch.tensor(1.0), torch.tensor(2.0)], loss, backward)()
+    out = PassRunner([torch.tensor(1.0), torch.tensor(2.0)], loss, backward)()
     assert backwards == [1.0] and float(trainable.grad) == 1.0
     assert float(out.loss) == 1.0 + 6.0
 
@@ -198,7 +198,7 @@ def test_split_per_sample_averages_a_vector_and_passes_anything_else_through():
     assert split_per_sample(matrix)[0] is matrix and split_per_sample(matrix)[1] is None
 
 
-# -- the plain loop's passes (SparseSAMEngine.train_step) --------------------------------------
+# -- the plain loop's passes (SAMEngine.train_step) --------------------------------------
 
 
 def test_the_plain_loop_runs_each_pass_through_compute_loss_with_the_chosen_samples():

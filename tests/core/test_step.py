@@ -25,13 +25,13 @@ from tolerance import offset_atol
 from torch import nn
 
 from lightning_slsam import SLS2SAM, make_callback, make_engine
-from lightning_slsam.core.engine import SparseSAMEngine
+from lightning_slsam.core.engine import SAMEngine
 from lightning_slsam.core.partition import LayerFreezer, build_partition
-from lightning_slsam.core.passes import Passes, split_per_sample
+from lightning_slsam.core.passes import PassRunner, split_per_sample
 from lightning_slsam.core.perturbation import SAMPerturbation
 from lightning_slsam.core.step import (
     STEP_KINDS,
-    Loop,
+    LoopHooks,
     MethodParts,
     Passed,
     StepContext,
@@ -62,7 +62,7 @@ def test_non_finite_pass_skips_the_step_untouched(bad_pass):
     # One good step first so the optimizer has state to protect.
     partition = build_partition(net)
     bandit = LayerBandit(partition.num_layers, layer_ratio=0.5, alpha_p=0.1)
-    engine = SparseSAMEngine(partition, bandit, SAMPerturbation(0.05))
+    engine = SAMEngine(partition, bandit, SAMPerturbation(0.05))
     engine.train_step(loss_closure(net, x, y), opt)
     weights = [p.detach().clone() for p in net.parameters()]
     opt_state = copy.deepcopy(opt.state_dict())
@@ -78,8 +78,8 @@ def test_non_finite_pass_skips_the_step_untouched(bad_pass):
         return loss, None
 
     stepped = []
-    loop = Loop(
-        Passes([(x, y)], poisoned, torch.Tensor.backward),
+    loop = LoopHooks(
+        PassRunner([(x, y)], poisoned, torch.Tensor.backward),
         lambda: opt.zero_grad(set_to_none=True),
         stepped.append,
     )
@@ -204,8 +204,8 @@ class Storing(MethodParts):
         )
 
 
-def _engine_with(net, selection, **kwargs) -> SparseSAMEngine:
-    return SparseSAMEngine(build_partition(net), selection, SAMPerturbation(RHO), **kwargs)
+def _engine_with(net, selection, **kwargs) -> SAMEngine:
+    return SAMEngine(build_partition(net), selection, SAMPerturbation(RHO), **kwargs)
 
 
 def _ascent(g, mask):
@@ -218,7 +218,7 @@ def test_plain_step_runs_one_pass_on_the_drawn_layers_and_steps_along_its_gradie
     net = make_mlp()
     x, y = make_data(16).tensors
     mask = [True, False, False, True, False, False, True, True]
-    engine = _engine_with(net, FixedSelection(mask), method=Always("plain"))
+    engine = _engine_with(net, FixedSelection(mask), parts=Always("plain"))
     g = gradients(net, x, y)
     before = [p.detach().clone() for p in net.parameters()]
     rec = Recorder(net, x, y)
@@ -244,7 +244,7 @@ def test_sam_step_hands_its_store_both_passes_gradients_of_the_perturbed_tensors
     x, y = make_data(16).tensors
     mask = [True, True, False, False, True, True, False, False]
     parts = Storing()
-    engine = _engine_with(net, FixedSelection(mask), method=parts)
+    engine = _engine_with(net, FixedSelection(mask), parts=parts)
     g = gradients(net, x, y)
     g_at = gradients(shifted(net, _ascent(g, mask)), x, y)
     before = [p.detach().clone() for p in net.parameters()]
@@ -267,7 +267,7 @@ def test_sam_step_runs_its_second_pass_on_the_samples_its_choice_returns():
     net = make_mlp()
     x, y = make_data(16).tensors
     choice = FirstHalf()
-    engine = _engine_with(net, FixedSelection([True] * 8), method=choice)
+    engine = _engine_with(net, FixedSelection([True] * 8), parts=choice)
     assert engine.needs_per_sample  # the choice reads per-sample losses
     g = gradients(net, x, y)
     g_half = gradients(shifted(net, _ascent(g, [True] * 8)), x[:8], y[:8])
@@ -288,7 +288,7 @@ def test_sam_step_perturbs_only_the_coordinates_its_ascent_masks_keep():
     net = make_mlp()
     x, y = make_data(16).tensors
     mask = [True, True, True, True, False, False, True, True]
-    engine = _engine_with(net, FixedSelection(mask), method=FirstEntry())
+    engine = _engine_with(net, FixedSelection(mask), parts=FirstEntry())
     g = gradients(net, x, y)
     before = [p.detach().clone() for p in net.parameters()]
     rec = Recorder(net, x, y)
@@ -388,7 +388,7 @@ def test_what_each_kind_of_step_runs():
     for kind in ("sam", "plain", "reuse", "single"):
         net = make_mlp()
         parts = Doubling(kind)
-        engine = _engine_with(net, FixedSelection([True] * 8), method=parts)
+        engine = _engine_with(net, FixedSelection([True] * 8), parts=parts)
         assert engine.needs_per_sample is False
         before = [p.detach().clone() for p in net.parameters()]
         result = engine.train_step(loss_closure(net, x, y), torch.optim.SGD(net.parameters(), 0.1))
@@ -470,12 +470,12 @@ class Gathered:
         return torch.stack([value, self.other[0]])
 
 
-def _loop(net, x, y, averager=None) -> Loop:
+def _loop(net, x, y, averager=None) -> LoopHooks:
     def loss(batch):
         return split_per_sample(F.cross_entropy(net(batch[0]), batch[1]))
 
-    passes = Passes([(x, y)], loss, torch.Tensor.backward)
-    return Loop(passes, lambda: net.zero_grad(set_to_none=True), lambda skip: None,
+    passes = PassRunner([(x, y)], loss, torch.Tensor.backward)
+    return LoopHooks(passes, lambda: net.zero_grad(set_to_none=True), lambda skip: None,
                 averager=averager)  # fmt: skip
 
 
@@ -525,8 +525,8 @@ def test_step_functions_return_what_they_computed_and_only_commit_updates():
     selection = UniformSelection(4, 0.75, torch.Generator().manual_seed(0))
     ctx = _ctx(loop, freezer)
     sam = sam_step(ctx, mask, selection=selection, perturbation=perturbation,
-                   method=MethodParts(), sync_first_pass=True)  # fmt: skip
-    one = plain_step(ctx, mask, method=MethodParts())
+                   parts=MethodParts(), sync_first_pass=True)  # fmt: skip
+    one = plain_step(ctx, mask, parts=MethodParts())
     p0 = dict(net.named_parameters())["0.weight"]
     single = single_step(
         ctx, mask, perturbation=perturbation, directions={id(p0): torch.ones_like(p0)}, keep=True,
@@ -700,7 +700,7 @@ def test_update_scaling_uses_the_probability_of_the_draw_capped():
 def _engine(selection, parts=None, update_scale=None, rho=RHO):
     def build(net):
         partition = build_partition(net)
-        return SparseSAMEngine(partition, selection(partition.num_layers), SAMPerturbation(rho),
+        return SAMEngine(partition, selection(partition.num_layers), SAMPerturbation(rho),
                                parts, update_scale=update_scale)  # fmt: skip
 
     return build

@@ -93,7 +93,7 @@ def test_the_first_sam_step_measures_the_orthogonal_ratio_and_warns_above_the_li
     # alpha just over the limit: one warning, at the first SAM step only (interval 3, 7 steps)
     over = AMPLIFICATION_LIMIT * ratio * 1.05
     engine, said = _run(LookSAM(rho=RHO, interval=3, alpha=over), 7)
-    assert engine.method.orthogonal_ratio == pytest.approx(ratio, rel=1e-4)
+    assert engine.parts.orthogonal_ratio == pytest.approx(ratio, rel=1e-4)
     assert len(said) == 1
     assert f"was {ratio:.3g} of the gradient's norm" in said[0]
     assert f"{over / ratio:.0f} times what the SAM step added" in said[0]
@@ -101,7 +101,7 @@ def test_the_first_sam_step_measures_the_orthogonal_ratio_and_warns_above_the_li
     assert 0.9 * AMPLIFICATION_LIMIT * ratio <= suggested <= AMPLIFICATION_LIMIT * ratio
     # just under it, or nothing reused: no warning; the ratio is measured all the same
     engine, said = _run(LookSAM(rho=RHO, interval=3, alpha=AMPLIFICATION_LIMIT * ratio * 0.95), 7)
-    assert said == [] and engine.method.orthogonal_ratio == pytest.approx(ratio, rel=1e-4)
+    assert said == [] and engine.parts.orthogonal_ratio == pytest.approx(ratio, rel=1e-4)
     assert _run(LookSAM(rho=RHO, interval=3, alpha=0.0), 7)[1] == []
     # SL-SAM on LookSAM's interval runs the same parts: the check holds there too
     assert len(_run(SLSAMLookSAM(rho=RHO, interval=3, alpha=100.0, seed=0), 4)[1]) == 1

@@ -97,7 +97,7 @@ def test_each_name_builds_the_engine_of_its_parts():
     sam = built("sam")
     assert type(sam.selection) is AllLayers and sam.selection.always_all
     assert sam.perturbation.rho == 0.01 and not sam.perturbation.adaptive
-    assert type(sam.method) is MethodParts
+    assert type(sam.parts) is MethodParts
     slsam = built("slsam_paper", layer_ratio=0.25)
     assert type(slsam.selection) is LayerBandit and slsam.selection.costs is None
     assert float(slsam.selection.probs.sum()) == pytest.approx(0.25 * 8)
@@ -108,13 +108,13 @@ def test_each_name_builds_the_engine_of_its_parts():
     assert type(top.selection) is TopKSelection and top.selection.k == 2
     esam = built("esam")
     assert type(esam.selection) is ExpandToAll and esam.needs_per_sample
-    assert type(built("rst").method) is Coin
+    assert type(built("rst").parts) is Coin
     looksam = built("looksam", interval=4)
-    assert type(looksam.method) is Lookahead and looksam.method.interval == 4
-    assert looksam.method.kind(1) == "reuse"
-    assert type(built("s2sam").method) is SingleStepParts
-    assert type(built("sl_s2sam").method) is SingleStepParts
-    assert isinstance(built("ssamf").method, FisherMask)
-    assert type(built("slsam_rst").method) is Coin
-    assert type(built("slsam_looksam").method) is Lookahead
+    assert type(looksam.parts) is Lookahead and looksam.parts.interval == 4
+    assert looksam.parts.kind(1) == "reuse"
+    assert type(built("s2sam").parts) is SingleStepParts
+    assert type(built("sl_s2sam").parts) is SingleStepParts
+    assert isinstance(built("ssamf").parts, FisherMask)
+    assert type(built("slsam_rst").parts) is Coin
+    assert type(built("slsam_looksam").parts) is Lookahead
     assert type(built("slsam_depth").selection) is DepthCut

@@ -54,14 +54,14 @@ def test_the_coin_resumes_from_its_state_and_its_extremes_are_fixed():
 def test_the_engine_saves_the_coin_and_a_resumed_engine_flips_the_same_coins():
     net = nn.Linear(3, 2)
     engine = RST(seed=5).spec.build_engine(net)
-    assert type(engine.method) is Coin and engine.method.probability == 0.5
+    assert type(engine.parts) is Coin and engine.parts.probability == 0.5
     x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
     for _ in range(7):
         engine.train_step(lambda: F.cross_entropy(net(x), y), opt)
     again = RST(seed=6).spec.build_engine(net)  # another seed until it loads the state
     again.load_state_dict(engine.state_dict())
-    assert [again.method.kind(t) for t in range(30)] == [engine.method.kind(t) for t in range(30)]
+    assert [again.parts.kind(t) for t in range(30)] == [engine.parts.kind(t) for t in range(30)]
 
 
 @pytest.mark.parametrize("value", [1.5, -0.1, "half", True])

@@ -28,7 +28,7 @@ def test_single_step_parts_name_every_step_single():
 
 def test_s2sam_runs_one_pass_per_step_after_a_plain_first_step():
     results, engine = _kinds(S2SAM(seed=0))
-    assert type(engine.method) is SingleStepParts
+    assert type(engine.parts) is SingleStepParts
     assert [r.kind for r in results] == ["plain"] + ["single"] * 9
     assert all(r.num_backward == 1 for r in results)
     assert not results[0].drawn and all(r.drawn for r in results[1:])

@@ -32,7 +32,7 @@ def test_sam_runs_a_sam_step_every_step():
     assert {MethodParts().kind(t) for t in range(10)} == {"sam"}
     assert set(STEP_KINDS) == {"sam", "plain", "reuse", "single"}
     engine = SAMSpec().build_engine(torch.nn.Linear(4, 2), seed=0)
-    assert type(engine.method) is MethodParts and engine.selection.always_all
+    assert type(engine.parts) is MethodParts and engine.selection.always_all
     assert engine.update_scale is None
 
 

@@ -19,7 +19,7 @@ def test_it_keeps_the_papers_preset():
 
 def test_each_active_layer_perturbs_along_its_own_last_gradient():
     net, x, y, engine, opt = setup_engine(SLS2SAM(rho=RHO, layer_ratio=0.4, seed=1))
-    assert type(engine.method) is SingleStepParts and type(engine.selection) is LayerBandit
+    assert type(engine.parts) is SingleStepParts and type(engine.selection) is LayerBandit
     last: dict[int, torch.Tensor] = {}
     params = list(net.parameters())
     for step in range(8):

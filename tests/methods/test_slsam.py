@@ -49,7 +49,7 @@ def _settings(engine) -> dict:
     return {
         "selection": type(engine.selection),
         "selection_state": engine.selection.state_dict(),
-        "method": type(engine.method),
+        "method": type(engine.parts),
         "rho": engine.perturbation.rho,
         "adaptive": engine.perturbation.adaptive,
         "update_scale": engine.update_scale,

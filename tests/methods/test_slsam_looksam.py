@@ -28,8 +28,8 @@ def test_sl_sam_with_looksam_interval_keeps_sparse_layers_and_the_interval():
     results = [engine.train_step(lambda: F.cross_entropy(net(x), y), opt) for _ in range(12)]
     assert [r.kind for r in results] == ["sam", "reuse", "reuse", "reuse"] * 3
     assert sum(bool(r.active_mask.all()) for r in results) < 4
-    assert engine.method.vertical  # the orthogonal components of the SAM steps were stored
-    assert set(engine.method.vertical) <= {id(p) for p in net.parameters()}
+    assert engine.parts.vertical  # the orthogonal components of the SAM steps were stored
+    assert set(engine.parts.vertical) <= {id(p) for p in net.parameters()}
 
 
 def test_the_name_and_the_options():

@@ -35,7 +35,7 @@ def test_sl_sam_with_rst_coin_samples_layers_on_every_step_and_sam_on_about_half
     # The bandit's sample applies to both kinds of step: layers are sparse on each.
     assert sum(bool(r.active_mask.all()) for r in results) < 20
     assert engine.selection.num_updates == 200
-    assert type(engine.method) is Coin and cb.probability == 0.5
+    assert type(engine.parts) is Coin and cb.probability == 0.5
 
 
 def test_the_name_and_the_options():

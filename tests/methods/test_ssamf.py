@@ -38,7 +38,7 @@ def test_ssamf_perturbs_only_the_top_fisher_coordinates():
         assert all(float(o[~m].abs().sum()) == 0 for o, m in zip(offsets, mask))
         moved = sum(int((o[m] != 0).sum()) for o, m in zip(offsets, mask))
         assert moved > 0.9 * sum(int(m.sum()) for m in mask)
-        assert engine.method.kept_fraction() == round(flat.numel() * 0.5) / flat.numel()
+        assert engine.parts.kept_fraction() == round(flat.numel() * 0.5) / flat.numel()
         assert result.active_ratio == 2.0
 
 
@@ -146,7 +146,7 @@ def test_the_official_ssamf_run_is_one_plain_step_then_the_documented_callback()
             )
             engine.train_step(closure, opt, batch_size=len(y))
             weights.append([p.detach().clone() for p in net.parameters()])
-            masks.append(engine.method.masks_for(list(net.parameters())))
+            masks.append(engine.parts.masks_for(list(net.parameters())))
         return weights, masks
 
     def gap(a, b):
