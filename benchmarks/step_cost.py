@@ -70,7 +70,7 @@ class Schedule:
 
 def schedule_of(engine: Any) -> Schedule:
     """The step schedule of an engine's method (``None``, plain AdamW: one kind)."""
-    parts = getattr(engine, "method", None)
+    parts = getattr(engine, "parts", None)
     interval = getattr(parts, "interval", None)
     probability = getattr(parts, "probability", None)
     return Schedule(
