@@ -69,7 +69,7 @@ def test_wheel_holds_the_demo_config_and_the_typing_markers(wheel: Path):
     assert demo == f"{PACKAGE}/configs/demo.yaml"
     with zipfile.ZipFile(wheel) as whl:
         names = whl.namelist()
-        for path in [demo, f"{PACKAGE}/py.typed", f"{PACKAGE}/lightning/callbacks.pyi"]:
+        for path in [demo, f"{PACKAGE}/py.typed"]:
             assert path in names, f"{path} is not in {wheel.name}"
         assert whl.read(demo) == (ROOT / demo).read_bytes()
 

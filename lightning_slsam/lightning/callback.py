@@ -25,7 +25,9 @@ ValueError: SparseLayerSAM: `accumulate_grad_batches` must be an integer >= 1, g
 
 from __future__ import annotations
 
+import inspect
 import math
+from dataclasses import field, fields
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -61,19 +63,16 @@ from lightning_slsam.lightning.record import (
 from lightning_slsam.lightning.setup_checks import (
     LIGHTNING_OPTIONS,
     FitWarnings,
+    LightningOptions,
     check_engine,
     check_fit_setup,
     check_lightning_options,
     check_one_optimizer,
     prepare_compiled,
 )
-from lightning_slsam.lightning.signatures import (
-    ChecksOptions,
-    shell_init,
-    with_options_doc,
-)
+from lightning_slsam.lightning.signatures import ChecksOptions, field_types
 from lightning_slsam.methods.sam import SAMSpec
-from lightning_slsam.methods.spec import MethodSpec, default_seed
+from lightning_slsam.methods.spec import MethodOptions, MethodSpec, default_seed
 from lightning_slsam.selection.rules import LayerSelection
 
 __all__ = [
@@ -111,22 +110,16 @@ class _Count(int):
 _CALLBACKS: dict[type[MethodSpec], type[SAMCallback]] = {}
 
 
-class SAMCallback(Callback, ChecksOptions, SAMCallbackBase):
+class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMCallbackBase):
     """Base of the plugin's SAM methods; use a method class such as ``SparseLayerSAM``.
 
     A thin Lightning shell over the method's specification (:attr:`spec_class`, pure
-    PyTorch): the method's options are the spec's fields -- the options every method takes
-    are :class:`~lightning_slsam.methods.spec.MethodSpec`'s -- and the callback reads them from
-    it (``callback.rho``, ``callback.layer_ratio``, ...). Its own options, for the Lightning
-    training step:
-
-    Args:
-        gradient_clip_val: clip the update gradient at this value after unscaling;
-            ``None`` or 0 disables. Use this instead of the Trainer flag.
-        gradient_clip_algorithm: ``"norm"`` (default) or ``"value"``.
-        accumulate_grad_batches: micro-batches per optimizer step (>= 1). Use this
-            instead of the Trainer flag: every pass runs over all micro-batches.
-        plot: write the per-layer activation chart (PNG) at the end of fit.
+    PyTorch), and a keyword-only dataclass: its options are fields, inherited from the
+    method's option dataclass (:class:`~lightning_slsam.methods.spec.MethodOptions` here,
+    ``SLSAMOptions`` for ``SparseLayerSAM``, ...; the one its spec inherits too) and
+    :class:`~lightning_slsam.lightning.setup_checks.LightningOptions` (clipping,
+    accumulation, the chart). They are checked by building the spec (:attr:`spec`), and
+    read as attributes (``callback.rho``, ``callback.layer_ratio``, ...).
 
     Attributes:
         layer_names: names of the layers, in model order (after setup).
@@ -143,34 +136,45 @@ class SAMCallback(Callback, ChecksOptions, SAMCallbackBase):
     _options_root: ClassVar[bool] = True  # where accepted_options stops looking
     # The line logged at the end of fit; off where a run summary is printed instead (the
     # lightning-slsam command's, which says the same and more).
-    _fit_message: bool = True
+    _fit_message: ClassVar[bool] = True
     #: The method's specification class (its options and how it builds its engine).
     spec_class: ClassVar[type[MethodSpec]] = SAMSpec
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
         # The spec's class-level facts, readable on the callback class too.
         cls.method = cls.spec_class.name
         _CALLBACKS.setdefault(cls.spec_class, cls)
-        if "__init__" not in cls.__dict__:
-            cls.__init__ = shell_init(cls, SAMCallback.__init__, LIGHTNING_OPTIONS)  # type: ignore[method-assign]
-            cls.__doc__ = with_options_doc(cls, SAMCallback.__doc__)
+        # A class that names only its spec_class (a user's method, not its option class
+        # too) gets the spec's options it lacks as fields at run time (type checkers see
+        # them where the class inherits the option class).
+        declared = {
+            n: f
+            for b in cls.__mro__[::-1]
+            for n, f in vars(b).get("__dataclass_fields__", {}).items()
+        }
+        own = inspect.get_annotations(cls)
+        for f in fields(cls.spec_class):
+            if f.init and (f.name not in declared or declared[f.name].default != f.default):
+                own[f.name] = field_types(cls.spec_class)[f.name]
+                setattr(cls, f.name, field(default=f.default, metadata=f.metadata))
+        cls.__annotations__ = own
+        super().__init_subclass__(**kwargs)  # makes cls a dataclass (ChecksOptions)
 
-    def __init__(self, **options: Any) -> None:
-        super().__init__()
-        lightning = {k: options.pop(k, default) for k, (_, default) in LIGHTNING_OPTIONS.items()}
+    def __post_init__(self) -> None:
         # A bad option's message names the class written (a user's subclass too): the
         # spec's name its label, the Lightning options' checks no class.
         label, name = self.spec_class.label, type(self).__name__
         try:
             #: The method's validated options (:class:`~lightning_slsam.methods.spec.MethodSpec`).
-            self.spec = self.spec_class(**options)
-            checked = check_lightning_options(**lightning)
+            self.spec = self.spec_class(
+                **{n: getattr(self, n) for n in self.spec_class.option_names()}
+            )
+            checked = check_lightning_options(**{n: getattr(self, n) for n in LIGHTNING_OPTIONS})
         except ValueError as err:
             message = str(err).removeprefix(f"{label}: ")
             raise ValueError(f"{name}: {message}") from None
-        for key, value in checked.items():
-            setattr(self, key, value)
+        for key, value in {**self.spec.options(), **checked}.items():
+            object.__setattr__(self, key, value)  # as checked (a list of patterns a tuple)
         self.partition: LayerPartition | None = None
         self.engine: SAMEngine | None = None
         self.frequency_csv_path: str | None = None

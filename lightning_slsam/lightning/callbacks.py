@@ -74,7 +74,7 @@ class SAM(SAMCallback):
     spec_class = sam.SAMSpec
 
 
-class SparseLayerSAM(SAMCallback):
+class SparseLayerSAM(SAMCallback, slsam.SLSAMOptions):
     """Sparse Layer SAM (SL-SAM): SAM on a bandit-sampled subset of layers each step.
 
     Each step samples the active layers (independent Bernoulli draws with the bandit's
@@ -129,7 +129,7 @@ class SparseLayerSAM(SAMCallback):
         }
 
 
-class RandomSLSAM(SAMCallback):
+class RandomSLSAM(SAMCallback, random_slsam.RandomSLSAMOptions):
     """Random-SL-SAM, the SL-SAM paper's ablation: layers sampled uniformly, each with
     probability ``layer_ratio`` every step, no bandit (then SAM on them, as SL-SAM).
 
@@ -144,7 +144,7 @@ class RandomSLSAM(SAMCallback):
     spec_class = random_slsam.RandomSLSAMSpec
 
 
-class TopSLSAM(SAMCallback):
+class TopSLSAM(SAMCallback, top_slsam.TopSLSAMOptions):
     """Top-SL-SAM, the SL-SAM paper's greedy ablation: the first pass computes every
     layer's gradient, then SAM's ascent and second pass run on the ``k`` layers with the
     largest gradient norms (``k = round(layer_ratio * N)``, at least 1), which alone are
@@ -175,7 +175,7 @@ class S2SAM(SAM):
     spec_class = s2sam.S2SAMSpec
 
 
-class MomentumSAM(SAM):
+class MomentumSAM(SAM, momentum_sam.MomentumSAMOptions):
     """Momentum-SAM (Becker, Altrock and Risse, 2024): one forward/backward per step at the
     weights moved by ``rho`` against the optimizer's normalised momentum (AdamW's
     ``exp_avg``, SGD's ``momentum_buffer``); the optimizer updates the true weights with
@@ -194,7 +194,7 @@ class MomentumSAM(SAM):
     spec_class = momentum_sam.MomentumSAMSpec
 
 
-class SLS2SAM(SparseLayerSAM):
+class SLS2SAM(SparseLayerSAM, sl_s2sam.SLS2SAMOptions):
     """SL-S2-SAM (Algorithm 4 of the SL-SAM paper): single-step SAM on bandit-sampled
     layers. Each active layer perturbs along its own last computed gradient; the bandit
     learns from the norms of the step's (perturbed) gradients. The first step is a plain
@@ -210,7 +210,7 @@ class SLS2SAM(SparseLayerSAM):
     spec_class = sl_s2sam.SLS2SAMSpec
 
 
-class RST(SAM):
+class RST(SAM, rst.RSTOptions):
     """RST (Zhao et al., 2022, "Randomized Sharpness-Aware Training"): each step is a SAM
     step with probability ``probability``, otherwise a plain step, drawn from a seeded
     generator (Active Ratio ``1 + probability``: 1.5x at the paper's 0.5).
@@ -223,7 +223,7 @@ class RST(SAM):
     spec_class = rst.RSTSpec
 
 
-class LookSAM(SAM):
+class LookSAM(SAM, looksam.LookSAMOptions):
     """LookSAM (Liu et al., 2022, "Towards Efficient and Scalable Sharpness-Aware
     Minimization"): a full SAM step every ``interval`` steps, which stores ``g_v``, the
     part of the SAM gradient orthogonal to the plain gradient; the steps in between run
@@ -238,7 +238,7 @@ class LookSAM(SAM):
     spec_class = looksam.LookSAMSpec
 
 
-class ESAM(SAMCallback):
+class ESAM(SAMCallback, esam.ESAMOptions):
     """ESAM (Du et al., 2022, "Efficient Sharpness-aware Minimization for Improved
     Training of Neural Networks").
 
@@ -262,7 +262,7 @@ class ESAM(SAMCallback):
     spec_class = esam.ESAMSpec
 
 
-class SSAMF(SAMCallback):
+class SSAMF(SAMCallback, ssamf.SSAMFOptions):
     """SSAM-F (Mi et al., 2022, "Make Sharpness-Aware Minimization Stronger: A Sparsified
     Perturbation Approach"): SAM whose ascent is zeroed outside a mask of the coordinates
     with the largest empirical Fisher information (squared per-sample gradients), keeping
@@ -286,7 +286,7 @@ class SSAMF(SAMCallback):
     spec_class = ssamf.SSAMFSpec
 
 
-class SLSAMRST(SparseLayerSAM):
+class SLSAMRST(SparseLayerSAM, rst.RSTOptions):
     """SL-SAM on RST's coin: sparse along both axes. Each step is SL-SAM's SAM step on the
     drawn layers with probability ``probability``, otherwise a plain step on them.
 
@@ -298,7 +298,7 @@ class SLSAMRST(SparseLayerSAM):
     spec_class = slsam_rst.SLSAMRSTSpec
 
 
-class SLSAMLookSAM(SparseLayerSAM):
+class SLSAMLookSAM(SparseLayerSAM, looksam.LookSAMOptions):
     """SL-SAM on LookSAM's interval: sparse along both axes. A SAM step on the drawn layers
     every ``interval`` steps; in between, one pass that reuses the stored orthogonal
     component of the SAM gradient with weight ``alpha``.
@@ -311,7 +311,7 @@ class SLSAMLookSAM(SparseLayerSAM):
     spec_class = slsam_looksam.SLSAMLookSAMSpec
 
 
-class CostAwareSLSAM(SparseLayerSAM):
+class CostAwareSLSAM(SparseLayerSAM, slsam_depth.CostAwareSLSAMOptions):
     """Cost-aware SL-SAM (beyond the paper): each step freezes every layer below a random
     cut along the model's layer order, so back-propagation stops there and reaches a
     ``depth`` fraction of the layers on average; the bandit samples above the cut.
@@ -324,7 +324,7 @@ class CostAwareSLSAM(SparseLayerSAM):
     spec_class = slsam_depth.CostAwareSLSAMSpec
 
 
-class SLSAMAblation(SparseLayerSAM):
+class SLSAMAblation(SparseLayerSAM, slsam_ablation.SLSAMAblationOptions):
     """SL-SAM with each setting of its presets given alone (``None``: the preset's).
 
     The settings: the budget, the bandit's loss and step size, the head rule and the

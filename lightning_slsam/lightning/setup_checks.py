@@ -5,6 +5,7 @@ step (nothing is changed yet), and the Lightning warnings that do not apply to i
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -26,19 +27,37 @@ from lightning_slsam.methods.options import check_choice, check_flag, check_int
 __all__ = [
     "LIGHTNING_OPTIONS",
     "FitWarnings",
+    "LightningOptions",
     "check_engine",
     "check_fit_setup",
     "check_lightning_options",
     "check_one_optimizer",
 ]
 
-#: The options of the Lightning layer alone (a method's own are its spec's fields):
-#: name -> (annotation, default).
+
+@dataclass(kw_only=True, eq=False)
+class LightningOptions:
+    """The options of the Lightning layer alone (a method's own are its spec's fields), for
+    the Lightning training step.
+
+    Args:
+        gradient_clip_val: clip the update gradient at this value after unscaling;
+            ``None`` or 0 disables. Use this instead of the Trainer flag.
+        gradient_clip_algorithm: ``"norm"`` (default) or ``"value"``.
+        accumulate_grad_batches: micro-batches per optimizer step (>= 1). Use this
+            instead of the Trainer flag: every pass runs over all micro-batches.
+        plot: write the per-layer activation chart (PNG) at the end of fit.
+    """
+
+    gradient_clip_val: float | None = None
+    gradient_clip_algorithm: str = "norm"
+    accumulate_grad_batches: int = 1
+    plot: bool = True
+
+
+#: The same, name -> (annotation, default).
 LIGHTNING_OPTIONS: dict[str, tuple[Any, Any]] = {
-    "gradient_clip_val": (float | None, None),
-    "gradient_clip_algorithm": (str, "norm"),
-    "accumulate_grad_batches": (int, 1),
-    "plot": (bool, True),
+    f.name: (f.type, f.default) for f in fields(LightningOptions)
 }
 
 #: Strategies that shard or wrap parameters, refused at setup on any number of devices.

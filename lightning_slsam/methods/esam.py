@@ -31,10 +31,10 @@ from lightning_slsam.core.partition import LayerPartition
 from lightning_slsam.core.passes import PER_SAMPLE_NEEDED, PassOutput, PassRunner
 from lightning_slsam.core.step import MethodParts, StepContext
 from lightning_slsam.methods.options import RATIO
-from lightning_slsam.methods.spec import MethodSpec, option
+from lightning_slsam.methods.spec import MethodOptions, MethodSpec, option
 from lightning_slsam.selection.rules import LayerSelection, UniformSelection, WrappedSelection
 
-__all__ = ["ESAMSpec", "ExpandToAll", "SharpestSamples"]
+__all__ = ["ESAMOptions", "ESAMSpec", "ExpandToAll", "SharpestSamples"]
 
 
 class ExpandToAll(WrappedSelection):
@@ -104,10 +104,8 @@ class SharpestSamples(MethodParts):
 
 
 @dataclass(kw_only=True, eq=False)
-class ESAMSpec(MethodSpec):
-    """ESAM: stochastic weight perturbation (a random ``weight_ratio`` of the layers is
-    perturbed) and sharpness-sensitive data selection (the second pass runs on the
-    ``data_ratio`` of each batch whose loss rose most).
+class ESAMOptions(MethodOptions):
+    """ESAM's options.
 
     Args:
         weight_ratio: fraction of layers perturbed, in (0, 1]. Paper: 0.5.
@@ -115,12 +113,20 @@ class ESAMSpec(MethodSpec):
             selection off. Paper: 0.5.
     """
 
+    weight_ratio: float = option(0.5, RATIO)
+    data_ratio: float = option(0.5, RATIO)
+
+
+@dataclass(kw_only=True, eq=False)
+class ESAMSpec(ESAMOptions, MethodSpec):
+    """ESAM: stochastic weight perturbation (a random ``weight_ratio`` of the layers is
+    perturbed) and sharpness-sensitive data selection (the second pass runs on the
+    ``data_ratio`` of each batch whose loss rose most).
+    """
+
     name: ClassVar[str] = "esam"
     label: ClassVar[str] = "ESAM"
     samples_layers: ClassVar[bool] = True
-
-    weight_ratio: float = option(0.5, RATIO)
-    data_ratio: float = option(0.5, RATIO)
 
     def selection(self, layers: LayerPartition, generator: torch.Generator) -> LayerSelection:
         return ExpandToAll(UniformSelection(layers.num_layers, self.weight_ratio, generator))

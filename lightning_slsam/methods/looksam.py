@@ -27,10 +27,16 @@ from torch import Tensor
 from lightning_slsam.core.partition import by_position
 from lightning_slsam.core.step import MethodParts, StepContext, StepKind
 from lightning_slsam.methods.options import number
-from lightning_slsam.methods.spec import MethodSpec, option
+from lightning_slsam.methods.spec import MethodOptions, MethodSpec, option
 from lightning_slsam.parallel.shards import Shards
 
-__all__ = ["AMPLIFICATION_LIMIT", "LookSAMSpec", "Lookahead", "amplification_message"]
+__all__ = [
+    "AMPLIFICATION_LIMIT",
+    "LookSAMOptions",
+    "LookSAMSpec",
+    "Lookahead",
+    "amplification_message",
+]
 
 #: The largest ``alpha / ratio`` (a reuse step's added component over the SAM step's own
 #: orthogonal part, measured at the first SAM step) the committed runs support
@@ -152,9 +158,8 @@ class Lookahead(MethodParts):
 
 
 @dataclass(kw_only=True, eq=False)
-class LookSAMSpec(MethodSpec):
-    """LookSAM: a SAM step every ``interval`` steps; the steps in between reuse the stored
-    orthogonal component with weight ``alpha``.
+class LookSAMOptions(MethodOptions):
+    """LookSAM's options.
 
     Args:
         interval: steps between SAM steps, >= 1. LookSAM: 5.
@@ -163,12 +168,19 @@ class LookSAMSpec(MethodSpec):
             when it is too large and says how large.
     """
 
+    interval: int = option(5, number(1, integer=True))
+    alpha: float = option(0.7, number(0))
+
+
+@dataclass(kw_only=True, eq=False)
+class LookSAMSpec(LookSAMOptions, MethodSpec):
+    """LookSAM: a SAM step every ``interval`` steps; the steps in between reuse the stored
+    orthogonal component with weight ``alpha``.
+    """
+
     name: ClassVar[str] = "looksam"
     label: ClassVar[str] = "LookSAM"
     renamed: ClassVar[dict[str, str]] = {"sam_interval": "interval", "looksam_alpha": "alpha"}
-
-    interval: int = option(5, number(1, integer=True))
-    alpha: float = option(0.7, number(0))
 
     def parts(self, generator: torch.Generator) -> MethodParts:
         return Lookahead(self.interval, self.alpha, self.make_perturbation().eps)

@@ -40,10 +40,16 @@ from torch import Tensor
 from lightning_slsam.core.perturbation import SAMPerturbation
 from lightning_slsam.core.step import MethodParts, StepContext, StepKind
 from lightning_slsam.methods.options import number
-from lightning_slsam.methods.spec import MethodSpec, option
+from lightning_slsam.methods.spec import MethodOptions, MethodSpec, option
 
-__all__ = ["MOMENTUM_KEYS", "MomentumParts", "MomentumSAMSpec", "base_optimizer",
-           "check_momentum"]  # fmt: skip
+__all__ = [
+    "MOMENTUM_KEYS",
+    "MomentumParts",
+    "MomentumSAMOptions",
+    "MomentumSAMSpec",
+    "base_optimizer",
+    "check_momentum",
+]  # fmt: skip
 
 #: The optimizer state entries that hold a momentum: Adam's family (AdamW, Adam, NAdam,
 #: Adamax, Lion-style optimizers), SGD with ``momentum > 0``.
@@ -124,19 +130,25 @@ class MomentumParts(MethodParts):
 
 
 @dataclass(kw_only=True, eq=False)
-class MomentumSAMSpec(MethodSpec):
-    """Momentum-SAM: one pass per step, at the weights moved by ``rho`` against the
-    optimizer's normalised momentum.
+class MomentumSAMOptions(MethodOptions):
+    """Momentum-SAM's options.
 
     Args:
         rho: the distance moved against the momentum (> 0; default 1, the authors' AdamW
             default; their runs use 3 where SAM uses 0.05-0.2).
     """
 
+    rho: float = option(1.0, number(0, low_open=True, note=" (the distance against the momentum)"))
+
+
+@dataclass(kw_only=True, eq=False)
+class MomentumSAMSpec(MomentumSAMOptions, MethodSpec):
+    """Momentum-SAM: one pass per step, at the weights moved by ``rho`` against the
+    optimizer's normalised momentum.
+    """
+
     name: ClassVar[str] = "momentum_sam"
     label: ClassVar[str] = "MomentumSAM"
-
-    rho: float = option(1.0, number(0, low_open=True, note=" (the distance against the momentum)"))
 
     def check_combined(self) -> None:
         if self.adaptive or self.perturbation_norm != "global":

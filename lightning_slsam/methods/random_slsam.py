@@ -16,10 +16,16 @@ import torch
 
 from lightning_slsam.core.partition import LayerPartition
 from lightning_slsam.methods.options import one_of
-from lightning_slsam.methods.spec import LayerSubsetSpec, Preset, Setting, option
+from lightning_slsam.methods.spec import (
+    LayerSubsetOptions,
+    LayerSubsetSpec,
+    Preset,
+    Setting,
+    option,
+)
 from lightning_slsam.selection.rules import LayerSelection, UniformSelection
 
-__all__ = ["RandomSLSAMSpec"]
+__all__ = ["RandomSLSAMOptions", "RandomSLSAMSpec"]
 
 #: What each preset sets (see :meth:`~lightning_slsam.methods.spec.MethodSpec.setting`).
 PRESETS: dict[Preset, dict[Setting, Any]] = {
@@ -29,14 +35,21 @@ PRESETS: dict[Preset, dict[Setting, Any]] = {
 
 
 @dataclass(kw_only=True, eq=False)
-class RandomSLSAMSpec(LayerSubsetSpec):
-    """Random-SL-SAM: layers drawn uniformly with probability ``layer_ratio`` each.
+class RandomSLSAMOptions(LayerSubsetOptions):
+    """Random-SL-SAM's options.
 
     Args:
         preset: ``"paper"`` (default: the paper's ablation) or ``"default"`` (the fresh
             task head trained every step, each drawn layer's update scaled by
             ``1 / layer_ratio`` up to 3, as ``SparseLayerSAM()``).
     """
+
+    preset: Preset = option("paper", one_of(tuple(PRESETS)))
+
+
+@dataclass(kw_only=True, eq=False)
+class RandomSLSAMSpec(RandomSLSAMOptions, LayerSubsetSpec):
+    """Random-SL-SAM: layers drawn uniformly with probability ``layer_ratio`` each."""
 
     name: ClassVar[str] = "random_slsam"
     label: ClassVar[str] = "RandomSLSAM"
@@ -45,8 +58,6 @@ class RandomSLSAMSpec(LayerSubsetSpec):
         "paper": "the SL-SAM paper's ablation",
         "default": "head every step, updates scaled up to 3x",
     }
-
-    preset: Preset = option("paper", one_of(tuple(PRESETS)))
 
     def selection(self, layers: LayerPartition, generator: torch.Generator) -> LayerSelection:
         return UniformSelection(layers.num_layers, self.layer_ratio, generator)

@@ -19,9 +19,9 @@ from torch import Tensor
 
 from lightning_slsam.core.step import MethodParts, StepKind
 from lightning_slsam.methods.options import number
-from lightning_slsam.methods.spec import MethodSpec, option
+from lightning_slsam.methods.spec import MethodOptions, MethodSpec, option
 
-__all__ = ["Coin", "RSTSpec"]
+__all__ = ["Coin", "RSTOptions", "RSTSpec"]
 
 
 class Coin(MethodParts):
@@ -46,18 +46,23 @@ class Coin(MethodParts):
 
 
 @dataclass(kw_only=True, eq=False)
-class RSTSpec(MethodSpec):
-    """RST: each step is a SAM step with probability ``probability``, else a plain one.
+class RSTOptions(MethodOptions):
+    """RST's options.
 
     Args:
         probability: chance of a SAM step, in [0, 1]. Paper: 0.5.
     """
 
+    probability: float = option(0.5, number(0, 1))
+
+
+@dataclass(kw_only=True, eq=False)
+class RSTSpec(RSTOptions, MethodSpec):
+    """RST: each step is a SAM step with probability ``probability``, else a plain one."""
+
     name: ClassVar[str] = "rst"
     label: ClassVar[str] = "RST"
     renamed: ClassVar[dict[str, str]] = {"sam_probability": "probability"}
-
-    probability: float = option(0.5, number(0, 1))
 
     def parts(self, generator: torch.Generator) -> MethodParts:
         return Coin(self.probability, generator)

@@ -17,20 +17,25 @@ import torch
 from lightning_slsam.core.step import MethodParts
 from lightning_slsam.methods.options import one_of
 from lightning_slsam.methods.s2sam import SingleStepParts
-from lightning_slsam.methods.slsam import _PRESET_HINT, PRESETS, SLSAMSpec
+from lightning_slsam.methods.slsam import _PRESET_HINT, PRESETS, SLSAMOptions, SLSAMSpec
 from lightning_slsam.methods.spec import Preset, option
 
-__all__ = ["SLS2SAMSpec"]
+__all__ = ["SLS2SAMOptions", "SLS2SAMSpec"]
 
 
 @dataclass(kw_only=True, eq=False)
-class SLS2SAMSpec(SLSAMSpec):
+class SLS2SAMOptions(SLSAMOptions):
+    """SL-S2-SAM's options."""
+
+    preset: Preset = option("paper", one_of(tuple(PRESETS), _PRESET_HINT))
+
+
+@dataclass(kw_only=True, eq=False)
+class SLS2SAMSpec(SLS2SAMOptions, SLSAMSpec):
     """SL-S2-SAM: single-step SAM on bandit-sampled layers (``preset="paper"`` by default)."""
 
     name: ClassVar[str] = "sl_s2sam"
     label: ClassVar[str] = "SLS2SAM"
-
-    preset: Preset = option("paper", one_of(tuple(PRESETS), _PRESET_HINT))
 
     def parts(self, generator: torch.Generator) -> MethodParts:
         return SingleStepParts()

@@ -36,7 +36,14 @@ import torch
 
 from lightning_slsam.core.partition import LayerPartition
 from lightning_slsam.methods.options import invalid, number, one_of
-from lightning_slsam.methods.spec import LayerSubsetSpec, Preset, Setting, Warn, option
+from lightning_slsam.methods.spec import (
+    LayerSubsetOptions,
+    LayerSubsetSpec,
+    Preset,
+    Setting,
+    Warn,
+    option,
+)
 from lightning_slsam.selection.bandit import (
     REL_TOL,
     LayerBandit,
@@ -45,7 +52,7 @@ from lightning_slsam.selection.bandit import (
 )
 from lightning_slsam.selection.rules import LayerSelection
 
-__all__ = ["PRESETS", "PRESET_WORDS", "SLSAMSpec"]
+__all__ = ["PRESETS", "PRESET_WORDS", "SLSAMOptions", "SLSAMSpec"]
 
 #: What each SL-SAM preset sets. ``budget``: what the bandit's budget counts, drawn layers
 #: (``"count"``, the paper's) or their parameters (``"compute"``); ``bandit_loss`` and
@@ -83,8 +90,8 @@ _PRESET_HINT = (
 
 
 @dataclass(kw_only=True, eq=False)
-class SLSAMSpec(LayerSubsetSpec):
-    """SL-SAM: SAM on a bandit-sampled subset of layers.
+class SLSAMOptions(LayerSubsetOptions):
+    """SL-SAM's options.
 
     Args:
         layer_ratio: the bandit's budget per step, in (0, 1]. Under ``preset="default"``
@@ -100,13 +107,18 @@ class SLSAMSpec(LayerSubsetSpec):
             scaling); see :data:`PRESETS`.
     """
 
+    p_min: float = option(1e-3, number(0, 1, low_open=True, high_open=True, note=", e.g. 1e-3"))
+    preset: Preset = option("default", one_of(tuple(PRESETS), _PRESET_HINT))
+
+
+@dataclass(kw_only=True, eq=False)
+class SLSAMSpec(SLSAMOptions, LayerSubsetSpec):
+    """SL-SAM: SAM on a bandit-sampled subset of layers."""
+
     name: ClassVar[str] = "slsam"
     label: ClassVar[str] = "SparseLayerSAM"
     PRESETS: ClassVar[dict[Preset, dict[Setting, Any]]] = PRESETS
     PRESET_WORDS: ClassVar[dict[Preset, str]] = PRESET_WORDS
-
-    p_min: float = option(1e-3, number(0, 1, low_open=True, high_open=True, note=", e.g. 1e-3"))
-    preset: Preset = option("default", one_of(tuple(PRESETS), _PRESET_HINT))
 
     def check_combined(self) -> None:
         super().check_combined()

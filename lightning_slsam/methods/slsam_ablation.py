@@ -20,16 +20,16 @@ import torch
 
 from lightning_slsam.core.partition import LayerPartition, find_new_head
 from lightning_slsam.methods.options import FLAG, number, one_of
-from lightning_slsam.methods.slsam import SLSAMSpec
+from lightning_slsam.methods.slsam import SLSAMOptions, SLSAMSpec
 from lightning_slsam.methods.spec import Setting, Warn, option
 from lightning_slsam.selection.bandit import DEFAULT_ALPHA
 
-__all__ = ["SLSAMAblationSpec"]
+__all__ = ["SLSAMAblationOptions", "SLSAMAblationSpec"]
 
 
 @dataclass(kw_only=True, eq=False)
-class SLSAMAblationSpec(SLSAMSpec):
-    """SL-SAM with its preset's settings overridable one by one (``None``: the preset's).
+class SLSAMAblationOptions(SLSAMOptions):
+    """SLSAMAblation's options.
 
     Args:
         budget: ``"count"`` (expected drawn layers, the paper's) or ``"compute"`` (their
@@ -43,9 +43,6 @@ class SLSAMAblationSpec(SLSAMSpec):
             disables the scaling).
     """
 
-    name: ClassVar[str] = "slsam_ablation"
-    label: ClassVar[str] = "SLSAMAblation"
-
     budget: str | None = option(None, one_of(("count", "compute")).or_none(" (the preset's)"))
     bandit_loss: str | None = option(
         None, one_of(("shifted", "paper", "rank")).or_none(" (the preset's)")
@@ -53,6 +50,14 @@ class SLSAMAblationSpec(SLSAMSpec):
     alpha_p: float | None = option(None, number(0).or_none(" (the preset's or the loss's)"))
     head_always_active: bool | None = option(None, FLAG.or_none(" (the preset's)"))
     max_update_scale: float | None = option(None, number(1).or_none(" (the preset's)"))
+
+
+@dataclass(kw_only=True, eq=False)
+class SLSAMAblationSpec(SLSAMAblationOptions, SLSAMSpec):
+    """SL-SAM with its preset's settings overridable one by one (``None``: the preset's)."""
+
+    name: ClassVar[str] = "slsam_ablation"
+    label: ClassVar[str] = "SLSAMAblation"
 
     def setting(self, name: Setting) -> Any:
         given = getattr(self, name)

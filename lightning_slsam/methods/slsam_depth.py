@@ -20,7 +20,7 @@ from torch import Tensor
 
 from lightning_slsam.core.partition import LayerPartition
 from lightning_slsam.methods.options import RATIO
-from lightning_slsam.methods.slsam import SLSAMSpec
+from lightning_slsam.methods.slsam import SLSAMOptions, SLSAMSpec
 from lightning_slsam.methods.spec import option
 from lightning_slsam.selection.rules import (
     LayerSelection,
@@ -29,7 +29,7 @@ from lightning_slsam.selection.rules import (
     seeded_generator,
 )
 
-__all__ = ["CostAwareSLSAMSpec", "DepthCut"]
+__all__ = ["CostAwareSLSAMOptions", "CostAwareSLSAMSpec", "DepthCut"]
 
 
 class DepthCut(WrappedSelection, Seeded):
@@ -122,20 +122,26 @@ class DepthCut(WrappedSelection, Seeded):
 
 
 @dataclass(kw_only=True, eq=False)
-class CostAwareSLSAMSpec(SLSAMSpec):
-    """Cost-aware SL-SAM: the bandit samples above a random cut, so back-propagation reaches
-    a ``depth`` fraction of the layers on average.
+class CostAwareSLSAMOptions(SLSAMOptions):
+    """Cost-aware SL-SAM's options.
 
     Args:
         depth: mean fraction of the layers back-propagation reaches, in (0, 1]; 1 is
             SL-SAM. Default 0.5.
     """
 
+    depth: float = option(0.5, RATIO)
+
+
+@dataclass(kw_only=True, eq=False)
+class CostAwareSLSAMSpec(CostAwareSLSAMOptions, SLSAMSpec):
+    """Cost-aware SL-SAM: the bandit samples above a random cut, so back-propagation reaches
+    a ``depth`` fraction of the layers on average.
+    """
+
     name: ClassVar[str] = "slsam_depth"
     label: ClassVar[str] = "CostAwareSLSAM"
     renamed: ClassVar[dict[str, str]] = {"backprop_depth": "depth"}
-
-    depth: float = option(0.5, RATIO)
 
     def selection(self, layers: LayerPartition, generator: torch.Generator) -> LayerSelection:
         bandit = super().selection(layers, generator)

@@ -56,7 +56,9 @@ from lightning_slsam.selection.rules import AllLayers, LayerSelection
 __all__ = [
     "LAYERS",
     "SAM_RHO",
+    "LayerSubsetOptions",
     "LayerSubsetSpec",
+    "MethodOptions",
     "MethodSpec",
     "Preset",
     "Setting",
@@ -122,8 +124,10 @@ def option_hint(spec_class: type[MethodSpec], name: str) -> str | None:
 
 
 @dataclass(kw_only=True, eq=False)
-class MethodSpec:
-    """The options every method takes (SAM on every layer when used as is).
+class MethodOptions:
+    """The options every method takes: fields only, shared by the specification
+    (:class:`MethodSpec`, which checks them) and the Lightning callbacks (which take them
+    as keyword arguments: their ``__init__`` is the dataclass one).
 
     Args:
         rho: SAM perturbation radius (> 0; default 0.01, the SL-SAM paper's value for every
@@ -153,6 +157,29 @@ class MethodSpec:
             averaged.
         check_masks: debug mode for multi-process training: every step, check that all
             processes drew the same layers and step kind. Default ``False``.
+    """
+
+    rho: float = option(
+        SAM_RHO, number(0, low_open=True, note=" (the SAM radius; the SL-SAM paper uses 0.01)")
+    )
+    adaptive: bool = option(False, FLAG)
+    perturbation_norm: str = option("global", one_of(PERTURBATION_NORMS))
+    layers: LayerSpec = option("tensor", LAYERS)
+    always_active: Sequence[str] = option((), patterns(r"['^classifier\\.']"))
+    always_frozen: Sequence[str] = option((), patterns(r"['^embeddings\\.']"))
+    seed: int | None = option(None, number(None, integer=True).or_none())
+    bn_stats: str = option(
+        "first", one_of(BN_STATS, ": which pass's BatchNorm running statistics a SAM step keeps")
+    )
+    replay_dropout: bool = option(False, FLAG)
+    sync_first_pass: bool = option(True, FLAG)
+    check_masks: bool = option(False, FLAG)
+
+
+@dataclass(kw_only=True, eq=False)
+class MethodSpec(MethodOptions):
+    """A method: its options (:class:`MethodOptions`), checked, and how it builds its engine
+    (SAM on every layer when used as is).
 
     Each option is a field made by :func:`option`, with its check, run in
     :meth:`__post_init__` (a bad value's message names :attr:`label` and the option).
@@ -178,22 +205,6 @@ class MethodSpec:
     renamed: ClassVar[dict[str, str]] = {}
     #: Whether the layers a step trains vary (each compiled region is then one layer).
     samples_layers: ClassVar[bool] = False
-
-    rho: float = option(
-        SAM_RHO, number(0, low_open=True, note=" (the SAM radius; the SL-SAM paper uses 0.01)")
-    )
-    adaptive: bool = option(False, FLAG)
-    perturbation_norm: str = option("global", one_of(PERTURBATION_NORMS))
-    layers: LayerSpec = option("tensor", LAYERS)
-    always_active: Sequence[str] = option((), patterns(r"['^classifier\\.']"))
-    always_frozen: Sequence[str] = option((), patterns(r"['^embeddings\\.']"))
-    seed: int | None = option(None, number(None, integer=True).or_none())
-    bn_stats: str = option(
-        "first", one_of(BN_STATS, ": which pass's BatchNorm running statistics a SAM step keeps")
-    )
-    replay_dropout: bool = option(False, FLAG)
-    sync_first_pass: bool = option(True, FLAG)
-    check_masks: bool = option(False, FLAG)
 
     def __new__(cls: type[_Spec], *args: Any, **options: Any) -> _Spec:
         # An unknown option's message names the method's class, as a bad value's does.
@@ -357,11 +368,19 @@ class MethodSpec:
 
 
 @dataclass(kw_only=True, eq=False)
-class LayerSubsetSpec(MethodSpec):
-    """What the methods that train a subset of layers each step share.
+class LayerSubsetOptions(MethodOptions):
+    """The options of the methods that train a subset of layers each step.
 
     Args:
         layer_ratio: expected fraction of layers active per step, in (0, 1]. Paper: 0.2.
+    """
+
+    layer_ratio: float = option(0.2, RATIO)
+
+
+@dataclass(kw_only=True, eq=False)
+class LayerSubsetSpec(LayerSubsetOptions, MethodSpec):
+    """What the methods that train a subset of layers each step share.
 
     A method with presets declares them in :attr:`PRESETS` (preset name -> settings, see
     :meth:`~MethodSpec.setting`) and a ``preset`` option choosing one.
@@ -393,8 +412,6 @@ class LayerSubsetSpec(MethodSpec):
     #: and each in words (the run summary prints them).
     PRESETS: ClassVar[dict[Preset, dict[Setting, Any]]] = {}
     PRESET_WORDS: ClassVar[dict[Preset, str]] = {}
-
-    layer_ratio: float = option(0.2, RATIO)
 
     def coverage_warning(
         self, engine: SAMEngine, steps: float, name: str | None = None

@@ -28,10 +28,10 @@ from lightning_slsam.core.partition import by_position
 from lightning_slsam.core.passes import PassRunner
 from lightning_slsam.core.step import ExtraWork, MethodParts, StepContext
 from lightning_slsam.methods.options import number
-from lightning_slsam.methods.spec import MethodSpec, option
+from lightning_slsam.methods.spec import MethodOptions, MethodSpec, option
 from lightning_slsam.parallel.shards import WHOLE, Shards
 
-__all__ = ["FisherMask", "SSAMFSpec"]
+__all__ = ["FisherMask", "SSAMFOptions", "SSAMFSpec"]
 
 
 class FisherMask(MethodParts):
@@ -164,9 +164,8 @@ def _sample_sources(
 
 
 @dataclass(kw_only=True, eq=False)
-class SSAMFSpec(MethodSpec):
-    """SSAM-F: SAM whose ascent is zeroed outside the coordinates of largest empirical
-    Fisher information, keeping ``1 - sparsity`` of them.
+class SSAMFOptions(MethodOptions):
+    """SSAM-F's options.
 
     Args:
         sparsity: fraction of coordinates not perturbed, in [0, 1). Paper: 0.5.
@@ -174,12 +173,19 @@ class SSAMFSpec(MethodSpec):
         mask_interval: optimizer steps between refreshes (the first step included).
     """
 
-    name: ClassVar[str] = "ssamf"
-    label: ClassVar[str] = "SSAMF"
-
     sparsity: float = option(0.5, number(0, 1, high_open=True))
     fisher_samples: int = option(16, number(1, integer=True))
     mask_interval: int = option(100, number(1, integer=True))
+
+
+@dataclass(kw_only=True, eq=False)
+class SSAMFSpec(SSAMFOptions, MethodSpec):
+    """SSAM-F: SAM whose ascent is zeroed outside the coordinates of largest empirical
+    Fisher information, keeping ``1 - sparsity`` of them.
+    """
+
+    name: ClassVar[str] = "ssamf"
+    label: ClassVar[str] = "SSAMF"
 
     def parts(self, generator: torch.Generator) -> MethodParts:
         return FisherMask(self.sparsity, self.fisher_samples, self.mask_interval)

@@ -84,8 +84,9 @@ def test_sparse_layer_sam_has_the_options_users_need_each_with_the_default_that_
     for name, parameter in options.items():
         value, default = getattr(built, name), parameter.default
         assert value == default or list(value) == list(default) == [], name
-    # What the preset decides is stated in the help of `preset`, for each preset.
-    doc = " ".join(SparseLayerSAM.__doc__.split())
+    # What the preset decides is stated in the help of `preset`, for each preset (the
+    # options' docs are their option classes', which jsonargparse reads along the MRO).
+    doc = " ".join(" ".join(c.__doc__ or "" for c in SparseLayerSAM.__mro__[::-1]).split())
     assert 'preset: ``"default"`` (beyond the paper' in doc and '``"paper"``' in doc
     assert set(PRESETS) == {"default", "paper"}
     # `layer_ratio` says what it budgets under the preset that runs, and under the other.
