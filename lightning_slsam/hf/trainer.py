@@ -99,6 +99,7 @@ class SAMTrainerMixin:
         self.sam_spec = spec
         model = trainer.model
         seed = spec.seed if spec.seed is not None else int(trainer.args.seed)
+        self._sam_seed = seed
         self.sam_engine: SAMEngine = spec.build_engine(model, seed=seed, warn=_warn)
         if self.sam_engine.needs_per_sample and not _gives_per_sample(self, model):
             raise ValueError(
@@ -146,8 +147,8 @@ class SAMTrainerMixin:
 
     def _sam_step(self, model: Any, micro_batches: list[Any], items: Any) -> StepResult:
         trainer: Any = self
-        engine = self.sam_engine
         unwrapped = trainer.accelerator.unwrap_model(model)
+        engine = self._sam_engine_on(unwrapped)
         if engine.freezer.trainable_changed(unwrapped):
             # Tensors unfrozen (or frozen) since the last step: sampled from now on.
             self.sam_engine, change = self.sam_spec.follow_trainable(engine, unwrapped, _warn)
@@ -174,6 +175,20 @@ class SAMTrainerMixin:
                 return engine.step(loop)
         finally:
             self._sam_model = self._sam_items = None
+
+    def _sam_engine_on(self, unwrapped: Any) -> SAMEngine:
+        """The engine over ``unwrapped``'s parameters. Under FSDP2 the Trainer shards the
+        model (``fully_shard``) after this mixin is built, replacing every parameter: the
+        engine is then rebuilt on the sharded model, keeping its state (a checkpoint's too:
+        the parameters keep their names)."""
+        engine = self.sam_engine
+        owned = {id(p) for p in unwrapped.parameters()}
+        if all(id(p) in owned for p in engine.partition.flat_params):
+            return engine
+        rebuilt = self.sam_spec.build_engine(unwrapped, seed=self._sam_seed, warn=_warn)
+        rebuilt.load_state_dict(engine.state_dict())
+        self.sam_engine = rebuilt
+        return rebuilt
 
     def _sam_loss(self, batch: Any) -> tuple[Tensor, Tensor | None]:
         """One micro-batch's loss, as the Trainer's own ``training_step`` computes it (its
@@ -327,8 +342,13 @@ def _check_supported(trainer: Any) -> None:
     if getattr(trainer, "is_deepspeed_enabled", False):
         why = ("DeepSpeed", "it partitions the gradients and runs the optimizer step itself, so"
                " a layer cannot be frozen, perturbed and updated alone")  # fmt: skip
-    elif getattr(trainer, "is_fsdp_enabled", False) or args.fsdp:
-        why = ("FSDP", "its flat parameters cannot be frozen or perturbed a layer at a time")
+    elif _fsdp_version(trainer) == 1:
+        raise ValueError(
+            "SAMTrainer does not support FSDP1: its flat parameters cannot be frozen or"
+            " perturbed a layer at a time. Use FSDP2, whose parameters are sharded one by one:"
+            " TrainingArguments(fsdp=..., fsdp_config={'fsdp_version': 2, ...}) (accelerate"
+            " config: `fsdp_version: 2`), or DDP (one process per GPU)."
+        )
     elif int(args.n_gpu) > 1:
         why = (f"DataParallel over {args.n_gpu} GPUs in one process", "its replicas are"
                " rebuilt every forward, outside the layers the method freezes")  # fmt: skip
@@ -342,6 +362,18 @@ def _check_supported(trainer: Any) -> None:
             " (`torchrun` or `accelerate launch`: DDP), on one device, and with a torch"
             " optimizer (the default AdamW, or any other torch.optim optimizer)."
         )
+
+
+def _fsdp_version(trainer: Any) -> int | None:
+    """The FSDP version the Trainer runs (``None``: no FSDP): accelerate's plugin's where it
+    set one up, else the one the arguments ask for (1 unless ``fsdp_version`` says 2)."""
+    if getattr(trainer, "is_fsdp_enabled", False):
+        plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+        return int(getattr(plugin, "fsdp_version", 1) or 1)
+    if not trainer.args.fsdp:
+        return None
+    config = getattr(trainer.args, "fsdp_config", None) or {}
+    return int(config.get("fsdp_version", 1) or 1)
 
 
 def _inner_optimizer(optimizer: Any) -> Any:

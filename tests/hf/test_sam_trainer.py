@@ -314,6 +314,24 @@ def test_bad_input_is_refused_when_the_trainer_is_built(tmp_path):
     fake = SimpleNamespace(args=SimpleNamespace(n_gpu=2, fsdp="", optim="adamw_torch"))
     with pytest.raises(ValueError, match="DataParallel over 2 GPUs"):
         _check_supported(fake)
+
+    # FSDP1 is refused naming FSDP2, the version asked for or the one accelerate set up;
+    # FSDP2 passes.
+    def fsdp(version, enabled):
+        plugin = SimpleNamespace(fsdp_version=version)
+        config = {} if version is None else {"fsdp_version": version}
+        return SimpleNamespace(
+            args=SimpleNamespace(n_gpu=0, fsdp="full_shard", fsdp_config=config,
+                                 optim="adamw_torch"),
+            is_fsdp_enabled=enabled,
+            accelerator=SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)),
+        )  # fmt: skip
+
+    for version, enabled in ((None, False), (1, False), (1, True)):
+        with pytest.raises(ValueError, match=r"FSDP1.*'fsdp_version': 2"):
+            _check_supported(fsdp(version, enabled))
+    _check_supported(fsdp(2, False))
+    _check_supported(fsdp(2, True))
     # ESAM on a model whose per-sample losses SAMTrainer cannot compute.
     from transformers import BertConfig, BertForMaskedLM
 
@@ -348,6 +366,32 @@ def test_two_ddp_processes_equal_one_and_average_only_the_active_layers(tmp_path
     # Only the drawn layers' gradients travel: less than the whole model's every step.
     assert all(0 < b < ranks[0]["trainable_bytes"] for b in ranks[0]["allreduce"])
     assert one["allreduce"] == [0] * 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["slsam", "rst"])
+def test_two_fsdp2_processes_equal_one(tmp_path, method):
+    # accelerate's FSDP2 under the Trainer (fully_shard by decoder layer, its backward,
+    # clipping and step), the engine rebuilt on the sharded parameters: the same draws and,
+    # after 5 clipped SGD steps, the same weights as one process on the global batches.
+    worker = os.path.join(TESTS, "hf_fsdp2_worker.py")
+    env = {**os.environ, "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for command in (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         worker, "--out", str(tmp_path), "--batch", "4", "--method", method],
+        [sys.executable, worker, "--out", str(tmp_path), "--batch", "8", "--method", method],
+    ):  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}_of2.pt", weights_only=False) for r in (0, 1)]
+    one = torch.load(tmp_path / "rank0_of1.pt", weights_only=False)
+    assert ranks[0]["seam"] == "FSDP2Shards" and one["seam"] == "Shards"
+    assert ranks[0]["dtensors"] == ranks[0]["params"] > 0  # every parameter sharded
+    assert ranks[0]["masks"] == ranks[1]["masks"] == one["masks"]
+    for k in one["weights"]:
+        assert torch.allclose(ranks[0]["weights"][k], one["weights"][k], rtol=1e-4, atol=1e-5), k
+    start = weights(tiny_causal_lm(0))
+    assert sum(not torch.allclose(start[k], one["weights"][k]) for k in start) > 5  # it trained
 
 
 def test_a_run_too_short_for_the_layer_draws_is_said_at_train_begin(tmp_path):
