@@ -64,9 +64,14 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--method", default="slsam")
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--save", type=int, default=0, help="save a checkpoint every N steps")
+    parser.add_argument("--resume", default=None, help="a checkpoint folder to resume from")
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--optim", default="sgd")
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    sharded = {}
+    sharded: dict = {}
     if world > 1:
         wrap = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
         sharded = {"ddp_backend": "gloo", "fsdp": "full_shard auto_wrap", "fsdp_config": wrap}
@@ -75,13 +80,17 @@ def main() -> None:
     model.accepts_loss_kwargs = False  # each process's mean loss, averaged (hf_ddp_worker.py)
     trainer = _OnCPU(
         model=model, train_dataset=_data(),
-        args=training_args(os.path.join(args.out, "run"), per_device_train_batch_size=args.batch,
-                           max_steps=5, optim="sgd", learning_rate=0.5, max_grad_norm=1.0,
+        args=training_args(os.path.join(args.out, f"run{args.tag}"),
+                           per_device_train_batch_size=args.batch, max_steps=5, optim=args.optim,
+                           learning_rate=0.5, max_grad_norm=1.0,
+                           gradient_accumulation_steps=args.accumulate,
+                           save_strategy="steps" if args.save else "no",
+                           save_steps=args.save or 500,
                            **sharded),
         sam=args.method, callbacks=[steps],
     )  # fmt: skip
     steps.trainer = trainer
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume)
     from torch.distributed.tensor import DTensor
 
     params = list(trainer.model.parameters())
@@ -94,7 +103,7 @@ def main() -> None:
         {"weights": weights, "masks": steps.masks, "world": world,
          "dtensors": sum(isinstance(p, DTensor) for p in params), "params": len(params),
          "seam": type(trainer.sam_engine.shards).__name__},
-        os.path.join(args.out, f"rank{rank}_of{world}.pt"),
+        os.path.join(args.out, f"rank{rank}_of{world}{args.tag}.pt"),
     )  # fmt: skip
     if dist.is_initialized():
         dist.destroy_process_group()

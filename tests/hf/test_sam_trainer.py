@@ -369,17 +369,20 @@ def test_two_ddp_processes_equal_one_and_average_only_the_active_layers(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["slsam", "rst"])
-def test_two_fsdp2_processes_equal_one(tmp_path, method):
+@pytest.mark.parametrize("method, accumulate", [("slsam", 1), ("rst", 1), ("slsam", 2)])
+def test_two_fsdp2_processes_equal_one(tmp_path, method, accumulate):
     # accelerate's FSDP2 under the Trainer (fully_shard by decoder layer, its backward,
-    # clipping and step), the engine rebuilt on the sharded parameters: the same draws and,
-    # after 5 clipped SGD steps, the same weights as one process on the global batches.
+    # clipping, accumulation and step), the engine rebuilt on the sharded parameters: the
+    # same draws and, after 5 clipped SGD steps, the same weights as one process on the
+    # global batches (8 samples a step).
     worker = os.path.join(TESTS, "hf_fsdp2_worker.py")
     env = {**os.environ, "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
     for command in (
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         worker, "--out", str(tmp_path), "--batch", "4", "--method", method],
-        [sys.executable, worker, "--out", str(tmp_path), "--batch", "8", "--method", method],
+         worker, "--out", str(tmp_path), "--batch", str(4 // accumulate), "--method", method,
+         "--accumulate", str(accumulate)],
+        [sys.executable, worker, "--out", str(tmp_path), "--batch", str(8 // accumulate),
+         "--method", method, "--accumulate", str(accumulate)],
     ):  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
