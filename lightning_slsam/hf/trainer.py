@@ -284,6 +284,30 @@ class SAMTrainerMixin:
             self.load_sam_state(path)
         return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
 
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The Trainer's load of the optimizer's state. Under FSDP2 torch's distributed
+        checkpoint loads it strictly, and holds none for a tensor the optimizer never
+        updated (a sampled layer not drawn before the checkpoint): those tensors are set
+        aside (``requires_grad=False``) while it loads, as the optimizer never saw them."""
+        if checkpoint is None or _fsdp_version(self) != 2:
+            return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+        engine = self.sam_engine
+        never = {
+            name
+            for names, count in zip(engine.partition.param_names, engine.counts.tolist())
+            if count == 0
+            for name in names
+        }
+        model: Any = self.model  # type: ignore[attr-defined]
+        aside = [p for n, p in model.named_parameters() if n in never and p.requires_grad]
+        for param in aside:
+            param.requires_grad_(False)
+        try:
+            return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+        finally:
+            for param in aside:
+                param.requires_grad_(True)
+
     def sam_state_dict(self) -> dict[str, Any]:
         """The method's state (what ``slsam_state.pt`` holds)."""
         engine = self.sam_engine

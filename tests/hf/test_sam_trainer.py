@@ -397,6 +397,29 @@ def test_two_fsdp2_processes_equal_one(tmp_path, method, accumulate):
     assert sum(not torch.allclose(start[k], one["weights"][k]) for k in start) > 5  # it trained
 
 
+@pytest.mark.slow
+def test_a_resumed_fsdp2_run_continues_bit_for_bit(tmp_path):
+    # Saved at step 3 of 5 (AdamW, 2 accumulated micro-batches), when some layers were never
+    # drawn and the optimizer holds no state for them (torch's distributed checkpoint would
+    # refuse to load it), then resumed: the same draws and the same weights, bit for bit.
+    worker = os.path.join(TESTS, "hf_fsdp2_worker.py")
+    env = {**os.environ, "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           worker, "--out", str(tmp_path), "--batch", "2", "--accumulate", "2",
+           "--optim", "adamw_torch"]  # fmt: skip
+    for extra in (["--save", "3", "--tag", "a"],
+                  ["--resume", str(tmp_path / "runa" / "checkpoint-3"), "--tag", "b"]):  # fmt: skip
+        done = subprocess.run(run + extra, capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for rank in (0, 1):
+        whole = torch.load(tmp_path / f"rank{rank}_of2a.pt", weights_only=False)
+        resumed = torch.load(tmp_path / f"rank{rank}_of2b.pt", weights_only=False)
+        assert resumed["masks"] == whole["masks"][3:]
+        assert not all(any(m[i] for m in whole["masks"][:3]) for i in range(len(whole["masks"][0])))
+        for k, v in whole["weights"].items():
+            assert torch.equal(resumed["weights"][k], v), k
+
+
 def test_a_run_too_short_for_the_layer_draws_is_said_at_train_begin(tmp_path):
     # The guard rail (lightning_slsam.selection.coverage), as SparseLayerSAM says it: the
     # default's sampled layers expect 0.6 of an update per step; a resumed run counts the
