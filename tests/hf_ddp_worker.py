@@ -12,26 +12,18 @@ a visible step.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
-from hf_helpers import classification_data, tiny_classifier, training_args
-from transformers import TrainerCallback
+from hf_helpers import (
+    StepLog,
+    classification_data,
+    tiny_classifier,
+    training_args,
+    worker_arguments,
+)
 
 from lightning_slsam.hf import SAMTrainer
-
-
-class _Steps(TrainerCallback):
-    def __init__(self) -> None:
-        self.trainer = None
-        self.masks: list[list[bool]] = []
-        self.allreduce: list[int] = []
-
-    def on_step_end(self, args, state, control, **kwargs):
-        result = self.trainer.sam_engine.last_result
-        self.masks.append(result.active_mask.tolist())
-        self.allreduce.append(result.allreduce_bytes)
 
 
 class _Recording(SAMTrainer):
@@ -44,12 +36,8 @@ class _Recording(SAMTrainer):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--batch", type=int, required=True)
-    parser.add_argument("--method", default="slsam")
-    args = parser.parse_args()
-    steps = _Steps()
+    args = worker_arguments()
+    steps = StepLog()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     backend = {"ddp_backend": "gloo"} if world > 1 else {}
     model = tiny_classifier(0)

@@ -12,30 +12,23 @@ SGD, whose update is linear in the gradient (see hf_ddp_worker.py), and sequence
 padding, so each process's mean loss is the same share of the global batch's.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/hf_fsdp2_worker.py \
-        --out DIR --batch 4
-    python tests/hf_fsdp2_worker.py --out DIR --batch 8
+        --out DIR --batch 4 --method sam,slsam
+    python tests/hf_fsdp2_worker.py --out DIR --batch 8 --method sam,slsam
+
+Options: ``--accumulate``, ``--optim``/``--optim-args`` (the Trainer's), ``--bf16``, ``--lora``
+(PEFT adapters on the attention and MLP projections), ``--state-dict`` (the FSDP checkpoint
+kind), ``--save N`` and ``--resume FOLDER``, ``--tag`` (a suffix to the files' names).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
 import torch.distributed as dist
-from hf_helpers import tiny_causal_lm, training_args
-from transformers import TrainerCallback
+from hf_helpers import StepLog, tiny_causal_lm, training_args, worker_arguments
 
 from lightning_slsam.hf import SAMTrainer
-
-
-class _Steps(TrainerCallback):
-    def __init__(self) -> None:
-        self.trainer = None
-        self.masks: list[list[bool]] = []
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.masks.append(self.trainer.sam_engine.last_result.active_mask.tolist())
 
 
 class _OnCPU(SAMTrainer):
@@ -48,7 +41,10 @@ class _OnCPU(SAMTrainer):
         if self.args.fsdp_plugin_args is not None and state.distributed_type == "MULTI_CPU":
             state.distributed_type = DistributedType.FSDP
             PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-            state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+            plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+            if state.mixed_precision != "no":  # as AcceleratorState does for FSDP
+                plugin.set_mixed_precision(state.mixed_precision)
+            state.fsdp_plugin = plugin
             self.is_fsdp_enabled = True
 
 
@@ -60,34 +56,44 @@ def _data(n: int = 64, seq: int = 8) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--batch", type=int, required=True)
-    parser.add_argument("--method", default="slsam")
-    parser.add_argument("--accumulate", type=int, default=1)
-    parser.add_argument("--save", type=int, default=0, help="save a checkpoint every N steps")
-    parser.add_argument("--resume", default=None, help="a checkpoint folder to resume from")
-    parser.add_argument("--tag", default="")
-    parser.add_argument("--optim", default="sgd")
-    args = parser.parse_args()
+    args = worker_arguments(accumulate=1, save=0, resume=None, tag="", optim="sgd",
+                            optim_args="", bf16=False, lora=False,
+                            state_dict="FULL_STATE_DICT")  # fmt: skip
+    for method in args.method.split(","):  # one after another, in the same processes
+        train(args, method)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def train(args, method: str) -> None:
+    """Trains ``method`` for 5 steps and saves ``{method}_rank{r}_of{world}{tag}.pt``."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     sharded: dict = {}
     if world > 1:
-        wrap = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+        wrap = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                "state_dict_type": args.state_dict}  # fmt: skip
         sharded = {"ddp_backend": "gloo", "fsdp": "full_shard auto_wrap", "fsdp_config": wrap}
-    steps = _Steps()
+    steps = StepLog()
     model = tiny_causal_lm(0)
     model.accepts_loss_kwargs = False  # each process's mean loss, averaged (hf_ddp_worker.py)
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM",
+                          target_modules=["q_proj", "v_proj", "up_proj"])  # fmt: skip
+        model = get_peft_model(model, lora)
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
     trainer = _OnCPU(
         model=model, train_dataset=_data(),
-        args=training_args(os.path.join(args.out, f"run{args.tag}"),
+        args=training_args(os.path.join(args.out, f"{method}{args.tag}"),
                            per_device_train_batch_size=args.batch, max_steps=5, optim=args.optim,
-                           learning_rate=0.5, max_grad_norm=1.0,
+                           optim_args=args.optim_args or None, learning_rate=0.5,
+                           max_grad_norm=1.0, bf16=args.bf16,
                            gradient_accumulation_steps=args.accumulate,
                            save_strategy="steps" if args.save else "no",
                            save_steps=args.save or 500,
                            **sharded),
-        sam=args.method, callbacks=[steps],
+        sam=method, callbacks=[steps],
     )  # fmt: skip
     steps.trainer = trainer
     trainer.train(resume_from_checkpoint=args.resume)
@@ -98,15 +104,17 @@ def main() -> None:
         k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
         for k, v in trainer.model.state_dict().items()
     }
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    policy = getattr(plugin, "mixed_precision_policy", None)
     rank = int(os.environ.get("RANK", "0"))
     torch.save(
-        {"weights": weights, "masks": steps.masks, "world": world,
+        {"weights": weights, "start": start, "masks": steps.masks, "world": world,
          "dtensors": sum(isinstance(p, DTensor) for p in params), "params": len(params),
+         "trainable": {n for n, p in trainer.model.named_parameters() if p.requires_grad},
+         "param_dtype": getattr(policy, "param_dtype", None),
          "seam": type(trainer.sam_engine.shards).__name__},
-        os.path.join(args.out, f"rank{rank}_of{world}{args.tag}.pt"),
+        os.path.join(args.out, f"{method}_rank{rank}_of{world}{args.tag}.pt"),
     )  # fmt: skip
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Tiny Transformers models, data and Trainer arguments for the Hugging Face front-end's
-tests (tests/hf) and its DDP worker (hf_ddp_worker.py)."""
+"""Tiny Transformers models, data, Trainer arguments and a step recorder for the Hugging
+Face front-end's tests (tests/hf) and its process workers (hf_ddp_worker.py,
+hf_fsdp2_worker.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 import kernels
 import torch
+from transformers import TrainerCallback
 
 kernels.apply()  # worker processes import this module: the variant reaches them too
 
@@ -76,3 +78,37 @@ def decay_groups(model: Any, decay: set[str], weight_decay: float = 0.01) -> lis
         {"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
         {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
     ]
+
+
+class StepLog(TrainerCallback):
+    """Each optimizer step's active layers and the bytes the engine all-reduced, read from
+    ``trainer.sam_engine`` after the step (set ``trainer`` once the Trainer is built)."""
+
+    def __init__(self) -> None:
+        self.trainer: Any = None
+        self.masks: list[list[bool]] = []
+        self.allreduce: list[int] = []
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        result = self.trainer.sam_engine.last_result
+        self.masks.append(result.active_mask.tolist())
+        self.allreduce.append(result.allreduce_bytes)
+
+
+def worker_arguments(**more: Any) -> Any:
+    """The process workers' command line: ``--out``, ``--batch``, ``--method`` and ``more``
+    (name -> default; ``None``: a string without default)."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--batch", type=int, required=True)
+    parser.add_argument("--method", default="slsam")
+    for name, default in more.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(default, bool):
+            parser.add_argument(flag, action="store_true")
+        else:
+            parser.add_argument(flag, type=type(default) if default is not None else str,
+                                default=default)  # fmt: skip
+    return parser.parse_args()

@@ -23,10 +23,12 @@ optimizer step's micro-batches and the Trainer's clipping and optimizer step:
   (``slsam_state.pt``) and read back by ``train(resume_from_checkpoint=...)``;
 - ``slsam/*`` metrics go to the Trainer's reporters with each training log.
 
-The Trainer's other features keep their meaning. What cannot hold is refused when the
-Trainer is built: DeepSpeed and FSDP (they own the parameters' gradients and the optimizer
-step), ``DataParallel`` over several GPUs in one process, and the LOMO optimizers (they
-update inside the backward pass).
+The Trainer's other features keep their meaning, FSDP2 among them (``fsdp_version: 2``: the
+engine is rebuilt on the parameters the Trainer shards, and the FSDP2 seam of
+:mod:`lightning_slsam.parallel` does the rest). What cannot hold is refused when the Trainer
+is built: DeepSpeed (ZeRO steps its own flat partitions, after every backward) and FSDP1
+(flat parameters), ``DataParallel`` over several GPUs in one process, and the LOMO optimizers
+(they update inside the backward pass).
 """
 
 from __future__ import annotations
@@ -360,32 +362,42 @@ class _SAMCallback(TrainerCallback):
             torch.save(self.trainer.sam_state_dict(), os.path.join(folder, STATE_FILE))
 
 
+#: The route beyond one GPU that SAMTrainer runs: FSDP2 (or DDP).
+_FSDP2 = ("FSDP2, TrainingArguments(fsdp='full_shard auto_wrap', fsdp_config={'fsdp_version':"
+          " 2, 'transformer_layer_cls_to_wrap': [...]}) (accelerate config: `fsdp_version: 2`),"
+          " or DDP (`torchrun` / `accelerate launch`, one process per GPU)")  # fmt: skip
+
+
 def _check_supported(trainer: Any) -> None:
+    """Refuses, before anything trains, what the method's step cannot run inside."""
     args = trainer.args
-    why = None
+    problem = fix = None
     if getattr(trainer, "is_deepspeed_enabled", False):
-        why = ("DeepSpeed", "it partitions the gradients and runs the optimizer step itself, so"
-               " a layer cannot be frozen, perturbed and updated alone")  # fmt: skip
-    elif _fsdp_version(trainer) == 1:
-        raise ValueError(
-            "SAMTrainer does not support FSDP1: its flat parameters cannot be frozen or"
-            " perturbed a layer at a time. Use FSDP2, whose parameters are sharded one by one:"
-            " TrainingArguments(fsdp=..., fsdp_config={'fsdp_version': 2, ...}) (accelerate"
-            " config: `fsdp_version: 2`), or DDP (one process per GPU)."
+        problem = (
+            "DeepSpeed: ZeRO's optimizer steps one flat float32 partition of every trainable"
+            " tensor (a layer not drawn gets a zero gradient, and weight decay and momentum"
+            " still move it), and under the Trainer accelerate's DeepSpeedEngineWrapper.backward"
+            " runs the engine's step after the backward that ends an optimizer step, so after"
+            " SAM's first pass"
         )
+        fix = f"FSDP2 shards each parameter on its own: use {_FSDP2}."
+    elif _fsdp_version(trainer) == 1:
+        problem = (
+            "FSDP1: its flat parameters (use_orig_params or not) cannot be frozen or perturbed"
+            " a layer at a time"
+        )
+        fix = f"FSDP2 shards each parameter on its own: use {_FSDP2}."
     elif int(args.n_gpu) > 1:
-        why = (f"DataParallel over {args.n_gpu} GPUs in one process", "its replicas are"
-               " rebuilt every forward, outside the layers the method freezes")  # fmt: skip
+        problem = (f"DataParallel over {args.n_gpu} GPUs in one process: its replicas are"
+                   " rebuilt every forward, outside the layers the method freezes")  # fmt: skip
+        fix = f"Run one process per GPU: {_FSDP2}."
     elif str(getattr(args.optim, "value", args.optim)) in _FUSED_OPTIMIZERS:
         optim = str(getattr(args.optim, "value", args.optim))
-        why = (f"optim={optim!r}", "it updates the weights inside the backward pass,"
-               " before SAM has the gradient it perturbs with")  # fmt: skip
-    if why is not None:
-        raise ValueError(
-            f"SAMTrainer does not support {why[0]}: {why[1]}. Run one process per GPU"
-            " (`torchrun` or `accelerate launch`: DDP), on one device, and with a torch"
-            " optimizer (the default AdamW, or any other torch.optim optimizer)."
-        )
+        problem = (f"optim={optim!r}: it updates the weights inside the backward pass, before"
+                   " SAM has the gradient it perturbs with")  # fmt: skip
+        fix = "Use a torch optimizer (the default AdamW, or any other torch.optim optimizer)."
+    if problem is not None:
+        raise ValueError(f"SAMTrainer does not support {problem}. {fix}")
 
 
 def _fsdp_version(trainer: Any) -> int | None:
@@ -396,8 +408,13 @@ def _fsdp_version(trainer: Any) -> int | None:
         return int(getattr(plugin, "fsdp_version", 1) or 1)
     if not trainer.args.fsdp:
         return None
+    # The plugin's arguments as the Trainer built them (its default version included), else
+    # the configuration (``fsdp_`` prefixes dropped by newer Trainers; version 1 by default in
+    # older ones).
+    plugin_args = getattr(trainer.args, "fsdp_plugin_args", None) or {}
     config = getattr(trainer.args, "fsdp_config", None) or {}
-    return int(config.get("fsdp_version", 1) or 1)
+    version = plugin_args.get("fsdp_version", config.get("version", config.get("fsdp_version")))
+    return int(version or 1)
 
 
 def _inner_optimizer(optimizer: Any) -> Any:
