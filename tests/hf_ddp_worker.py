@@ -6,8 +6,8 @@ by its own root mean square, turning the last bits of a sum taken in another ord
 a visible step.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/hf_ddp_worker.py \
-        --out DIR --batch 4
-    python tests/hf_ddp_worker.py --out DIR --batch 8
+        --out DIR --batch 4 --method sam,slsam
+    python tests/hf_ddp_worker.py --out DIR --batch 8 --method sam,slsam
 """
 
 from __future__ import annotations
@@ -36,7 +36,13 @@ class _Recording(SAMTrainer):
 
 
 def main() -> None:
-    args = worker_arguments()
+    args = worker_arguments(optim_args="")
+    for method in args.method.split(","):  # one after another, in the same processes
+        train(args, method)
+
+
+def train(args, method: str) -> None:
+    """Trains ``method`` for 5 steps and saves ``{method}_rank{r}_of{world}.pt``."""
     steps = StepLog()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     backend = {"ddp_backend": "gloo"} if world > 1 else {}
@@ -44,21 +50,24 @@ def main() -> None:
     # BERT's loss ignores the token count the Trainer hands it: without this, the Trainer
     # scales each process's mean loss by the process count (with or without SAM).
     model.accepts_loss_kwargs = False
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
     trainer = _Recording(
         model=model, train_dataset=classification_data(96),
-        args=training_args(os.path.join(args.out, "run"), per_device_train_batch_size=args.batch,
-                           max_steps=5, optim="sgd", learning_rate=0.5, **backend),
-        sam=args.method, callbacks=[steps],
+        args=training_args(os.path.join(args.out, method), per_device_train_batch_size=args.batch,
+                           max_steps=5, optim="sgd", optim_args=args.optim_args or None,
+                           learning_rate=0.5, **backend),
+        sam=method, callbacks=[steps],
     )  # fmt: skip
     steps.trainer = trainer
     trainer.train()
     rank = int(os.environ.get("RANK", "0"))
     torch.save(
         {"weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
-         "masks": steps.masks, "allreduce": steps.allreduce, "inputs": trainer.labels,
+         "start": start, "masks": steps.masks, "allreduce": steps.allreduce,
+         "inputs": trainer.labels,
          "trainable_bytes": sum(p.numel() * p.element_size() for p in trainer.model.parameters()),
          "world": world},
-        os.path.join(args.out, f"rank{rank}_of{world}.pt"),
+        os.path.join(args.out, f"{method}_rank{rank}_of{world}.pt"),
     )  # fmt: skip
 
 

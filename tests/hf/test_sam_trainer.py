@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 import warnings
 from types import SimpleNamespace
 
@@ -355,29 +353,6 @@ def test_bad_input_is_refused_when_the_trainer_is_built(tmp_path):
     # ... which esam with data_ratio=1.0 trains.
     SAMTrainer(model=masked, args=training_args(tmp_path), train_dataset=lm_data(8),
                sam=method_spec("esam", data_ratio=1.0))  # fmt: skip
-
-
-@pytest.mark.slow
-def test_two_ddp_processes_equal_one_and_average_only_the_active_layers(tmp_path):
-    worker = os.path.join(TESTS, "hf_ddp_worker.py")
-    env = {**os.environ, "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    for command in (
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         worker, "--out", str(tmp_path), "--batch", "4"],
-        [sys.executable, worker, "--out", str(tmp_path), "--batch", "8"],
-    ):  # fmt: skip
-        done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}_of2.pt", weights_only=False) for r in (0, 1)]
-    one = torch.load(tmp_path / "rank0_of1.pt", weights_only=False)
-    assert ranks[0]["masks"] == ranks[1]["masks"] == one["masks"]
-    assert all(torch.equal(ranks[0]["weights"][k], ranks[1]["weights"][k]) for k in one["weights"])
-    assert close(ranks[0]["weights"], one["weights"])
-    start = weights(tiny_classifier(0))
-    assert sum(not torch.allclose(start[k], one["weights"][k]) for k in start) > 5  # it trained
-    # Only the drawn layers' gradients travel: less than the whole model's every step.
-    assert all(0 < b < ranks[0]["trainable_bytes"] for b in ranks[0]["allreduce"])
-    assert one["allreduce"] == [0] * 5
 
 
 def test_a_run_too_short_for_the_layer_draws_is_said_at_train_begin(tmp_path):
