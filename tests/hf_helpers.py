@@ -24,13 +24,14 @@ def tiny_classifier(seed: int = 0) -> Any:
     return BertForSequenceClassification(config)
 
 
-def tiny_causal_lm(seed: int = 0) -> Any:
-    """A 2-layer Llama causal LM, initialised from ``seed``."""
+def tiny_causal_lm(seed: int = 0, vocab_size: int = 64) -> Any:
+    """A 2-layer Llama causal LM, initialised from ``seed`` (``vocab_size`` 1024: glassllm's
+    tokenizer's)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2,
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
                          max_position_embeddings=32)  # fmt: skip
     return LlamaForCausalLM(config)
 

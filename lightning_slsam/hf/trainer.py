@@ -33,6 +33,7 @@ is built: DeepSpeed (ZeRO steps its own flat partitions, after every backward) a
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import warnings
@@ -91,6 +92,16 @@ class SAMTrainerMixin:
         sam_spec: the method's validated specification.
     """
 
+    #: The trainer's attributes that its loss updates on every call for its logs. A SAM
+    #: step computes each micro-batch's loss once per pass (SAM: twice); what a pass after
+    #: the first changes in these attributes is undone, so each micro-batch is counted once,
+    #: at the current weights, as without SAM. TRL's trainers (``SFTTrainer``,
+    #: ``DPOTrainer``, ...) keep their logged metrics in ``_metrics`` and the tokens seen
+    #: (``num_tokens``) in ``_total_train_tokens``; a subclass that records elsewhere adds its
+    #: attribute names here (or checks :attr:`sam_pass` itself). Names the trainer lacks are
+    #: ignored.
+    sam_first_pass_attributes: tuple[str, ...] = ("_metrics", "_total_train_tokens")
+
     def __init__(self, *args: Any, sam: str | MethodSpec = "slsam", **kwargs: Any) -> None:
         # Checked before the Trainer is built: nothing is set up yet.
         spec = spec_from(sam, {}, owner="SAMTrainer", instead="use transformers.Trainer.")
@@ -118,9 +129,20 @@ class SAMTrainerMixin:
         self._sam_per_sample: list[Tensor | None] | None = None
         self._sam_pending: Any = None
         self._sam_hooked: Any = None
+        self._sam_passes: PassRunner | None = None
         self._sam_averager = DDPAverager()
         # First, so that its train-begin warning precedes the progress bar's first line.
         trainer.callback_handler.callbacks.insert(0, _SAMCallback(self))
+        _check_first_pass_attributes(self)
+
+    @property
+    def sam_pass(self) -> int:
+        """The pass a SAM step is running: 1 for the first pass (at the current weights,
+        over the whole batch), 2 for any later one (at perturbed weights, ESAM's ranking
+        forward), 0 outside a step. A ``compute_loss`` with side effects beyond the loss
+        (counters, metrics) guards them with ``if self.sam_pass <= 1``."""
+        passes = getattr(self, "_sam_passes", None)
+        return passes.number if passes is not None else 0
 
     # -- the step ----------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, *args: Any,
@@ -163,6 +185,7 @@ class SAMTrainerMixin:
             micro_batches, self._sam_loss, trainer.accelerator.backward,
             needs_per_sample=engine.needs_per_sample,
         )  # fmt: skip
+        self._sam_passes = passes
         scaler = getattr(trainer.accelerator, "scaler", None)
         ddp = _ddp(model)
         averager, first = self._sam_averager(ddp, unwrapped) if ddp is not None else (None, False)
@@ -176,7 +199,7 @@ class SAMTrainerMixin:
             with ddp.no_sync() if ddp is not None else nullcontext():
                 return engine.step(loop)
         finally:
-            self._sam_model = self._sam_items = None
+            self._sam_model = self._sam_items = self._sam_passes = None
 
     def _sam_engine_on(self, unwrapped: Any) -> SAMEngine:
         """The engine over ``unwrapped``'s parameters. Under FSDP2 the Trainer shards the
@@ -194,20 +217,30 @@ class SAMTrainerMixin:
 
     def _sam_loss(self, batch: Any) -> tuple[Tensor, Tensor | None]:
         """One micro-batch's loss, as the Trainer's own ``training_step`` computes it (its
-        backward is taken over by the pass loop), with the per-sample losses if needed."""
+        backward is taken over by the pass loop), with the per-sample losses if needed. In a
+        later pass, what the call records in :attr:`sam_first_pass_attributes` is undone."""
         trainer: Any = self
         accelerator = trainer.accelerator
         taken: list[Tensor] = []
         self._sam_per_sample = [] if self.sam_engine.needs_per_sample else None
+        kept = self._sam_keep_first_pass_attributes() if self.sam_pass >= 2 else {}
         accelerator.backward = lambda loss, **kwargs: taken.append(loss)
         try:
             super().training_step(self._sam_model, batch, self._sam_items)  # type: ignore[misc]
         finally:
             del accelerator.backward  # the Accelerator's own method again
+            for name, value in kept.items():
+                setattr(self, name, value)
         per_sample = self._sam_per_sample[-1] if self._sam_per_sample else None
         self._sam_per_sample = None
         loss, given = split_per_sample(taken[0])
         return loss, given if given is not None else per_sample
+
+    def _sam_keep_first_pass_attributes(self) -> dict[str, Any]:
+        """Copies of the :attr:`sam_first_pass_attributes` the trainer has."""
+        missing = object()
+        values = {name: getattr(self, name, missing) for name in self.sam_first_pass_attributes}
+        return {name: copy.deepcopy(v) for name, v in values.items() if v is not missing}
 
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:  # fmt: skip
@@ -228,6 +261,13 @@ class SAMTrainerMixin:
         """Each sample's loss from the model's ``outputs`` on ``inputs`` (ESAM chooses the
         second pass's samples by them): cross-entropy of a classification head, the mean
         next-token loss of a causal LM (labels ``-100`` ignored). Override for other heads."""
+        if "labels" not in inputs:  # a trainer computing its own loss from other keys
+            raise ValueError(
+                "ESAM's data selection (data_ratio < 1) needs each sample's loss, which"
+                " SAMTrainer computes from the batch's `labels`; this batch has none (its keys:"
+                f" {', '.join(map(str, inputs))}). Override `per_sample_loss(outputs, inputs)`"
+                " to return them, or pass `sam=method_spec('esam', data_ratio=1.0)`."
+            )
         logits, labels = outputs["logits"], inputs["labels"]
         if logits.dim() == 2 and labels.dim() == 1:
             if logits.shape[-1] == 1:  # regression
@@ -443,6 +483,21 @@ def _gives_per_sample(trainer: SAMTrainerMixin, model: Any) -> bool:
     if type(trainer).per_sample_loss is not SAMTrainerMixin.per_sample_loss:
         return True
     return type(_base_model(model)).__name__.endswith(_PER_SAMPLE_HEADS)
+
+
+def _check_first_pass_attributes(trainer: SAMTrainerMixin) -> None:
+    """TRL's trainers record their logged metrics in every loss call: warn when a TRL
+    trainer has none of the attributes the mixin restores after a later pass (a TRL release
+    that renamed them), as its metrics would then count each micro-batch once per pass."""
+    names = trainer.sam_first_pass_attributes
+    from_trl = any(c.__module__.split(".")[0] == "trl" for c in type(trainer).__mro__)
+    if from_trl and not any(hasattr(trainer, name) for name in names):
+        _warn(
+            f"{type(trainer).__name__} has none of the attributes {names} in which TRL's"
+            " trainers record the metrics they log: its metrics (num_tokens, ...) may count"
+            " each micro-batch once per SAM pass. Set `sam_first_pass_attributes` on the"
+            " class to the attributes its compute_loss updates."
+        )
 
 
 def _warn(message: str) -> None:
