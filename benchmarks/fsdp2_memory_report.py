@@ -1,5 +1,6 @@
 """The pure part of ``fsdp2_memory.py``: medians, ratios, the goal's verdicts, the shapes'
-regimes, merging a run into the saved results, and the markdown table. No torch here."""
+regimes, the Trainer against the plain loop, merging a run into the saved results, and the
+markdown tables. No torch here."""
 
 from __future__ import annotations
 
@@ -12,10 +13,23 @@ RETURNED = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "13107
 SHAPE_KEYS = ("batch_per_rank", "seq", "steps", "repeats", "threads", "runs", "returned",
               "summary", "command", "malloc_env", "date", "minutes", "cpu_minutes",
               "machine", "estimate")  # fmt: skip
+#: The front-ends a configuration trains through: ``loop``, the library's engine in a plain
+#: loop (the reference); ``trainer``, the Hugging Face Trainer (``transformers.Trainer`` for
+#: AdamW, ``lightning_slsam.hf.SAMTrainer`` for the SAM methods).
+LOOP, TRAINER = "loop", "trainer"
+#: Results saved before the paper's SL-SAM was named ``slsam_paper`` call it ``slsam``.
+_RENAMED = {"slsam": "slsam_paper"}
 
 
 def shape_name(batch: int, seq: int) -> str:
     return f"{batch}x{seq}"
+
+
+def entry_name(route: str, batch: int, seq: int) -> str:
+    """The key of a route's results at a shape: the shape's name for the plain loop (as
+    before the Trainer was measured), the shape and the route otherwise."""
+    shape = shape_name(batch, seq)
+    return shape if route == LOOP else f"{shape} {route}"
 
 
 def summarize(runs: dict, returned: dict | None = None, goal: float = GOAL) -> dict:
@@ -23,10 +37,11 @@ def summarize(runs: dict, returned: dict | None = None, goal: float = GOAL) -> d
     ``returned[strategy][method]``: the ranks' results of the run with :data:`RETURNED`.
 
     Returns per configuration the median over repeats of the per-rank peak training MB
-    and of its max over ranks, the ratios to SAM (same strategy) and FSDP2 / DDP (same
-    method), the peak with freed memory returned (max over ranks) and its ratio to SAM, and
-    the goal's verdict per strategy (SL-SAM / SAM <= ``goal``), on the default RSS peak
-    (``met``) and on the peak with freed memory returned (``returned_met``)."""
+    and of its max over ranks, the ratios to AdamW and to SAM (same strategy) and FSDP2 /
+    DDP (same method), the peak with freed memory returned (max over ranks) and its ratios
+    to AdamW and SAM, and the goal's verdict per strategy (SL-SAM / SAM <= ``goal``), on
+    the default RSS peak (``met``) and on the peak with freed memory returned
+    (``returned_met``)."""
     returned = returned or {}
     rows: dict = {}
     for strategy, methods in runs.items():
@@ -52,11 +67,12 @@ def summarize(runs: dict, returned: dict | None = None, goal: float = GOAL) -> d
                 row["returned_per_rank_mb"] = [r["training_mb"] for r in ranks]
                 row["returned_setup_mb"] = max(r["setup_mb"] - r["runtime_mb"] for r in ranks)
     for methods in rows.values():
-        sam = methods.get("sam", {})
         for method, row in methods.items():
-            for key, ratio in (("peak_mb", "ratio_to_sam"), ("returned_mb", "returned_to_sam")):
-                base = sam.get(key)
-                row[ratio] = row[key] / base if base and key in row else None
+            for base_method in ("adamw", "sam"):
+                base_row = methods.get(base_method, {})
+                for key, ratio in (("peak_mb", "ratio_to_"), ("returned_mb", "returned_to_")):
+                    base = base_row.get(key)
+                    row[ratio + base_method] = row[key] / base if base and key in row else None
             ddp = rows.get("ddp", {}).get(method, {}).get("peak_mb")
             fsdp2 = rows.get("fsdp2", {}).get(method, {}).get("peak_mb")
             row["fsdp2_over_ddp"] = fsdp2 / ddp if fsdp2 and ddp else None
@@ -89,18 +105,59 @@ def regime(estimate: dict) -> str:
 
 
 def as_shapes(result: dict) -> dict:
-    """The results by shape, from either format: this one (``shapes``), or the single-shape
-    one of the first version of the script (batch 8, sequence 128, no ``shapes`` key)."""
+    """The results by entry (a route at a shape, :func:`entry_name`), from any format: this
+    one (``shapes``), the single-shape one of the first version of the script (batch 8,
+    sequence 128, no ``shapes`` key), or one before routes (every entry the plain loop's) or
+    before the paper's SL-SAM was named ``slsam_paper``."""
     if "shapes" in result:
-        return dict(result["shapes"])
-    entry = {k: result[k] for k in SHAPE_KEYS if k in result}
-    entry.setdefault("seq", 128)
-    return {shape_name(entry["batch_per_rank"], entry["seq"]): entry}
+        entries = {name: dict(entry) for name, entry in result["shapes"].items()}
+    else:
+        entry = {k: result[k] for k in SHAPE_KEYS if k in result}
+        entry.setdefault("seq", 128)
+        entries = {shape_name(entry["batch_per_rank"], entry["seq"]): entry}
+    for entry in entries.values():
+        entry.setdefault("route", LOOP)
+        for key in ("runs", "returned"):
+            if key in entry:
+                entry[key] = {s: _renamed(ms) for s, ms in entry[key].items()}
+    return entries
+
+
+def _renamed(methods: dict) -> dict:
+    if any(name in methods for name in _RENAMED.values()):
+        return methods
+    return {_RENAMED.get(method, method): runs for method, runs in methods.items()}
+
+
+def against_loop(shapes: dict) -> list[dict]:
+    """Each configuration of a route other than the plain loop beside the loop's at the same
+    shape, strategy and method (``shapes``: the results' entries, summarized): the per-rank
+    peaks of both (max over ranks, median over runs) and the route's over the loop's, on the
+    default RSS (``peak``) and with freed memory returned (``returned``)."""
+    loops = {(e["batch_per_rank"], e["seq"]): e for e in shapes.values()
+             if e.get("route", LOOP) == LOOP}  # fmt: skip
+    rows = []
+    for entry in shapes.values():
+        if entry.get("route", LOOP) == LOOP:
+            continue
+        loop = loops.get((entry["batch_per_rank"], entry["seq"]), {})
+        for strategy, methods in entry["summary"]["rows"].items():
+            for method, row in methods.items():
+                base = loop.get("summary", {}).get("rows", {}).get(strategy, {}).get(method, {})
+                out = {"shape": shape_name(entry["batch_per_rank"], entry["seq"]),
+                       "route": entry["route"], "strategy": strategy, "method": method}  # fmt: skip
+                for kind in ("peak", "returned"):
+                    mine, theirs = row.get(f"{kind}_mb"), base.get(f"{kind}_mb")
+                    out[f"{kind}_mb"], out[f"loop_{kind}_mb"] = mine, theirs
+                    out[f"{kind}_over_loop"] = mine / theirs if mine and theirs else None
+                rows.append(out)
+    return rows
 
 
 def merge(saved: dict | None, new: dict) -> dict:
-    """``new``'s shapes replace the same shapes of ``saved`` (the results on disk, either
-    format); ``saved``'s other shapes stay as they were, in their place."""
+    """``new``'s entries (a route at a shape) replace the same entries of ``saved`` (the
+    results on disk, any format); ``saved``'s other entries stay as they were, in their
+    place."""
     shapes = as_shapes(saved) if saved else {}
     shapes.update(new["shapes"])
     return {**new, "shapes": shapes}
@@ -114,15 +171,20 @@ def _verdict(met: bool | None) -> str:
     return "-" if met is None else "met" if met else "**missed**"
 
 
+def _where(entry: dict) -> str:
+    """The shape and route cells of an entry's rows."""
+    return f"| {shape_name(entry['batch_per_rank'], entry['seq'])} | {entry.get('route', LOOP)}"
+
+
 def _shape_lines(result: dict) -> list[str]:
     world = result["world"]
     lines = [
-        "| shape | batch per rank (global) x tokens | steps, runs | weights + grads + AdamW"
-        " state per rank: DDP / FSDP2 MB | activations saved for backward MB | logits MB"
+        "| shape | route | batch per rank (global) x tokens | steps, runs | weights + grads +"
+        " AdamW state per rank: DDP / FSDP2 MB | activations saved for backward MB | logits MB"
         " | regime | run |",
-        "|---|---|---|---:|---:|---:|---|---|",
+        "|---|---|---|---|---:|---:|---:|---|---|",
     ]
-    for name, s in result["shapes"].items():
+    for s in result["shapes"].values():
         e = s.get("estimate") or {}
         params = e.get("weights_grads_adamw_mb", {})
         param_text = " / ".join(f"{params[k]:.0f}" for k in ("ddp", "fsdp2") if k in params)
@@ -131,7 +193,7 @@ def _shape_lines(result: dict) -> list[str]:
             f" {s['date'][:10]}"
         )
         lines.append(
-            f"| {name} | {s['batch_per_rank']} ({s['batch_per_rank'] * world}) x {s['seq']}"
+            f"{_where(s)} | {s['batch_per_rank']} ({s['batch_per_rank'] * world}) x {s['seq']}"
             f" | {s['steps']}, {s['repeats']} + 1 | {param_text or '-'}"
             f" | {_f(e.get('saved_activations_mb'), 0)} | {_f(e.get('logits_mb'), 1)}"
             f" | {regime(e) if e else '-'} | {run} |"
@@ -139,9 +201,33 @@ def _shape_lines(result: dict) -> list[str]:
     return lines
 
 
+def _route_lines(result: dict) -> list[str]:
+    """The table of :func:`against_loop` (none without a route beside the loop)."""
+    rows = against_loop(result["shapes"])
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## The Trainer against the plain loop: same shape, strategy and method",
+        "",
+        "| shape | route | strategy | method | peak MB: loop | route | route / loop"
+        " | freed returned: loop | route | route / loop |",
+        "|---|---|---|---|" + "---:|" * 6,
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['shape']} | {r['route']} | {r['strategy']} | {r['method']}"
+            f" | {_f(r['loop_peak_mb'], 0)} | {_f(r['peak_mb'], 0)} | {_f(r['peak_over_loop'])}"
+            f" | {_f(r['loop_returned_mb'], 0)} | {_f(r['returned_mb'], 0)}"
+            f" | {_f(r['returned_over_loop'])} |"
+        )
+    return lines
+
+
 def render(result: dict) -> str:
     """The markdown report of ``fsdp2_memory.main``'s result (``result["shapes"]``: one
-    entry per shape, each with its own runs, summary, command, date and estimate)."""
+    entry per route and shape, each with its own runs, summary, command, date and
+    estimate)."""
     m, world = result["machine"], result["world"]
     lines = [
         "# SAM and SL-SAM under FSDP2 and DDP: per-rank peak memory",
@@ -158,10 +244,20 @@ def render(result: dict) -> str:
         " root over a 1-D mesh. SL-SAM: the paper's defaults (layer ratio 0.2), seed 0 on"
         " every rank.",
         "",
+        "Two routes. `loop`: the library's engine in a plain loop. `trainer`: the Hugging Face"
+        " Trainer, `transformers.Trainer` for AdamW and `lightning_slsam.hf.SAMTrainer` for"
+        ' the SAM methods, under accelerate\'s FSDP2 (`fsdp="full_shard auto_wrap"`,'
+        " `fsdp_version` 2, by decoder layer), on the same token stream. The Trainer shards"
+        " the model, builds its optimizer and (SAMTrainer) rebuilds the engine on the shards"
+        " inside `train()`, so there setup ends after a first, warm-up optimizer step: the"
+        " optimizer state of every parameter is allocated when training begins, the peak is"
+        " reset after the warm-up step and the steps after it are measured, for all three"
+        " methods alike.",
+        "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['platform']}, Python {m['python']},"
-        f" torch {m['torch']}, GPU: {m['cuda'] or 'none'}. Each shape's numbers come from the"
-        " run named in its row (a run with `--shapes` measures only the shapes it names and"
-        " keeps the others' results as they were).",
+        f" torch {m['torch']}, GPU: {m['cuda'] or 'none'}. Each row's numbers come from the"
+        " run named in its row (a run with `--shapes` or `--routes` measures only the shapes"
+        " and routes it names and keeps the others' results as they were).",
         "",
         *_shape_lines(result),
         "",
@@ -172,46 +268,50 @@ def render(result: dict) -> str:
         " adds transients such as the logits' gradient. *Logits*: one fp32 batch x tokens x"
         " vocabulary tensor. Both estimated in one process, outside the measured runs.",
         "",
-        "| shape | strategy | method | peak training MB (max of ranks) | runs | per rank"
-        " | / SAM | FSDP2 / DDP | freed returned: peak MB | per rank | / SAM"
-        " | before training | active ratio |",
-        "|---|---|---|" + "---:|" * 10,
+        "| shape | route | strategy | method | peak training MB (max of ranks) | runs"
+        " | per rank | / AdamW | / SAM | FSDP2 / DDP | freed returned: peak MB | per rank"
+        " | / AdamW | / SAM | before training | active ratio |",
+        "|---|---|---|---|" + "---:|" * 12,
     ]
-    for name, s in result["shapes"].items():
+    for s in result["shapes"].values():
         for strategy, methods in s["summary"]["rows"].items():
             for method, row in methods.items():
                 runs = ", ".join(f"{v:.0f}" for v in row["repeats_mb"])
                 back = " / ".join(f"{v:.0f}" for v in row.get("returned_per_rank_mb", []))
                 lines.append(
-                    f"| {name} | {strategy} | {method} | {row['peak_mb']:.0f} | {runs}"
+                    f"{_where(s)} | {strategy} | {method} | {row['peak_mb']:.0f} | {runs}"
                     f" | {' / '.join(f'{v:.0f}' for v in row['per_rank_mb'])}"
-                    f" | {_f(row['ratio_to_sam'])} | {_f(row['fsdp2_over_ddp'])}"
+                    f" | {_f(row.get('ratio_to_adamw'))} | {_f(row['ratio_to_sam'])}"
+                    f" | {_f(row['fsdp2_over_ddp'])}"
                     f" | {_f(row.get('returned_mb'), 0)} | {back or '-'}"
-                    f" | {_f(row.get('returned_to_sam'))}"
+                    f" | {_f(row.get('returned_to_adamw'))} | {_f(row.get('returned_to_sam'))}"
                     f" | {_f(row.get('returned_setup_mb'), 0)} | {_f(row['active_ratio'])} |"
                 )
     lines += [
         "",
-        "MB are MiB. *Runs*: each run's max over ranks. *Freed returned*: one more run per"
+        "MB are MiB. *Runs*: each run's max over ranks. */ AdamW*, */ SAM*: against the same"
+        " route and strategy at the same shape. *Freed returned*: one more run per"
         " configuration, measured the same way, with glibc told to give every freed block over"
         f" 128 KiB back to the OS ({' '.join(f'{k}={v}' for k, v in RETURNED.items())}): the"
         " RSS then follows the live memory (the CPU counterpart of"
         " `torch.cuda.max_memory_allocated`) instead of keeping the heap that the default"
         " allocator grows and keeps; *before training*: that run's setup RSS above the runtime"
-        " (weights, optimizer state, written buffers). *Active ratio*: parameter fraction with"
-        " a gradient, summed over a step's passes.",
+        " (weights, optimizer state, written buffers; on the Trainer route, after the warm-up"
+        " step). *Active ratio*: parameter fraction with a gradient, summed over a step's"
+        " passes.",
+        *_route_lines(result),
         "",
         f"## Goal: SL-SAM's per-rank peak <= {result['goal']:.2f}x SAM's, same shape, same"
-        " strategy",
+        " route, same strategy",
         "",
-        "| shape | strategy | SL-SAM / SAM | verdict | SL-SAM / SAM, freed returned | verdict"
-        " | goal |",
-        "|---|---|---:|---|---:|---|---:|",
+        "| shape | route | strategy | SL-SAM / SAM | verdict | SL-SAM / SAM, freed returned"
+        " | verdict | goal |",
+        "|---|---|---|---:|---|---:|---|---:|",
     ]
-    for name, s in result["shapes"].items():
+    for s in result["shapes"].values():
         for strategy, v in s["summary"]["goal"].items():
             lines.append(
-                f"| {name} | {strategy} | {v['ratio']:.3f} | {_verdict(v['met'])}"
+                f"{_where(s)} | {strategy} | {v['ratio']:.3f} | {_verdict(v['met'])}"
                 f" | {_f(v.get('returned_ratio'))} | {_verdict(v.get('returned_met'))}"
                 f" | {v['goal']:.2f} |"
             )
