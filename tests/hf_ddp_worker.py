@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 from hf_helpers import (
     StepLog,
     classification_data,
@@ -39,6 +40,11 @@ def main() -> None:
     args = worker_arguments(optim_args="")
     for method in args.method.split(","):  # one after another, in the same processes
         train(args, method)
+    if dist.is_initialized():
+        # Both ranks done before the groups go: a gloo worker thread still running at the
+        # interpreter's teardown aborts the process.
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def train(args, method: str) -> None:

@@ -62,6 +62,9 @@ def main() -> None:
     for method in args.method.split(","):  # one after another, in the same processes
         train(args, method)
     if dist.is_initialized():
+        # Both ranks done with every collective (the checkpoints' too) before the groups go:
+        # a gloo worker thread still running at teardown aborts the process.
+        dist.barrier()
         dist.destroy_process_group()
 
 
@@ -111,7 +114,7 @@ def train(args, method: str) -> None:
         {"weights": weights, "start": start, "masks": steps.masks, "world": world,
          "dtensors": sum(isinstance(p, DTensor) for p in params), "params": len(params),
          "trainable": {n for n, p in trainer.model.named_parameters() if p.requires_grad},
-         "param_dtype": getattr(policy, "param_dtype", None),
+         "param_dtype": getattr(policy, "param_dtype", None), "begin_params": steps.begin_params,
          "seam": type(trainer.sam_engine.shards).__name__},
         os.path.join(args.out, f"{method}_rank{rank}_of{world}{args.tag}.pt"),
     )  # fmt: skip

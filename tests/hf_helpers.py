@@ -83,12 +83,18 @@ def decay_groups(model: Any, decay: set[str], weight_decay: float = 0.01) -> lis
 
 class StepLog(TrainerCallback):
     """Each optimizer step's active layers and the bytes the engine all-reduced, read from
-    ``trainer.sam_engine`` after the step (set ``trainer`` once the Trainer is built)."""
+    ``trainer.sam_engine`` after the step, and the kinds of the engine's parameters when
+    training begins (set ``trainer`` once the Trainer is built)."""
 
     def __init__(self) -> None:
         self.trainer: Any = None
         self.masks: list[list[bool]] = []
         self.allreduce: list[int] = []
+        self.begin_params: set[str] = set()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        engine = self.trainer.sam_engine
+        self.begin_params = {type(p).__name__ for p in engine.partition.flat_params}
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         result = self.trainer.sam_engine.last_result

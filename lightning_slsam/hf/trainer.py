@@ -205,7 +205,8 @@ class SAMTrainerMixin:
         """The engine over ``unwrapped``'s parameters. Under FSDP2 the Trainer shards the
         model (``fully_shard``) after this mixin is built, replacing every parameter: the
         engine is then rebuilt on the sharded model, keeping its state (a checkpoint's too:
-        the parameters keep their names)."""
+        the parameters keep their names). Called at train begin and at every step (a model
+        the Trainer prepares anew, as a second ``train()`` does)."""
         engine = self.sam_engine
         owned = {id(p) for p in unwrapped.parameters()}
         if all(id(p) in owned for p in engine.partition.flat_params):
@@ -380,14 +381,19 @@ class SAMTrainer(SAMTrainerMixin, Trainer):
 
 
 class _SAMCallback(TrainerCallback):
-    """Says at train begin when the run is too short for the method's layer draws (the guard
-    rail, :mod:`lightning_slsam.selection.coverage`), and writes the method's state into every
+    """At train begin, moves the engine to the prepared model's parameters and says when the
+    run is too short for the method's layer draws (the guard rail,
+    :mod:`lightning_slsam.selection.coverage`); writes the method's state into every
     checkpoint folder the Trainer saves."""
 
     def __init__(self, trainer: SAMTrainerMixin) -> None:
         self.trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # The Trainer has prepared the model (FSDP2 has sharded it): the engine moves to its
+        # parameters now, letting go of the unsharded ones before the first step.
+        trainer: Any = self.trainer
+        trainer._sam_engine_on(trainer.accelerator.unwrap_model(trainer.model))
         if state.is_world_process_zero and state.max_steps > 0:
             steps = state.max_steps - state.global_step
             message = self.trainer.sam_spec.coverage_warning(self.trainer.sam_engine, steps)

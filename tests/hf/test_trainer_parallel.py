@@ -105,6 +105,8 @@ def test_every_method_under_fsdp2_equals_one_process(every_method):
         one = load(every_method, method, 0, 1)
         assert r0["seam"] == "FSDP2Shards" and one["seam"] == "Shards", method
         assert r0["dtensors"] == r0["params"] > 0, method  # every parameter sharded
+        # ... and the engine on the shards from train begin (the unsharded copy let go).
+        assert r0["begin_params"] == {"DTensor"} and one["begin_params"] == {"Parameter"}
         assert r0["masks"] == r1["masks"] == one["masks"], method
         assert trained(one) >= 5, method
         if method == "esam":
