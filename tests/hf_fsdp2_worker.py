@@ -16,7 +16,8 @@ padding, so each process's mean loss is the same share of the global batch's.
     python tests/hf_fsdp2_worker.py --out DIR --batch 8 --method sam,slsam
 
 Options: ``--accumulate``, ``--optim``/``--optim-args`` (the Trainer's), ``--bf16``, ``--lora``
-(PEFT adapters on the attention and MLP projections), ``--state-dict`` (the FSDP checkpoint
+(PEFT adapters on the attention and MLP projections), ``--trl`` (TRL's SFTTrainer with the
+mixin, on sentences), ``--state-dict`` (the FSDP checkpoint
 kind), ``--save N`` and ``--resume FOLDER``, ``--tag`` (a suffix to the files' names).
 """
 
@@ -31,7 +32,9 @@ from hf_helpers import StepLog, tiny_causal_lm, training_args, worker_arguments
 from lightning_slsam.hf import SAMTrainer
 
 
-class _OnCPU(SAMTrainer):
+class _FSDPOnCPU:
+    """Puts back the FSDP plugin accelerate drops on CPU processes (above)."""
+
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
         from accelerate.state import PartialState
@@ -48,6 +51,38 @@ class _OnCPU(SAMTrainer):
             self.is_fsdp_enabled = True
 
 
+class _OnCPU(_FSDPOnCPU, SAMTrainer):
+    pass
+
+
+def _sft(out: str, **values):
+    """TRL's SFTTrainer with SAMTrainerMixin, on 10-token sentences of a small grammar (every
+    sequence the same length, so each process's mean loss is the same share of the global
+    batch's), glassllm's tokenizer."""
+    import random
+
+    import datasets
+    from trl import SFTConfig, SFTTrainer
+
+    from lightning_slsam.hf import SAMTrainerMixin
+    from lightning_slsam.tasks.causal_lm import load_glassllm
+
+    class SFT(_FSDPOnCPU, SAMTrainerMixin, SFTTrainer):
+        pass
+
+    tokenizer = load_glassllm("en", pretrained=False)[1]
+    rng = random.Random(0)
+    parts = (["the cat", "a dog", "the bird", "my friend"],
+             ["sat on", "looked at", "ran to", "slept by"],
+             ["the mat.", "a tree.", "the door.", "the house."])  # fmt: skip
+    texts = [" ".join(rng.choice(words) for words in parts) for _ in range(400)]
+    texts = [t for t in texts if len(tokenizer(t)["input_ids"]) == 10][:64]
+    values["args"] = training_args(out, config=SFTConfig, max_length=32, **values["args"])
+    model = tiny_causal_lm(0, vocab_size=1024)
+    return SFT(model=model, train_dataset=datasets.Dataset.from_dict({"text": texts}),
+               processing_class=tokenizer, **values)  # fmt: skip
+
+
 def _data(n: int = 64, seq: int = 8) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 64, (n, seq), generator=gen)
@@ -57,7 +92,7 @@ def _data(n: int = 64, seq: int = 8) -> list[dict]:
 
 def main() -> None:
     args = worker_arguments(accumulate=1, save=0, resume=None, tag="", optim="sgd",
-                            optim_args="", bf16=False, lora=False,
+                            optim_args="", bf16=False, lora=False, trl=False,
                             state_dict="FULL_STATE_DICT")  # fmt: skip
     for method in args.method.split(","):  # one after another, in the same processes
         train(args, method)
@@ -85,19 +120,20 @@ def train(args, method: str) -> None:
         lora = LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM",
                           target_modules=["q_proj", "v_proj", "up_proj"])  # fmt: skip
         model = get_peft_model(model, lora)
+    arguments = dict(per_device_train_batch_size=args.batch, max_steps=5, optim=args.optim,
+                     optim_args=args.optim_args or None, learning_rate=0.5, max_grad_norm=1.0,
+                     bf16=args.bf16, gradient_accumulation_steps=args.accumulate,
+                     save_strategy="steps" if args.save else "no", save_steps=args.save or 500,
+                     **sharded)  # fmt: skip
+    out = os.path.join(args.out, f"{method}{args.tag}")
+    if args.trl:
+        trainer = _sft(out, args={**arguments, "learning_rate": 5e-3}, sam=method,
+                       callbacks=[steps])  # fmt: skip
+        model = trainer.model
+    else:
+        trainer = _OnCPU(model=model, train_dataset=_data(), args=training_args(out, **arguments),
+                         sam=method, callbacks=[steps])  # fmt: skip
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    trainer = _OnCPU(
-        model=model, train_dataset=_data(),
-        args=training_args(os.path.join(args.out, f"{method}{args.tag}"),
-                           per_device_train_batch_size=args.batch, max_steps=5, optim=args.optim,
-                           optim_args=args.optim_args or None, learning_rate=0.5,
-                           max_grad_norm=1.0, bf16=args.bf16,
-                           gradient_accumulation_steps=args.accumulate,
-                           save_strategy="steps" if args.save else "no",
-                           save_steps=args.save or 500,
-                           **sharded),
-        sam=method, callbacks=[steps],
-    )  # fmt: skip
     steps.trainer = trainer
     trainer.train(resume_from_checkpoint=args.resume)
     from torch.distributed.tensor import DTensor
@@ -115,7 +151,8 @@ def train(args, method: str) -> None:
          "dtensors": sum(isinstance(p, DTensor) for p in params), "params": len(params),
          "trainable": {n for n, p in trainer.model.named_parameters() if p.requires_grad},
          "param_dtype": getattr(policy, "param_dtype", None), "begin_params": steps.begin_params,
-         "seam": type(trainer.sam_engine.shards).__name__},
+         "seam": type(trainer.sam_engine.shards).__name__,
+         "num_tokens": [e["num_tokens"] for e in trainer.state.log_history if "num_tokens" in e]},
         os.path.join(args.out, f"{method}_rank{rank}_of{world}{args.tag}.pt"),
     )  # fmt: skip
 

@@ -58,8 +58,9 @@ def lm_data(n: int = 64, seq: int = 8, seed: int = 0) -> list[dict[str, Any]]:
     return rows
 
 
-def training_args(out: Any, **overrides: Any) -> Any:
-    """Trainer arguments for a short CPU run: constant LR, no clipping, no saving."""
+def training_args(out: Any, config: Any = None, **overrides: Any) -> Any:
+    """Trainer arguments for a short CPU run: constant LR, no clipping, no saving (of the
+    class ``config``, e.g. TRL's ``SFTConfig``; ``TrainingArguments`` by default)."""
     from transformers import TrainingArguments
 
     values = dict(
@@ -69,7 +70,7 @@ def training_args(out: Any, **overrides: Any) -> Any:
         max_grad_norm=0.0,
     )  # fmt: skip
     values.update(overrides)
-    return TrainingArguments(**values)
+    return (config or TrainingArguments)(**values)
 
 
 def decay_groups(model: Any, decay: set[str], weight_decay: float = 0.01) -> list[dict]:

@@ -3,7 +3,7 @@ global batches. Under DDP (tests/hf_ddp_worker.py): every method, the processes 
 only the drawn layers' gradients averaged. Under accelerate's FSDP2 (the Trainer's own
 ``fully_shard`` by decoder layer, backward, clipping, accumulation and optimizer step;
 tests/hf_fsdp2_worker.py): every method, in bfloat16 too, LoRA training its adapters only,
-and runs resumed from full and sharded checkpoints bit for bit."""
+runs resumed from full and sharded checkpoints bit for bit, and TRL's SFTTrainer."""
 
 from __future__ import annotations
 
@@ -189,3 +189,21 @@ def test_a_resumed_fsdp2_run_continues_bit_for_bit(tmp_path, state_dict, extra):
         assert not all(drawn)
         for k, v in whole["weights"].items():
             assert torch.equal(resumed["weights"][k], v), k
+
+
+def test_trl_sft_under_fsdp2_equals_one_process_and_counts_each_token_once(tmp_path):
+    # TRL's SFTTrainer with the mixin under accelerate's FSDP2, on sentences of 10 tokens
+    # (11 with the end token): the same draws and weights as one process, and num_tokens
+    # (gathered from both processes by TRL) counting each token once, 8 x 11 a step.
+    pytest.importorskip("trl")
+    for world, batch in ((2, "4"), (1, "8")):
+        launch(tmp_path, world, "--batch", batch, "--method", "slsam,sam", "--trl", *MOMENTUM)
+    for method in ("slsam", "sam"):
+        r0, r1 = load(tmp_path, method, 0, 2), load(tmp_path, method, 1, 2)
+        one = load(tmp_path, method, 0, 1)
+        assert r0["seam"] == "FSDP2Shards" and r0["begin_params"] == {"DTensor"}
+        assert r0["masks"] == r1["masks"] == one["masks"]
+        expected = [88.0 * (step + 1) for step in range(5)]
+        assert r0["num_tokens"] == r1["num_tokens"] == one["num_tokens"] == expected
+        assert trained(one) >= 5
+        close(r0, one, method)
