@@ -15,10 +15,10 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 from hf_helpers import (
     StepLog,
     classification_data,
+    run_methods,
     tiny_classifier,
     training_args,
     worker_arguments,
@@ -38,13 +38,7 @@ class _Recording(SAMTrainer):
 
 def main() -> None:
     args = worker_arguments(optim_args="")
-    for method in args.method.split(","):  # one after another, in the same processes
-        train(args, method)
-    if dist.is_initialized():
-        # Both ranks done before the groups go: a gloo worker thread still running at the
-        # interpreter's teardown aborts the process.
-        dist.barrier()
-        dist.destroy_process_group()
+    run_methods(args, train)
 
 
 def train(args, method: str) -> None:

@@ -26,8 +26,14 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
-from hf_helpers import StepLog, tiny_causal_lm, training_args, worker_arguments
+from hf_helpers import (
+    StepLog,
+    run_methods,
+    sentences,
+    tiny_causal_lm,
+    training_args,
+    worker_arguments,
+)
 
 from lightning_slsam.hf import SAMTrainer
 
@@ -59,8 +65,6 @@ def _sft(out: str, **values):
     """TRL's SFTTrainer with SAMTrainerMixin, on 10-token sentences of a small grammar (every
     sequence the same length, so each process's mean loss is the same share of the global
     batch's), glassllm's tokenizer."""
-    import random
-
     import datasets
     from trl import SFTConfig, SFTTrainer
 
@@ -71,12 +75,7 @@ def _sft(out: str, **values):
         pass
 
     tokenizer = load_glassllm("en", pretrained=False)[1]
-    rng = random.Random(0)
-    parts = (["the cat", "a dog", "the bird", "my friend"],
-             ["sat on", "looked at", "ran to", "slept by"],
-             ["the mat.", "a tree.", "the door.", "the house."])  # fmt: skip
-    texts = [" ".join(rng.choice(words) for words in parts) for _ in range(400)]
-    texts = [t for t in texts if len(tokenizer(t)["input_ids"]) == 10][:64]
+    texts = [t for t in sentences(400) if len(tokenizer(t)["input_ids"]) == 10][:64]
     values["args"] = training_args(out, config=SFTConfig, max_length=32, **values["args"])
     model = tiny_causal_lm(0, vocab_size=1024)
     return SFT(model=model, train_dataset=datasets.Dataset.from_dict({"text": texts}),
@@ -94,13 +93,7 @@ def main() -> None:
     args = worker_arguments(accumulate=1, save=0, resume=None, tag="", optim="sgd",
                             optim_args="", bf16=False, lora=False, trl=False,
                             state_dict="FULL_STATE_DICT")  # fmt: skip
-    for method in args.method.split(","):  # one after another, in the same processes
-        train(args, method)
-    if dist.is_initialized():
-        # Both ranks done with every collective (the checkpoints' too) before the groups go:
-        # a gloo worker thread still running at teardown aborts the process.
-        dist.barrier()
-        dist.destroy_process_group()
+    run_methods(args, train)
 
 
 def train(args, method: str) -> None:

@@ -58,6 +58,17 @@ def lm_data(n: int = 64, seq: int = 8, seed: int = 0) -> list[dict[str, Any]]:
     return rows
 
 
+def sentences(n: int = 96, seed: int = 0) -> list[str]:
+    """Short sentences of a small grammar: a tiny LM learns them in a few steps."""
+    import random
+
+    rng = random.Random(seed)
+    parts = (["the cat", "a dog", "the bird", "my friend"],
+             ["sat on", "looked at", "ran to", "slept by"],
+             ["the mat.", "a tree.", "the door.", "the house."])  # fmt: skip
+    return [" ".join(rng.choice(words) for words in parts) for _ in range(n)]
+
+
 def training_args(out: Any, config: Any = None, **overrides: Any) -> Any:
     """Trainer arguments for a short CPU run: constant LR, no clipping, no saving (of the
     class ``config``, e.g. TRL's ``SFTConfig``; ``TrainingArguments`` by default)."""
@@ -120,3 +131,17 @@ def worker_arguments(**more: Any) -> Any:
             parser.add_argument(flag, type=type(default) if default is not None else str,
                                 default=default)  # fmt: skip
     return parser.parse_args()
+
+
+def run_methods(args: Any, train: Any) -> None:
+    """``train(args, method)`` for each method of ``--method`` (comma-separated), one after
+    another in the same processes; then, both ranks done with every collective (the
+    checkpoints' too), the process groups go: a gloo worker thread still running at the
+    interpreter's teardown aborts the process."""
+    import torch.distributed as dist
+
+    for method in args.method.split(","):
+        train(args, method)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -10,7 +10,13 @@ import warnings
 
 import pytest
 import torch
-from hf_helpers import classification_data, tiny_causal_lm, tiny_classifier, training_args
+from hf_helpers import (
+    classification_data,
+    sentences,
+    tiny_causal_lm,
+    tiny_classifier,
+    training_args,
+)
 from transformers import Trainer, TrainerCallback
 
 from lightning_slsam.hf import STATE_FILE, SAMTrainerMixin
@@ -30,15 +36,6 @@ def tokenizer():
     from lightning_slsam.tasks.causal_lm import load_glassllm
 
     return load_glassllm("en", pretrained=False)[1]
-
-
-def sentences(n: int = 96, seed: int = 0) -> list[str]:
-    """Short sentences of a small grammar: a tiny LM learns them in a few steps."""
-    rng = random.Random(seed)
-    parts = (["the cat", "a dog", "the bird", "my friend"],
-             ["sat on", "looked at", "ran to", "slept by"],
-             ["the mat.", "a tree.", "the door.", "the house."])  # fmt: skip
-    return [" ".join(rng.choice(words) for words in parts) for _ in range(n)]
 
 
 class Recording:
