@@ -27,8 +27,9 @@ The Trainer's other features keep their meaning, FSDP2 among them (``fsdp_versio
 engine is rebuilt on the parameters the Trainer shards, and the FSDP2 seam of
 :mod:`lightning_slsam.parallel` does the rest). What cannot hold is refused when the Trainer
 is built: DeepSpeed (ZeRO steps its own flat partitions, layers not drawn included, and
-accelerate steps it after the first pass's backward) and FSDP1 (flat parameters), ``DataParallel`` over several GPUs in one process, and the LOMO optimizers
-(they update inside the backward pass).
+accelerate steps it after the first pass's backward) and FSDP1 (flat parameters),
+``DataParallel`` over several GPUs in one process, and the LOMO optimizers (they update
+inside the backward pass).
 """
 
 from __future__ import annotations
