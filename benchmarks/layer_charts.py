@@ -3,7 +3,7 @@
     python benchmarks/layer_charts.py            # 15 to 25 minutes on 2 CPU cores
 
 Each chart is the one ``SparseLayerSAM(layer_ratio=0.2)`` writes at the end of fit
-(:func:`lightning_slsam.lightning.record.plot_layer_frequency`), copied to
+(:func:`lightning_slsam.core.record.plot_layer_frequency`), copied to
 ``docs/images/``:
 
 * ``layer_frequency_minilm_lora.png`` -- PEFT LoRA (r=8 on the query and value

@@ -45,6 +45,7 @@ from lightning_slsam.cli.checks import (
 )
 from lightning_slsam.cli.errors import OneLineParser, debugging, fail
 from lightning_slsam.cli.saved_configs import UnsupportedConfig, upgrade_configs
+from lightning_slsam.core.record import layers_line
 from lightning_slsam.lightning.callback import estimated_stepping_batches
 from lightning_slsam.lightning.compat import add_cli_subcommand, spawns_processes
 from lightning_slsam.lightning.driver import find_sam_callback
@@ -203,13 +204,11 @@ def run_summary(trainer: Any, log_dir: str | None) -> list[str]:
         lines.append(f"  {type(sam).__name__} mean active ratio: {said} (SAM: 2.0x, AdamW: 1.0x)")
         engine = sam.engine  # None in the launching process under ddp_spawn
         if engine is not None:
-            lines.append(
-                f"  {engine.partition.num_layers} sampled layers, {engine.never_selected()}"
-                f" never selected, {engine.num_skipped} skipped steps"
-            )
+            lines.append(f"  {layers_line(engine)}")
         if summary["out_of_sampling"]:
             lines.append(f"  {summary['out_of_sampling']}")
-        lines.append(f"  per-layer chart: {summary['layer_frequency_png'] or 'not written'}")
+        if summary["layer_frequency_png"]:
+            lines.append(f"  per-layer chart: {summary['layer_frequency_png']}")
         if getattr(sam, "coverage_note", None):
             lines.append(f"  warning: {sam.coverage_note}")
     lines += _forgetting_lines(trainer)

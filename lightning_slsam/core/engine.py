@@ -346,6 +346,12 @@ class SAMEngine:
         """Layers not updated in any step so far."""
         return int((self.counts == 0).sum())
 
+    def sampled(self) -> bool:
+        """Whether the updates were a drawn subset of the layers: some layer missed a step it
+        could be drawn in (``False`` for SAM and the methods updating every layer each step,
+        whose per-layer record would hold nothing but ones)."""
+        return bool((self.counts < self.layer_steps()).any())
+
     def step_metrics(self, result: StepResult, distributed: bool) -> dict[str, float]:
         """The metrics every front-end logs after the optimizer step that made ``result``
         (``distributed``: several processes, whose all-reduced bytes are logged too)."""

@@ -37,7 +37,6 @@ from __future__ import annotations
 import copy
 import functools
 import os
-import warnings
 from contextlib import nullcontext
 from typing import Any
 
@@ -46,6 +45,7 @@ from torch import Tensor
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from lightning_slsam.core.caller import warn
 from lightning_slsam.core.engine import SAMEngine
 from lightning_slsam.core.passes import (
     PER_SAMPLE_NEEDED,
@@ -54,6 +54,7 @@ from lightning_slsam.core.passes import (
     skip_with_scaler,
     split_per_sample,
 )
+from lightning_slsam.core.record import fresh_stem, write_record
 from lightning_slsam.core.state import apply_method_state, method_state
 from lightning_slsam.core.step import LoopHooks, StepResult
 from lightning_slsam.methods.registry import spec_from
@@ -91,6 +92,8 @@ class SAMTrainerMixin:
         sam_engine: the method's engine (:class:`~lightning_slsam.core.engine.
             SAMEngine`): ``last_result``, ``counts``, ``selection.probs``, ...
         sam_spec: the method's validated specification.
+        sam_record: the per-layer record's CSV and PNG paths in ``output_dir``, written at
+            train end where the method sampled layers (``None`` otherwise).
     """
 
     #: The trainer's attributes that its loss updates on every call for its logs. A SAM
@@ -114,7 +117,7 @@ class SAMTrainerMixin:
         model = trainer.model
         seed = spec.seed if spec.seed is not None else int(trainer.args.seed)
         self._sam_seed = seed
-        self.sam_engine: SAMEngine = spec.build_engine(model, seed=seed, warn=_warn)
+        self.sam_engine: SAMEngine = spec.build_engine(model, seed=seed, warn=warn)
         if self.sam_engine.needs_per_sample and not _gives_per_sample(self, model):
             raise ValueError(
                 f"{PER_SAMPLE_NEEDED} With SAMTrainer: {type(_base_model(model)).__name__} is"
@@ -123,6 +126,7 @@ class SAMTrainerMixin:
                 " `per_sample_loss(outputs, inputs)` to return them, or pass"
                 " `sam=method_spec('esam', data_ratio=1.0)`."
             )
+        self.sam_record: tuple[str, str | None] | None = None
         self._sam_window: tuple[list[Any], Any] | None = None
         self._sam_position = 0
         self._sam_model: Any = None
@@ -176,7 +180,7 @@ class SAMTrainerMixin:
         engine = self._sam_engine_on(unwrapped)
         if engine.freezer.trainable_changed(unwrapped):
             # Tensors unfrozen (or frozen) since the last step: sampled from now on.
-            self.sam_engine, change = self.sam_spec.follow_trainable(engine, unwrapped, _warn)
+            self.sam_engine, change = self.sam_spec.follow_trainable(engine, unwrapped, warn)
             engine = self.sam_engine
             _info(f"SAMTrainer({self.sam_spec.label}), before step {engine.num_steps}: {change}")
         self._sam_hook_optimizer()
@@ -212,7 +216,7 @@ class SAMTrainerMixin:
         owned = {id(p) for p in unwrapped.parameters()}
         if all(id(p) in owned for p in engine.partition.flat_params):
             return engine
-        rebuilt = self.sam_spec.build_engine(unwrapped, seed=self._sam_seed, warn=_warn)
+        rebuilt = self.sam_spec.build_engine(unwrapped, seed=self._sam_seed, warn=warn)
         rebuilt.load_state_dict(engine.state_dict())
         self.sam_engine = rebuilt
         return rebuilt
@@ -361,14 +365,14 @@ class SAMTrainerMixin:
         """Restore the method's state saved in the folder ``checkpoint``."""
         file = os.path.join(checkpoint, STATE_FILE)
         if not os.path.isfile(file):
-            _warn(
+            warn(
                 f"{checkpoint} holds no {STATE_FILE} (saved without SAMTrainer?): the"
                 f" method's selection and counters start afresh."
             )
             return
         state = torch.load(file, map_location="cpu", weights_only=False)
         apply_method_state(
-            state, self.sam_engine, owner=type(self).__name__, spec=self.sam_spec, warn=_warn
+            state, self.sam_engine, owner=type(self).__name__, spec=self.sam_spec, warn=warn
         )
 
 
@@ -385,7 +389,8 @@ class _SAMCallback(TrainerCallback):
     """At train begin, moves the engine to the prepared model's parameters and says when the
     run is too short for the method's layer draws (the guard rail,
     :mod:`lightning_slsam.selection.coverage`); writes the method's state into every
-    checkpoint folder the Trainer saves."""
+    checkpoint folder the Trainer saves, and at train end the per-layer record
+    (``slsam_layer_frequency.csv`` and ``.png``) into ``output_dir`` where layers were drawn."""
 
     def __init__(self, trainer: SAMTrainerMixin) -> None:
         self.trainer = trainer
@@ -399,7 +404,19 @@ class _SAMCallback(TrainerCallback):
             steps = state.max_steps - state.global_step
             message = self.trainer.sam_spec.coverage_warning(self.trainer.sam_engine, steps)
             if message is not None:
-                _warn(message)
+                warn(message)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # The per-layer record (as the Lightning callback writes it), where layers were drawn.
+        engine, spec = self.trainer.sam_engine, self.trainer.sam_spec
+        if not state.is_world_process_zero or not engine.sampled():
+            return
+        self.trainer.sam_record = csv_path, chart = write_record(
+            fresh_stem(args.output_dir, versioned=False), engine, engine.partition, plot=True,
+            title=f"{spec.label}: how often each layer was trained",
+            layer_ratio=getattr(spec, "layer_ratio", None),
+        )  # fmt: skip
+        _info(f"SAMTrainer({spec.label}): per-layer record {csv_path}, chart {chart}")
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not args.should_save:
@@ -499,16 +516,12 @@ def _check_first_pass_attributes(trainer: SAMTrainerMixin) -> None:
     names = trainer.sam_first_pass_attributes
     from_trl = any(c.__module__.split(".")[0] == "trl" for c in type(trainer).__mro__)
     if from_trl and not any(hasattr(trainer, name) for name in names):
-        _warn(
+        warn(
             f"{type(trainer).__name__} has none of the attributes {names} in which TRL's"
             " trainers record the metrics they log: its metrics (num_tokens, ...) may count"
             " each micro-batch once per SAM pass. Set `sam_first_pass_attributes` on the"
             " class to the attributes its compute_loss updates."
         )
-
-
-def _warn(message: str) -> None:
-    warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def _info(message: str) -> None:

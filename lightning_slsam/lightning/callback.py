@@ -4,7 +4,7 @@ Each method (:mod:`lightning_slsam.lightning.callbacks`: SL-SAM, SAM, RST, ESAM,
 thin shell over its pure-PyTorch specification (:mod:`lightning_slsam.methods.spec`). This
 base class owns what is Lightning's: the setup checks, building the engine at fit start
 (seeded the same on every process), the per-step logging (the engine's ``step_metrics``), the
-end-of-fit record (:mod:`~lightning_slsam.lightning.record`) and the checkpointed state.
+end-of-fit record (:mod:`~lightning_slsam.core.record`) and the checkpointed state.
 The training step itself is run by the module's
 :class:`~lightning_slsam.lightning.driver.StepDriver` (created by
 :class:`~lightning_slsam.SAMMixin`), which reads this callback's public options.
@@ -33,13 +33,23 @@ from typing import Any, ClassVar
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
+from lightning_slsam.core.caller import warn
 from lightning_slsam.core.engine import SAMEngine
 from lightning_slsam.core.partition import LayerPartition
 from lightning_slsam.core.perturbation import BackupPool
+from lightning_slsam.core.record import (
+    RATIO_METRIC,
+    fit_message,
+    fit_summary,
+    fresh_stem,
+    out_of_sampling,
+    record_dir,
+    write_record,
+)
 from lightning_slsam.core.state import (
     CheckpointMismatch,
     apply_method_state,
@@ -51,15 +61,6 @@ from lightning_slsam.lightning.compat import (
     attached_trainer,
 )
 from lightning_slsam.lightning.driver import SAMCallbackBase, find_sam_callback
-from lightning_slsam.lightning.record import (
-    RATIO_METRIC,
-    fit_message,
-    fit_summary,
-    fresh_stem,
-    out_of_sampling,
-    record_dir,
-    write_record,
-)
 from lightning_slsam.lightning.setup_checks import (
     LIGHTNING_OPTIONS,
     FitWarnings,
@@ -81,6 +82,10 @@ __all__ = [
     "callback_for",
     "estimated_stepping_batches",
 ]
+
+
+#: A warning from process 0 only, attributed to the user's line (``trainer.fit(...)``).
+_warn = rank_zero_only(warn)
 
 
 def _quiet(message: str) -> None:
@@ -243,9 +248,9 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         check_one_optimizer(self, trainer)
         prepare_compiled(
-            type(self).__name__, pl_module, self.spec.samples_layers, rank_zero_info, rank_zero_warn
+            type(self).__name__, pl_module, self.spec.samples_layers, rank_zero_info, _warn
         )
-        partition = self.spec.partition(pl_module, warn=rank_zero_warn)
+        partition = self.spec.partition(pl_module, warn=_warn)
         old = self.partition
         if self.engine is not None and old is not None and old.signature() == partition.signature():
             self.engine.partition = partition  # a second fit() continues the same state
@@ -275,9 +280,7 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
             # Every process must draw the same layers and coins: rank 0's seed for all.
             seed = trainer.strategy.broadcast(seed)
         try:
-            return self.spec.build_engine(
-                module, seed=seed, partition=partition, warn=rank_zero_warn
-            )
+            return self.spec.build_engine(module, seed=seed, partition=partition, warn=_warn)
         except ValueError as err:  # options that do not fit this model or run
             raise MisconfigurationException(str(err)) from None
 
@@ -295,7 +298,7 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
         steps = estimated_stepping_batches(trainer) - trainer.global_step
         self.coverage_note = self.spec.coverage_warning(self.engine, steps, type(self).__name__)
         if self.coverage_note is not None:
-            rank_zero_warn(self.coverage_note)
+            _warn(self.coverage_note)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
@@ -322,7 +325,7 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
     def _follow_trainable(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.engine is not None
         try:
-            engine, change = self.spec.follow_trainable(self.engine, pl_module, rank_zero_warn)
+            engine, change = self.spec.follow_trainable(self.engine, pl_module, _warn)
         except ValueError as err:  # no layer left to sample, a pattern matching nothing
             raise MisconfigurationException(
                 f"{type(self).__name__}: the model's trainable parameters changed before step"
@@ -364,7 +367,7 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
         self.engine.perturbation.pool = BackupPool()  # the weight backups are not needed now
         # trainer.log_dir is a collective under DDP: every rank asks, rank 0 writes.
         directory = record_dir(trainer)
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and self.engine.sampled():
             self.frequency_csv_path, self.frequency_plot_path = write_record(
                 fresh_stem(directory, versioned=not trainer.loggers),
                 self.engine,
@@ -420,7 +423,7 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
         try:
             apply_method_state(
                 state, self.engine, owner=type(self).__name__, spec=self.spec,
-                warn=rank_zero_warn, preset=getattr(self, "preset", None),
+                warn=_warn, preset=getattr(self, "preset", None),
             )  # fmt: skip
         except CheckpointMismatch as err:
             raise MisconfigurationException(str(err)) from None

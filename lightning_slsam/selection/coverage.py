@@ -27,21 +27,14 @@ import math
 
 from torch import Tensor
 
-__all__ = ["EVIDENCE", "FLOOR", "coverage_message", "expected_updates"]
+__all__ = ["DOCS", "FLOOR", "coverage_message", "expected_updates"]
 
-#: Full updates per sampled layer under which the committed comparisons lost accuracy
-#: against SAM (``docs/results/choosing/coverage.md``): every configuration measured under
-#: it was under SAM's seed spread, by 1.3 to 25 points (the largest figure of a loss: 86),
-#: and none matched SAM under 91. At the floor and above, losses have other causes the
-#: figure does not see (the language-model task at any figure, uncapped update scaling).
+#: Full updates per sampled layer under which layer sampling lost accuracy against SAM in the
+#: committed comparisons (the evidence: ``docs/results/choosing/coverage.md``).
 FLOOR = 90.0
 
-#: What the message cites.
-EVIDENCE = (
-    "every committed configuration under it lost 1.3-25 points of accuracy against SAM (the"
-    " paper's SL-SAM: 23 points at 18, 4 at 55; cost-aware SL-SAM: 1.9 at 86) and none"
-    " matched SAM under 91 (docs/results/choosing/coverage.md)"
-)
+#: Where the message sends the reader for the evidence and the choices.
+DOCS = "docs/methods.md#too-short-a-run-the-coverage-check"
 
 
 def expected_updates(inclusion: Tensor, steps: float, update_scale: float | None) -> float | None:
@@ -67,15 +60,14 @@ def coverage_message(
     cap = 1.0 if update_scale is None else float(update_scale)
     needed = FLOOR / (steps * cap)  # the layer ratio whose median layer reaches the floor
     rounded = math.ceil(needed * 20) / 20  # to 0.05
+    fixes = ["a longer run", "a method that updates every layer each step (RST)"]
     if rounded < 1.0:
-        ratio = f"`layer_ratio={rounded:g}` or more"
+        fixes.insert(0, f"`layer_ratio={rounded:g}` or more")
     elif needed <= 1.0:
-        ratio = "only `layer_ratio=1` (every layer, every step) reaches it in this run"
-    else:
-        ratio = "no `layer_ratio` reaches it in this run"
+        fixes.insert(0, "`layer_ratio=1` (every layer, every step)")
     return (
         f"{name}: each sampled layer can expect about {figure:.0f} full updates over these"
-        f" {steps:.0f} steps (median over layers; layer_ratio={layer_ratio:g}), under"
-        f" {FLOOR:.0f}: {EVIDENCE}. Options: {ratio}, a longer run, or a method that updates"
-        " every layer each step (RST, or LookSAM on a CNN: see docs/choosing.md)."
+        f" {steps:.0f} steps (median over layers; layer_ratio={layer_ratio:g}), under the"
+        f" {FLOOR:.0f} below which layer sampling lost accuracy against SAM; use"
+        f" {', '.join(fixes[:-1])} or {fixes[-1]} (see {DOCS})."
     )

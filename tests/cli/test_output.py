@@ -47,8 +47,10 @@ def test_fit_prints_the_run_summary_once(tmp_path):
     assert "  8 sampled layers, " in done.stdout and " skipped steps" in done.stdout
 
 
-def _fit(tmp_path: Path, *extra: str, terminal: bool = False) -> subprocess.CompletedProcess:
-    """``lightning-slsam fit`` of a 3-step SparseLayerSAM run, stdout and stderr in one
+def _fit(
+    tmp_path: Path, *extra: str, terminal: bool = False, method: str = "SparseLayerSAM"
+) -> subprocess.CompletedProcess:
+    """``lightning-slsam fit`` of a 3-step run of ``method``, stdout and stderr in one
     stream, unbuffered, as a terminal shows them (``terminal``: written to a pseudo-terminal,
     where the progress bar redraws itself)."""
     run = tmp_path / "run.yaml"
@@ -58,7 +60,7 @@ def _fit(tmp_path: Path, *extra: str, terminal: bool = False) -> subprocess.Comp
         "trainer:\n  max_steps: 3\n  logger: false\n  enable_checkpointing: false\n"
         "  enable_model_summary: false\n"
         f"  default_root_dir: {tmp_path / 'root'}\n"
-        "  callbacks:\n    - class_path: lightning_slsam.SparseLayerSAM\n"
+        f"  callbacks:\n    - class_path: lightning_slsam.{method}\n"
     )
     env = {
         **os.environ,
@@ -142,3 +144,14 @@ def test_a_run_of_its_planned_length_says_nothing_about_stopping(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:]
     assert "Run summary (SparseLayerSAM, 3 steps)" in done.stdout
     assert "stopped at step" not in done.stdout
+
+
+@pytest.mark.parametrize("method", ["SAM", "RST"])
+def test_a_method_updating_every_layer_reports_no_sampled_layers_and_no_chart(tmp_path, method):
+    done = _fit(tmp_path, method=method)
+    assert done.returncode == 0, done.stdout[-3000:]
+    summary = done.stdout[done.stdout.index(f"Run summary ({method}, 3 steps)") :]
+    assert "mean active ratio: 2.000x" in summary or method == "RST", summary
+    assert "sampled layers" not in summary and "per-layer chart" not in summary, summary
+    assert "  0 skipped steps\n" in summary, summary
+    assert not list((tmp_path / "root").rglob("slsam_layer_frequency*"))

@@ -5,8 +5,10 @@ tensors, and refuses what it cannot run when it is built."""
 
 from __future__ import annotations
 
+import csv
 import math
 import os
+import sys
 import warnings
 from types import SimpleNamespace
 
@@ -379,3 +381,30 @@ def test_a_run_too_short_for_the_layer_draws_is_said_at_train_begin(tmp_path):
     expected = r"SparseLayerSAM: each sampled layer can expect about \d+ full updates over these 2 "
     with pytest.warns(UserWarning, match=expected):
         trainer.train()
+
+
+def test_the_coverage_warning_points_at_the_users_train_call(tmp_path):
+    # Attributed to this file's `trainer.train()` line, not to the Trainer's callback loop.
+    trainer = SAMTrainer(model=tiny_classifier(0), args=training_args(tmp_path, max_steps=2),
+                         train_dataset=classification_data(16), sam="slsam")  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+        line = sys._getframe().f_lineno - 1
+    [warned] = [w for w in caught if "full updates" in str(w.message)]
+    assert (warned.filename, warned.lineno) == (__file__, line)
+
+
+@pytest.mark.parametrize(("sam", "written"), [("slsam", True), ("sam", False), ("rst", False)])
+def test_the_per_layer_record_goes_to_output_dir_where_layers_were_drawn(tmp_path, sam, written):
+    trainer, masks = run(tmp_path, sam=sam, max_steps=4)
+    files = sorted(f for f in os.listdir(tmp_path) if f.startswith("slsam_layer_frequency"))
+    if not written:  # every layer every step: a chart of ones says nothing
+        assert files == [] and trainer.sam_record is None
+        return
+    assert files == ["slsam_layer_frequency.csv", "slsam_layer_frequency.png"]
+    assert trainer.sam_record == (str(tmp_path / files[0]), str(tmp_path / files[1]))
+    with open(tmp_path / files[0]) as handle:
+        rows = [r for r in csv.DictReader(handle) if r["role"] == "sampled"]
+    counts = torch.stack(masks).sum(0)
+    assert [int(r["activations"]) for r in rows] == counts.tolist()

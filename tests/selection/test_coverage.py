@@ -15,7 +15,7 @@ import torch
 from helpers import LitModel, loader, make_data, make_mlp, trainer
 
 from lightning_slsam import CostAwareSLSAM, RandomSLSAM, SparseLayerSAM, TopSLSAM
-from lightning_slsam.selection.coverage import FLOOR, coverage_message, expected_updates
+from lightning_slsam.selection.coverage import DOCS, FLOOR, coverage_message, expected_updates
 
 TABLE = Path(__file__).parents[2] / "docs" / "results" / "choosing" / "coverage.json"
 
@@ -35,14 +35,17 @@ def test_the_message_fires_under_the_floor_only_and_names_the_fixes():
     assert below is not None
     assert f"about {FLOOR - 1:.0f} full updates over these {4 * FLOOR:.0f} steps" in below
     assert "layer_ratio=0.25` or more" in below  # FLOOR / (4 * FLOOR), rounded up to 0.05
-    assert "docs/results/choosing/coverage.md" in below and "RST, or LookSAM on a CNN" in below
+    assert below.endswith(f"(see {DOCS}).") and "every layer each step (RST)" in below
+    # One sentence and the fix, the evidence behind the link: no measured figures in it.
+    assert below.count(". ") == 0 and len(below) < 400, below
+    assert "points" not in below and "coverage.md" not in below
     assert coverage_message("SparseLayerSAM", FLOOR, 5 * FLOOR, 0.2, None) is None
     assert coverage_message("SparseLayerSAM", None, math.inf, 0.2, None) is None
-    # a run too short for any ratio to reach the floor says so
+    # a run too short for any ratio to reach the floor offers none
     short = coverage_message("SparseLayerSAM", 4.0, 20, 0.2, None)
-    assert short is not None and "no `layer_ratio` reaches it in this run" in short
+    assert short is not None and "layer_ratio=" not in short.split("; use ")[1]
     barely = coverage_message("SparseLayerSAM", FLOOR * 0.2, FLOOR, 0.2, None)
-    assert barely is not None and "only `layer_ratio=1` (every layer, every step)" in barely
+    assert barely is not None and "use `layer_ratio=1` (every layer, every step), " in barely
 
 
 def _lines_at_train_start(callback, max_steps: int, max_epochs: int = -1) -> list[str]:

@@ -1,5 +1,5 @@
 """What a SAM callback logs each step (the engine's ``step_metrics``)
-and writes at the end of fit (:mod:`lightning_slsam.lightning.record`): entropy, rank
+and writes at the end of fit (:mod:`lightning_slsam.core.record`): entropy, rank
 correlation, the per-layer record."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from lightning.pytorch.loggers import CSVLogger
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from scipy.stats import spearmanr
 
-from lightning_slsam import SparseLayerSAM
+from lightning_slsam import ESAM, RST, SAM, SparseLayerSAM
 from lightning_slsam.core.engine import normalized_entropy
-from lightning_slsam.lightning.record import (
+from lightning_slsam.core.record import (
     LABEL_WIDTH,
     common_affixes,
     layer_frequency_figure,
@@ -31,6 +31,29 @@ from lightning_slsam.lightning.record import (
     short_labels,
     write_layer_frequency_csv,
 )
+
+
+class PerSampleLosses(LitModel):
+    """Returns each sample's loss (ESAM ranks them; every other method averages them)."""
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1], reduction="none")
+
+
+@pytest.mark.parametrize("method", [SAM, RST, ESAM])
+def test_methods_updating_every_layer_write_no_per_layer_record(tmp_path, method, caplog):
+    # A chart of ones and a count of "sampled layers" say nothing where every layer is
+    # updated in every step (ESAM samples the perturbed layers, then updates them all).
+    logger = CSVLogger(tmp_path, name="run")
+    cb = method(rho=0.3, seed=0)
+    t = trainer(callbacks=[cb], max_steps=4, logger=logger)
+    with caplog.at_level("INFO"):
+        t.fit(PerSampleLosses(make_mlp()), loader(make_data(64), 8))
+    assert not cb.engine.sampled() and cb.engine.counts.tolist() == [4] * 8
+    assert cb.frequency_csv_path is None and cb.frequency_plot_path is None
+    assert not [f for f in os.listdir(logger.log_dir) if f.startswith("slsam_layer")]
+    [line] = [r.getMessage() for r in caplog.records if "mean active ratio" in r.getMessage()]
+    assert "sampled layers" not in line and "chart" not in line and "0 skipped steps" in line
 
 
 def test_metrics_logged_every_step_and_frequency_record(tmp_path):

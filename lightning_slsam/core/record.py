@@ -40,6 +40,7 @@ __all__ = [
     "fixed_tensors",
     "fresh_stem",
     "layer_frequency_figure",
+    "layers_line",
     "newest_chart",
     "out_of_sampling",
     "plot_layer_frequency",
@@ -476,12 +477,22 @@ def fit_message(name: str, engine: SAMEngine, chart: str | None) -> str:
     """The line printed at the end of fit."""
     message = (
         f"{name}: mean active ratio {engine.mean_active_ratio:.3f}x over the passes"
-        f" (SAM: 2.0x, AdamW: 1.0x), {engine.partition.num_layers} sampled layers,"
-        f" {engine.never_selected()} never selected, {engine.num_skipped} skipped steps."
+        f" (SAM: 2.0x, AdamW: 1.0x), {layers_line(engine)}."
     )
     fixed = out_of_sampling(engine.partition)
     message += f" {fixed}." if fixed else ""
     return message + (f" Per-layer activation chart: {chart}" if chart else "")
+
+
+def layers_line(engine: SAMEngine) -> str:
+    """The layers' part of the end-of-fit line: how many were sampled and never selected
+    (where the layers were sampled, :meth:`~lightning_slsam.core.engine.SAMEngine.sampled`),
+    and the skipped steps."""
+    skipped = f"{engine.num_skipped} skipped steps"
+    if not engine.sampled():
+        return skipped
+    layers = engine.partition.num_layers
+    return f"{layers} sampled layers, {engine.never_selected()} never selected, {skipped}"
 
 
 def out_of_sampling(partition: LayerPartition, shown: int = 6) -> str:

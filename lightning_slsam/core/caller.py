@@ -1,0 +1,49 @@
+"""Warnings attributed to the line of the user's code that led to them.
+
+A warning raised inside a training loop is otherwise attributed to whichever framework frame
+called the package (``transformers/trainer_callback.py``, a Lightning loop): :func:`warn`
+walks out to the first frame that belongs to neither.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+import warnings
+
+__all__ = ["FRAMEWORKS", "warn"]
+
+#: The packages whose frames stand between a user's call and this package's warning.
+FRAMEWORKS = (
+    "lightning_slsam", "lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities",
+    "transformers", "accelerate", "trl", "peft", "torch",
+)  # fmt: skip
+
+
+def _library_folders() -> tuple[str, ...]:
+    folders = [sysconfig.get_paths()["stdlib"]]
+    for name in FRAMEWORKS:
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if path:
+            folders.append(os.path.dirname(path))
+    return tuple(os.path.join(f, "") for f in folders)
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn(message, category)``, attributed to the innermost calling frame
+    outside this package, the frameworks it runs in (:data:`FRAMEWORKS`) and the standard
+    library: the user's ``trainer.fit(...)`` or ``trainer.train()`` line. Where there is
+    none (the ``lightning-slsam`` command), to the package's own call."""
+    folders = _library_folders()
+    own = os.path.join(os.path.dirname(os.path.dirname(__file__)), "")
+    frame, level, ours = sys._getframe(1), 2, None
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith("<frozen") and not name.startswith(folders):
+            break
+        if ours is None and name.startswith(own):
+            ours = level
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level if frame is not None else ours or 2)
