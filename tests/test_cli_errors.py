@@ -42,6 +42,15 @@ class ScalarLossModel(SAMMixin, L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
+class LoggedLossModel(ScalarLossModel):
+    """Shows its training loss on the progress bar, as most models do."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+
 class Blobs(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         return DataLoader(make_data(64), batch_size=16)

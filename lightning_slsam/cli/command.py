@@ -22,18 +22,22 @@ per-layer chart, and the log folder.
 
 from __future__ import annotations
 
+import glob
 import math
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
 import torch
 from jsonargparse import Namespace
-from lightning.pytorch.callbacks import Callback, Timer
+from lightning.pytorch.callbacks import Callback, ProgressBar, Timer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from lightning_slsam.cli.checks import (
     SUBCOMMANDS,
@@ -44,6 +48,7 @@ from lightning_slsam.cli.checks import (
     stack_callbacks,
 )
 from lightning_slsam.cli.errors import OneLineParser, debugging, fail
+from lightning_slsam.cli.progress import LineProgress
 from lightning_slsam.cli.saved_configs import UnsupportedConfig, upgrade_configs
 from lightning_slsam.core.record import layers_line
 from lightning_slsam.lightning.callback import estimated_stepping_batches
@@ -151,9 +156,37 @@ class SLSAMCLI(LightningCLI):
             sam._fit_message = False
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
+        given = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
+        own_bar = any(isinstance(c, ProgressBar) for c in given)
         trainer = super().instantiate_trainer(**kwargs)
         trainer.callbacks.append(_ValidationStep())
+        bar = trainer.progress_bar_callback
+        if bar is not None and not own_bar and not sys.stdout.isatty():
+            # Rich's bar shows nothing in a log file until the run ends: lines instead.
+            trainer.callbacks[trainer.callbacks.index(bar)] = LineProgress()
         return trainer
+
+    def fit(self, **kwargs: Any) -> None:
+        """``trainer.fit(**kwargs)``; a run ended by SIGTERM or SIGINT prints its summary,
+        saying so, and exits with ``128 + signal`` (143, 130), the shell's convention. Both
+        stop at the end of a step (SIGTERM) or restore the weights (SIGINT, Lightning's
+        KeyboardInterrupt); a checkpoint being written is completed (Lightning writes to a
+        temporary file and moves it)."""
+        trainer = self.trainer
+        with _SignalRecord() as record:
+            try:
+                trainer.fit(**kwargs)
+            except SystemExit as stop:
+                # Lightning ends a run on SIGTERM with SIGTERMException (a SystemExit of code
+                # 0), and on Ctrl-C with sys.exit(1).
+                signum = signal.SIGTERM if isinstance(stop, SIGTERMException) else record.signum
+                if signum is None or trainer.state.status != TrainerStatus.INTERRUPTED:
+                    raise
+                if trainer.is_global_zero:
+                    name = signal.Signals(signum).name
+                    summary = run_summary(trainer, _local_log_dir(trainer), signal_name=name)
+                    print("\n".join(summary), flush=True)
+                raise SystemExit(128 + signum) from None
 
     def after_fit(self) -> None:
         trainer = self.trainer
@@ -171,16 +204,55 @@ class _ValidationStep(Callback):
             trainer.callback_metrics[VALIDATED_AT] = torch.tensor(float(trainer.global_step))
 
 
-def run_summary(trainer: Any, log_dir: str | None) -> list[str]:
+class _SignalRecord:
+    """Records a SIGINT (Lightning turns it into ``KeyboardInterrupt``, then ``sys.exit(1)``),
+    so that the run's end can name it; SIGTERM Lightning handles and names itself."""
+
+    signum: int | None = None
+
+    def __enter__(self) -> _SignalRecord:
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._interrupt)
+        return self
+
+    def _interrupt(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+        raise KeyboardInterrupt
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def _local_log_dir(trainer: Any) -> str:
+    """``trainer.log_dir`` without its broadcast: an interrupted run may have lost its peers."""
+    logger = trainer.loggers[0] if trainer.loggers else None
+    folder = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
+    return folder or trainer.default_root_dir
+
+
+def _last_checkpoint(trainer: Any) -> str | None:
+    """The newest checkpoint file a ``ModelCheckpoint`` of ``trainer`` wrote (``None``: none)."""
+    folders = {cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)}
+    found = [p for folder in folders for p in glob.glob(os.path.join(folder, "*.ckpt"))]
+    return max(found, key=os.path.getmtime) if found else None
+
+
+def run_summary(trainer: Any, log_dir: str | None, signal_name: str | None = None) -> list[str]:
     """The lines printed after ``fit``: the method, each final validation metric with the
     step it was measured at, the active ratio, the tensors out of sampling, the chart and
-    the log folder."""
+    the log folder; for a run a signal ended (``signal_name``), that and its last
+    checkpoint first."""
     sam = find_sam_callback(trainer)
     method = type(sam).__name__ if sam is not None else "no SAM method"
     lines = ["", f"Run summary ({method}, {trainer.global_step} steps)"]
-    cut = _cut_short(trainer)
+    cut = _cut_short(trainer, signal_name)
     if cut:
         lines.append(f"  {cut}")
+    if signal_name is not None:
+        last = _last_checkpoint(trainer)
+        lines.append(f"  last checkpoint: {last or 'none written'}")
     metrics = _validation_metrics(trainer)
     measured = trainer.callback_metrics.get(VALIDATED_AT)
     if not metrics:
@@ -216,13 +288,19 @@ def run_summary(trainer: Any, log_dir: str | None) -> list[str]:
     return lines
 
 
-def _cut_short(trainer: Any) -> str | None:
+def _cut_short(trainer: Any, signal_name: str | None = None) -> str | None:
     """What stopped a run before its planned length (``max_epochs``/``max_steps``), or
     ``None``. Lightning's own closing line names ``max_epochs`` also when ``max_time`` ran
     out; this says which limit ended the run, at which step."""
     if spawns_processes(trainer.strategy):  # the launching process did not count the steps
         return None
     planned = estimated_stepping_batches(trainer)
+    if signal_name is not None:
+        of = "" if math.isinf(planned) else f" of {int(planned)}"
+        return (
+            f"interrupted by {signal_name} at step {trainer.global_step}{of}; the metrics"
+            " below are those of a shortened run"
+        )
     if math.isinf(planned) or trainer.global_step >= planned:
         return None
     timer = next((cb for cb in trainer.callbacks if isinstance(cb, Timer)), None)
@@ -333,6 +411,9 @@ def main(args: Sequence[str] | None = None) -> None:
         if debugging():
             raise
         fail(" ".join(str(err).split()))
+    except KeyboardInterrupt:  # Ctrl-C before the training loop (which handles its own)
+        print("lightning-slsam: interrupted by SIGINT before training started", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
     release_process_group()
 
 

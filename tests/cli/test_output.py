@@ -48,14 +48,18 @@ def test_fit_prints_the_run_summary_once(tmp_path):
 
 
 def _fit(
-    tmp_path: Path, *extra: str, terminal: bool = False, method: str = "SparseLayerSAM"
+    tmp_path: Path,
+    *extra: str,
+    terminal: bool = False,
+    method: str = "SparseLayerSAM",
+    model: str = "ScalarLossModel",
 ) -> subprocess.CompletedProcess:
     """``lightning-slsam fit`` of a 3-step run of ``method``, stdout and stderr in one
     stream, unbuffered, as a terminal shows them (``terminal``: written to a pseudo-terminal,
     where the progress bar redraws itself)."""
     run = tmp_path / "run.yaml"
     run.write_text(
-        "model: {class_path: test_cli_errors.ScalarLossModel}\n"
+        f"model: {{class_path: test_cli_errors.{model}}}\n"
         "data: {class_path: test_cli_errors.Blobs}\n"
         "trainer:\n  max_steps: 3\n  logger: false\n  enable_checkpointing: false\n"
         "  enable_model_summary: false\n"
@@ -106,7 +110,8 @@ def test_the_coverage_warning_precedes_the_progress_bar_and_ends_the_summary(tmp
     assert not any(word in warned[0] for word in ("Epoch", "it/s", "%|")), warned[0]
     assert re.fullmatch(rf"\S*callback\.py:\d+: {said}.*", warned[0]), warned[0]
     assert warned[1].startswith(f"  warning: {said}"), warned[1]
-    assert done.stdout.index(said) < done.stdout.index("Epoch")
+    progress = re.search(r"Epoch" if terminal else r"\nstep 1/3", done.stdout)
+    assert progress is not None and done.stdout.index(said) < progress.start()
 
 
 def test_the_summary_gives_a_forgetting_monitors_first_and_last_measurement():
@@ -155,3 +160,47 @@ def test_a_method_updating_every_layer_reports_no_sampled_layers_and_no_chart(tm
     assert "sampled layers" not in summary and "per-layer chart" not in summary, summary
     assert "  0 skipped steps\n" in summary, summary
     assert not list((tmp_path / "root").rglob("slsam_layer_frequency*"))
+
+
+#: A plain progress line: the step of the planned ones, the epoch, the time, the rate, the
+#: time left, the progress bar's metrics.
+PROGRESS_LINE = re.compile(
+    r"step (\d+)/40 \((\d+)%\), epoch \d+, \d+:\d\d elapsed, [\d.]+ (steps/s|s/step),"
+    r" \d+:\d\d left, train_loss [\d.]+, sl_layers \d+, sl_ratio [\d.]+, sl_entropy [\d.]+"
+)
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["pipe", "terminal"])
+def test_output_that_is_not_a_terminal_gets_progress_lines(tmp_path, terminal):
+    # Piped (a log file, nohup, CI), Rich's bar drew nothing until the end: a line every 10%
+    # of the run and after each validation instead. On a terminal the bar stays.
+    done = _fit(tmp_path, "--trainer.max_steps=40", terminal=terminal, model="LoggedLossModel")
+    assert done.returncode == 0, done.stdout[-3000:]
+    shown = done.stdout.replace("\r", "\n").split("\n")
+    lines = [m for m in map(PROGRESS_LINE.fullmatch, shown) if m]
+    validations = [t for t in shown if re.fullmatch(r"validation at step \d+: val_loss [\d.]+", t)]
+    if terminal:
+        assert lines == [] and validations == [] and "Epoch 9/" in done.stdout, done.stdout[-2000:]
+        return
+    steps = [int(m[1]) for m in lines]
+    assert steps == list(range(4, 41, 4)), shown  # every 10%, the last at the end
+    assert [int(m[2]) for m in lines] == list(range(10, 101, 10))
+    assert len(validations) == 10  # Blobs: an epoch of 4 steps, validated at its end
+    assert "Epoch" not in done.stdout and "\r" not in done.stdout
+
+
+def test_a_line_comes_after_30_seconds_when_the_next_10_percent_is_further(monkeypatch):
+    from helpers import LitModel, loader, make_data, make_mlp, trainer
+
+    from lightning_slsam.cli import progress
+
+    now = iter(range(0, 10_000, 10))  # 10 s a step on the monotonic clock
+    monkeypatch.setattr(progress.time, "monotonic", lambda: next(now))
+    printed = []
+    bar = progress.LineProgress(every=1.0, seconds=30.0)  # no 10% marks before the end
+    monkeypatch.setattr(bar, "_print", printed.append)
+    fit = trainer([bar], max_steps=10, enable_progress_bar=True)
+    fit.fit(LitModel(make_mlp()), loader(make_data(64), 8))
+    steps = [int(re.match(r"step (\d+)/10", line)[1]) for line in printed]
+    assert steps == [3, 6, 9, 10], printed  # 30 s after the start, then after each line
+    assert "0:30 elapsed, 0.1 steps/s" in printed[0] or "10 s/step" in printed[0], printed[0]
