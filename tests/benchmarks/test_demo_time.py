@@ -36,8 +36,26 @@ def test_the_timer_reads_the_demos_summary():
             "350 steps)\n  stopped at step 350 of 454: max_time ran out (420 s of training);"
             " the metrics below are those of a shortened run\n",
         ),
+        SUMMARY.replace(
+            "454 steps)\n", "350 steps)\n  interrupted by SIGTERM at step 350 of 454\n"
+        ),
     ],
 )
 def test_the_timer_refuses_a_run_without_a_full_summary(output):
     with pytest.raises(ValueError):
         demo_time.parse(output)
+
+
+def test_the_table_has_a_row_per_setting_and_each_profiles_phases():
+    setting = {"processor": "cpu", "kernels": "avx2", "torch_threads": 1}
+    run = {**setting, "cpus": 2, "steps": 227, "val_acc": 0.81, "validated_at": 226,
+           "seconds": 262.0, "date": "2026-12-01"}  # fmt: skip
+    profile = {**setting, "startup_s": 4.9, "step_s": 1.09, "validation_s": 8.9,
+               "operators": [["aten::addmm", 0.495]]}  # fmt: skip
+    text = demo_time.table({"runs": [run], "profiles": [profile]})
+    assert "| cpu | 2 | avx2 | 1 | 227 | 0.8100 (226) | 262 s (4.4 min) | 2026-12-01 |" in text
+    assert "a training step: 1.09 s" in text and "| `aten::addmm` | 49.5% |" in text
+    assert demo_time.environment("avx2", 1) == {
+        "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1",
+    }  # fmt: skip
