@@ -157,6 +157,7 @@ class SLSAMCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         given = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
+        given = given if isinstance(given, list) else [given]  # one callback, not in a list
         own_bar = any(isinstance(c, ProgressBar) for c in given)
         trainer = super().instantiate_trainer(**kwargs)
         trainer.callbacks.append(_ValidationStep())
