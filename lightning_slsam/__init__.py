@@ -4,7 +4,8 @@ Add :class:`SAMMixin` to a LightningModule's bases and a method callback to the 
 :class:`SparseLayerSAM` (SL-SAM), or any method of the SL-SAM paper's comparison
 (:class:`SAM`, :class:`RandomSLSAM`, :class:`TopSLSAM`, :class:`S2SAM`, :class:`SLS2SAM`,
 :class:`RST`, :class:`ESAM`, :class:`SSAMF`, :class:`LookSAM`), Momentum-SAM
-(:class:`MomentumSAM`, SAM at one gradient per step) and the combinations beyond it
+(:class:`MomentumSAM`, SAM at one gradient per step), ARWP (:class:`ARWP`, random weight
+perturbation at one gradient per step) and the combinations beyond it
 (:class:`SLSAMRST`, :class:`SLSAMLookSAM`, :class:`CostAwareSLSAM`); :func:`make_callback`
 by name. In a Lightning Fabric loop, :class:`FabricSAM` runs any of them over the model and
 optimizer that ``fabric.setup`` returned; in a plain PyTorch loop, :func:`make_engine`.
@@ -40,6 +41,7 @@ _LIGHTNING_MODULES = (
 if TYPE_CHECKING:
     from lightning_slsam.lightning.callback import SAMCallback
     from lightning_slsam.lightning.callbacks import (
+        ARWP,
         ESAM,
         METHODS,
         RST,
@@ -83,6 +85,7 @@ __version__ = "0.3.0.dev0"
 #: The user API (the module mixin, the method callbacks, the front-ends) and the documented
 #: extension points (a method's specification, its selection rule, its callback shell).
 __all__ = [
+    "ARWP",
     "ESAM",
     "METHODS",
     "RST",

@@ -44,7 +44,7 @@ STEPS = 3
 METHODS = [
     "sam", "slsam_paper", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
     "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_depth", "slsam", "slsam_ablation",
-    "momentum_sam",
+    "momentum_sam", "arwp",
 ]  # fmt: skip
 #: Under FSDP2 (ModelParallelStrategy, fully_shard in parallelize_fn).
 FSDP2_METHODS = ["sam", "slsam_paper", "slsam", "esam"]
@@ -199,6 +199,7 @@ def train(fabric: L.Fabric, case: Case, out: str | None = None) -> dict:
     else:
         sam = FabricSAM(fabric, model, optimizer, case.method, gradient_clip_val=case.clip,
                         **options)  # fmt: skip
+        sam.engine.planned_steps = STEPS  # ARWP's noise grows over the run
     record: dict = {"masks": [], "kinds": [], "bytes": [], "losses": [], "ddp_bytes": 0}
     _count_ddp_traffic(model, record)
     state = {"model": model, "optimizer": optimizer, "sam": sam}

@@ -60,7 +60,7 @@ def test_method_config_instantiates_its_callback(method, tmp_path):
     (cb,) = found
     # each config states its method's default radius (Momentum-SAM's is a distance along
     # the momentum: 1.0, its authors' AdamW default)
-    assert type(cb) is cls and cb.rho == (1.0 if method == "momentum_sam" else 0.01)
+    assert type(cb) is cls and cb.rho == {"momentum_sam": 1.0, "arwp": 0.001}.get(method, 0.01)
     # The options the name implies (slsam_paper's preset; the schedules are classes now).
     for option, value in preset.items():
         assert getattr(cb, option) == value, option

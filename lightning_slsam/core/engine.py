@@ -149,6 +149,10 @@ class SAMEngine:
         )
         #: Single-step SAM's gradients of the last step each tensor was trained in.
         self.last_grad: dict[int, Tensor] = {}
+        #: The run's planned optimizer steps, where the training loop knows them (the
+        #: Lightning callback and ``SAMTrainer`` set it at train start; ``math.inf``: not
+        #: known), for a method whose schedule spans the run (ARWP's growing noise).
+        self.planned_steps: float = math.inf
         self._ddp = DDPAverager()
         self.reset_counters(partition.num_layers)
 
@@ -182,7 +186,8 @@ class SAMEngine:
         kind = parts.kind(step)
         if kind not in STEP_KINDS:
             raise ValueError(f"The method named step kind {kind!r}; the kinds are {STEP_KINDS}.")
-        ctx = StepContext(step, loop, self.freezer, self.isolation, self.shards)
+        ctx = StepContext(step, loop, self.freezer, self.isolation, self.shards,
+                          self.planned_steps)  # fmt: skip
         # A single-step method's directions (S2-SAM: the last step's gradients;
         # Momentum-SAM: the optimizer's momentum). Without any (the first step), a plain
         # step on every layer, not a draw (the selection neither draws nor learns).
@@ -193,8 +198,10 @@ class SAMEngine:
         drawn = not (kind == "single" and not directions)
         if not drawn:
             kind = "plain"
-        # S2-SAM keeps the gradients of its steps, the first plain one included.
-        keep = parts.keeps_last_grads and (kind == "single" or not drawn)
+        # S2-SAM keeps the gradients of its steps, the first plain one included; ARWP reads
+        # those of each one-pass step.
+        one_pass = kind == "single" or not drawn
+        keep = one_pass and (parts.keeps_last_grads or parts.reads_update_grads)
         mask = self.selection.sample() if drawn else self.freezer.all.clone()
         inclusion = self.selection.inclusion() if drawn and self.update_scale else None
         if (self.check_masks or loop.check_draw) and loop.averager is not None:
@@ -208,7 +215,8 @@ class SAMEngine:
                 )  # fmt: skip
             elif kind == "single":
                 passed = single_step(ctx, mask, perturbation=self.perturbation,
-                                     directions=directions, keep=keep)  # fmt: skip
+                                     directions=directions, keep=keep,
+                                     fresh=parts.fresh_directions)  # fmt: skip
             else:
                 passed = plain_step(ctx, mask, parts=parts, reuse=kind == "reuse", keep=keep)
             outcome = commit(ctx, passed, inclusion, update_scale=self.update_scale,
@@ -220,8 +228,12 @@ class SAMEngine:
                     # The gradient tensors themselves (after the optimizer's unscaling and
                     # clipping): zero_grad(set_to_none=True) detaches them from .grad.
                     params, grads = passed.kept
-                    for param, grad in zip(params, self.shards.local(grads)):
-                        self.last_grad[id(param)] = grad
+                    if parts.reads_update_grads:  # as the optimizer used them
+                        read = functools.partial(parts.after_update, ctx, params, grads)
+                        loop.after_update(read) if loop.after_update is not None else read()
+                    if parts.keeps_last_grads:
+                        for param, grad in zip(params, self.shards.local(grads)):
+                            self.last_grad[id(param)] = grad
         finally:
             self.freezer.release()
         total = max(self.trainable_numel, 1)

@@ -104,7 +104,9 @@ class SAMPerturbation:
     Args:
         rho: perturbation radius (> 0). The SL-SAM paper uses 0.01 for every SAM method.
         norm: ``"global"`` (default; one norm over all perturbed tensors, as SAM) or
-            ``"layer"`` (one norm per layer, as Algorithm 1 of the SL-SAM paper reads).
+            ``"layer"`` (one norm per layer, as Algorithm 1 of the SL-SAM paper reads);
+            ``"none"`` moves by the directions as given (``rho`` ignored): a method that
+            draws its move itself (ARWP).
         adaptive: ASAM's weight-scaled perturbation (default ``False``); which tensors
             are weights is given to :meth:`perturb_` (``scaled``).
         eta: ASAM's offset in ``T_w = |w| + eta`` (>= 0; default :data:`ASAM_ETA`).
@@ -186,7 +188,9 @@ class SAMPerturbation:
                 torch._foreach_mul_(weighted, weights)  # T_w g
             norms = shards.norms(step, norms.device, like=whole)
         dtype = step[0].dtype
-        if self.norm == "global":
+        if self.norm == "none":  # the directions are the move (ARWP's noise)
+            pass
+        elif self.norm == "global":
             scale = self.rho / (torch.linalg.vector_norm(norms) + self.eps)
             torch._foreach_mul_(step, scale.to(dtype))
         else:

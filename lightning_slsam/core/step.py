@@ -31,6 +31,7 @@ around them -- drawing the layers, counting, saving -- is
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -89,7 +90,8 @@ class LoopHooks:
         check_draw: check on this step that every process drew the same layers.
         after_update: for a loop whose optimizer steps after the SAM step returns (the
             Hugging Face Trainer's: it clips, steps and schedules itself), takes the work
-            due right after the optimizer's update (the update scaling) and runs it then;
+            due right after the optimizer's update (the update scaling, a method reading
+            the update's gradients) and runs it then;
             ``None``: ``optimizer_step`` made the update, and that work runs at once.
         optimizer: the optimizer ``optimizer_step`` steps (a framework's wrapper of it is
             fine), whose state a method may read: Momentum-SAM's momentum.
@@ -117,6 +119,8 @@ class StepContext:
             ``None`` when the model has neither).
         shards: the :mod:`~lightning_slsam.parallel.shards` seam (whole tensors, or FSDP2
             shards).
+        planned: the run's planned optimizer steps (``math.inf``: not known), for a method
+            whose schedule spans the run (ARWP's growing noise).
     """
 
     step: int
@@ -124,6 +128,7 @@ class StepContext:
     layers: LayerFreezer
     isolation: PassIsolation | None
     shards: Shards
+    planned: float = math.inf
 
 
 class ExtraWork(NamedTuple):
@@ -194,7 +199,9 @@ class MethodParts:
       (LookSAM's store);
     * :meth:`adjust_grads` -- on a ``"reuse"`` step, before the update (LookSAM);
     * :meth:`directions` -- a ``"single"`` step's directions (S2-SAM: the last step's
-      gradients; Momentum-SAM: the optimizer's momentum).
+      gradients; Momentum-SAM: the optimizer's momentum; ARWP: random noise);
+    * :meth:`after_update` -- after the update of a one-pass step, with its gradients (ARWP's
+      running squared gradients).
 
     A hook reports a warning through :attr:`warn` (the engine's builder sets it:
     Lightning's rank-zero warning under the callback).
@@ -211,6 +218,11 @@ class MethodParts:
     #: Whether a single-step method's directions are the gradients of the last step each
     #: tensor was trained in (S2-SAM): the engine keeps them after each update.
     keeps_last_grads: bool = True
+    #: Whether :meth:`directions` returns tensors made for this step alone (ARWP's noise),
+    #: which the step then moves the weights by in place, with no copy.
+    fresh_directions: bool = False
+    #: Whether a one-pass step hands :meth:`after_update` its tensors and gradients.
+    reads_update_grads: bool = False
     #: How a hook reports a warning.
     warn: Callable[[str], None] = warnings.warn
 
@@ -254,6 +266,10 @@ class MethodParts:
         engine runs a plain step). Here: ``last_grads``, the gradients of the last step
         each tensor was trained in."""
         return last_grads
+
+    def after_update(self, ctx: StepContext, params: list[Tensor], grads: list[Tensor]) -> None:
+        """After a one-pass step's update (with :attr:`reads_update_grads`): its tensors and
+        their gradients, after the optimizer's unscaling and clipping."""
 
     def state_dict(self, index: dict[int, int]) -> dict[str, Any]:
         """The parts' state; ``index`` maps ``id(tensor)`` to its position."""
@@ -432,20 +448,24 @@ def single_step(
     perturbation: SAMPerturbation,
     directions: dict[int, Tensor],
     keep: bool = False,
+    fresh: bool = False,
 ) -> Passed:
     """Single-step SAM: one pass at weights perturbed along each active tensor's direction
     (``directions``, by ``id`` of the tensor), restored exactly before the update (a step
     without any is a plain one: the engine runs :func:`plain_step` then). ``keep``: return
-    the step's tensors and gradients, for S2-SAM's store of the last gradients."""
+    the step's tensors and gradients (S2-SAM's store of the last gradients, ARWP's running
+    squares); ``fresh``: the directions are this step's own, scaled in place."""
     layers, shards = ctx.layers, ctx.shards
     active = layers.activate(mask)
     pp = [p for p in active if id(p) in directions]
     pg = [directions[id(p)] for p in pp]
     device = pp[0].device if pp else None
-    # Stored as local shards (FSDP2): the params tell the layout.
-    norms = shards.norms(pg, device, like=pp)
+    # Stored as local shards (FSDP2): the params tell the layout. A move by the directions
+    # as they are needs no norm.
+    unscaled = perturbation.norm == "none"
+    norms = torch.zeros(0, device=device) if unscaled else shards.norms(pg, device, like=pp)
     backup = perturbation.perturb_(
-        pp, pg, norms, layers.slots(pp), layers.num_groups, inplace=False,
+        pp, pg, norms, layers.slots(pp), layers.num_groups, inplace=fresh,
         scaled=layers.weight_flags(pp) if perturbation.adaptive else None, shards=shards,
     )  # fmt: skip
     try:

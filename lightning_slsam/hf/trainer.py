@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import os
 from contextlib import nullcontext
 from typing import Any
@@ -132,7 +133,7 @@ class SAMTrainerMixin:
         self._sam_model: Any = None
         self._sam_items: Any = None
         self._sam_per_sample: list[Tensor | None] | None = None
-        self._sam_pending: Any = None
+        self._sam_pending: list[Any] = []
         self._sam_hooked: Any = None
         self._sam_passes: PassRunner | None = None
         self._sam_averager = DDPAverager()
@@ -184,7 +185,7 @@ class SAMTrainerMixin:
             engine = self.sam_engine
             _info(f"SAMTrainer({self.sam_spec.label}), before step {engine.num_steps}: {change}")
         self._sam_hook_optimizer()
-        self._sam_pending = None
+        self._sam_pending = []
         self._sam_model, self._sam_items = model, items
         passes = PassRunner(
             micro_batches, self._sam_loss, trainer.accelerator.backward,
@@ -218,6 +219,7 @@ class SAMTrainerMixin:
             return engine
         rebuilt = self.sam_spec.build_engine(unwrapped, seed=self._sam_seed, warn=warn)
         rebuilt.load_state_dict(engine.state_dict())
+        rebuilt.planned_steps = engine.planned_steps
         self.sam_engine = rebuilt
         return rebuilt
 
@@ -295,7 +297,7 @@ class SAMTrainerMixin:
             skip_with_scaler(_inner_optimizer(self.optimizer))  # type: ignore[attr-defined]
 
     def _sam_after_update(self, work: Any) -> None:
-        self._sam_pending = work
+        self._sam_pending.append(work)
 
     def _sam_hook_optimizer(self) -> None:
         optimizer = _inner_optimizer(self.optimizer)  # type: ignore[attr-defined]
@@ -305,8 +307,8 @@ class SAMTrainerMixin:
         self._sam_hooked = optimizer
 
     def _sam_run_pending(self, *args: Any) -> None:
-        work, self._sam_pending = self._sam_pending, None
-        if work is not None:
+        pending, self._sam_pending = self._sam_pending, []
+        for work in pending:
             work()
 
     # -- logs and checkpoints -------------------------------------------------------------
@@ -399,7 +401,8 @@ class _SAMCallback(TrainerCallback):
         # The Trainer has prepared the model (FSDP2 has sharded it): the engine moves to its
         # parameters now, letting go of the unsharded ones before the first step.
         trainer: Any = self.trainer
-        trainer._sam_engine_on(trainer.accelerator.unwrap_model(trainer.model))
+        engine = trainer._sam_engine_on(trainer.accelerator.unwrap_model(trainer.model))
+        engine.planned_steps = state.max_steps if state.max_steps > 0 else math.inf
         if state.is_world_process_zero and state.max_steps > 0:
             steps = state.max_steps - state.global_step
             message = self.trainer.sam_spec.coverage_warning(self.trainer.sam_engine, steps)

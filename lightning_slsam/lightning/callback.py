@@ -285,6 +285,8 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
             raise MisconfigurationException(str(err)) from None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.engine is not None:  # a schedule over the run (ARWP's noise) reads it
+            self.engine.planned_steps = estimated_stepping_batches(trainer)
         if trainer.ckpt_path is not None:  # resumed: the steps left are known from here on
             self._check_coverage(trainer)
 

@@ -27,6 +27,7 @@ name (``make_callback``)  class                       defaults
 ``slsam_depth``           :class:`CostAwareSLSAM`     depth 0.5 (beyond the paper)
 ``slsam_ablation``        :class:`SLSAMAblation`      each preset setting alone (results)
 ``momentum_sam``          :class:`MomentumSAM`        rho 1 (against the momentum)
+``arwp``                  :class:`ARWP`               rho 0.001 growing 11x, eta 0.1
 ========================  ==========================  ====================================
 """
 
@@ -37,6 +38,7 @@ from typing import Any
 
 from lightning_slsam.lightning.callback import SAMCallback, callback_for
 from lightning_slsam.methods import (
+    arwp,
     esam,
     looksam,
     momentum_sam,
@@ -192,6 +194,22 @@ class MomentumSAM(SAM, momentum_sam.MomentumSAMOptions):
     """
 
     spec_class = momentum_sam.MomentumSAMSpec
+
+
+class ARWP(SAM, arwp.ARWPOptions):
+    """ARWP (Li et al., 2024, "Revisiting Random Weight Perturbation"): one forward/backward
+    per step at the weights moved by Gaussian noise, each row's scaled by its norm and shrunk
+    where the running squared gradients are large; the optimizer updates the true weights
+    with that gradient. One pass per step (Active Ratio 1.0x). The noise grows from ``rho``
+    to ``rho * (1 + growth)`` over the run (the trainer's planned steps). The move is undone
+    before the update: validation and checkpoints see the true weights.
+
+    Example:
+        >>> ARWP().rho, ARWP().growth, ARWP(rho=0.01, growth=0).rho
+        (0.001, 10.0, 0.01)
+    """
+
+    spec_class = arwp.ARWPSpec
 
 
 class SLS2SAM(SparseLayerSAM, sl_s2sam.SLS2SAMOptions):
@@ -428,5 +446,5 @@ __all__ = [  # the method classes: the ones declared above
     "make_callbacks",
     *(cls.__name__ for cls in (SAM, SparseLayerSAM, RandomSLSAM, TopSLSAM, S2SAM, SLS2SAM)),
     *(cls.__name__ for cls in (RST, LookSAM, ESAM, SSAMF, SLSAMRST, SLSAMLookSAM)),
-    *(cls.__name__ for cls in (CostAwareSLSAM, SLSAMAblation, MomentumSAM)),
+    *(cls.__name__ for cls in (CostAwareSLSAM, SLSAMAblation, MomentumSAM, ARWP)),
 ]

@@ -70,6 +70,7 @@ from __future__ import annotations
 import difflib
 from typing import TYPE_CHECKING, Any
 
+from lightning_slsam.methods.arwp import ARWPSpec
 from lightning_slsam.methods.esam import ESAMSpec
 from lightning_slsam.methods.looksam import LookSAMSpec
 from lightning_slsam.methods.momentum_sam import MomentumSAMSpec
@@ -122,6 +123,7 @@ SPECS: dict[str, tuple[type[MethodSpec] | None, dict[str, Any]]] = {
     "slsam_depth": (CostAwareSLSAMSpec, {}),
     "slsam_ablation": (SLSAMAblationSpec, {}),
     "momentum_sam": (MomentumSAMSpec, {}),
+    "arwp": (ARWPSpec, {}),
 }
 
 #: Names of earlier versions and what each is now.

@@ -324,6 +324,7 @@ class MethodSpec(MethodOptions):
         state = new.carry_state(engine.state_dict(), old.names, old.tensor_names())
         new.load_state_dict(state)
         new.last_grad.update(engine.last_grad)  # tensors kept: the same objects, by id
+        new.planned_steps = engine.planned_steps
         return new, describe_change(old, partition)
 
     def build_engine(

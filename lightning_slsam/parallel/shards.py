@@ -25,6 +25,7 @@ global ones, identical on every process.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -123,6 +124,12 @@ class Shards:
 
     def shard(self, value: Tensor, param: Tensor) -> Tensor:
         """This process's part of the whole tensor ``value`` kept for ``param``."""
+        return value
+
+    def local_rows(self, value: Tensor, param: Tensor) -> Tensor:
+        """This process's part of ``value``, a whole tensor shaped as ``param`` that every
+        process holds alike (a draw of a generator seeded alike), cut without communicating
+        (here: ``value`` itself)."""
         return value
 
     def reshard(self) -> None:
@@ -240,6 +247,15 @@ class FSDP2Shards(Shards):
 
         placed = distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
         return placed.to_local()
+
+    def local_rows(self, value: Tensor, param: Tensor) -> Tensor:
+        dtensor = _dtensor_type()
+        if dtensor is None or not isinstance(param, dtensor):
+            return value
+        # FSDP2 cuts dimension 0 as torch.chunk does: ceil(rows / processes) rows each.
+        mesh, rows = param.device_mesh, param.to_local().shape[0]
+        start = mesh.get_local_rank() * math.ceil(param.shape[0] / mesh.size())
+        return value[start : start + rows]
 
     def reshard(self) -> None:
         reshard(self.modules)

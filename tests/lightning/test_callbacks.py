@@ -8,6 +8,7 @@ import re
 import pytest
 
 from lightning_slsam import (
+    ARWP,
     ESAM,
     METHODS,
     RST,
@@ -27,6 +28,9 @@ from lightning_slsam import (
 )
 from lightning_slsam.lightning.callbacks import SLSAMAblation
 
+#: The methods whose rho is not SAM's radius, at their authors' defaults.
+OWN_RADIUS = {"momentum_sam": 1.0, "arwp": 0.001}
+
 
 def test_registry_builds_every_method_with_its_paper_defaults():
     expected = {
@@ -34,12 +38,13 @@ def test_registry_builds_every_method_with_its_paper_defaults():
         "random_slsam": RandomSLSAM, "top_slsam": TopSLSAM, "s2sam": S2SAM, "sl_s2sam": SLS2SAM,
         "rst": RST, "esam": ESAM, "ssamf": SSAMF, "looksam": LookSAM, "slsam_rst": SLSAMRST,
         "slsam_looksam": SLSAMLookSAM, "slsam_depth": CostAwareSLSAM,
-        "slsam_ablation": SLSAMAblation, "momentum_sam": MomentumSAM,
+        "slsam_ablation": SLSAMAblation, "momentum_sam": MomentumSAM, "arwp": ARWP,
     }  # fmt: skip
     for name, cls in expected.items():
         cb = make_callback(name)
-        # the paper's radius; Momentum-SAM's moves along the momentum: its authors' default
-        assert type(cb) is cls and cb.rho == (1.0 if name == "momentum_sam" else 0.01)
+        # the paper's radius; Momentum-SAM's moves along the momentum and ARWP's is its
+        # noise: their authors' defaults
+        assert type(cb) is cls and cb.rho == OWN_RADIUS.get(name, 0.01)
     with pytest.raises(ValueError, match="needs no callback"):
         make_callback("adamw")
     assert make_callback("SL-SAM".replace("SL-SAM", "slsam")).layer_ratio == 0.2

@@ -17,7 +17,7 @@ from lightning_slsam import FabricSAM, make_callback
 METHODS = [
     "sam", "slsam_paper", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
     "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_depth", "slsam", "slsam_ablation",
-    "momentum_sam",
+    "momentum_sam", "arwp",
 ]  # fmt: skip
 STEPS = 4
 BATCH = 16
@@ -47,6 +47,7 @@ def fabric_run(method, accumulate=1, clip=None, algorithm="norm", precision="32-
     model, optimizer = fabric.setup(net, optimizer)
     sam = FabricSAM(fabric, model, optimizer, method, gradient_clip_val=clip,
                     gradient_clip_algorithm=algorithm, **_options(method, **options))  # fmt: skip
+    sam.engine.planned_steps = steps  # ARWP's noise grows over the run
     batches = list(loader(make_data(BATCH * steps), BATCH // accumulate))
     results = []
 

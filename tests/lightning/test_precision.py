@@ -37,7 +37,7 @@ def test_precisions_keep_the_contract(precision):
 PRECISION_METHODS = [
     "sam", "slsam_paper", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
     "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_depth", "slsam_ablation", "slsam",
-    "momentum_sam",
+    "momentum_sam", "arwp",
 ]  # fmt: skip
 
 

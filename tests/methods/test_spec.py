@@ -34,6 +34,7 @@ def _train(engine, model, steps=6):
     data = make_data(96)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x, y = data.tensors
+    engine.planned_steps = steps  # ARWP's noise grows over the run
     for step in range(steps):
         xb, yb = x[16 * step : 16 * step + 16], y[16 * step : 16 * step + 16]
 
@@ -110,6 +111,7 @@ OWN_OPTIONS = {
     "TopSLSAM": {"layer_ratio"},
     "RandomSLSAM": {"layer_ratio", "preset"},
     "SLS2SAM": {"layer_ratio", "p_min", "preset"},
+    "ARWP": {"growth", "eta", "beta"},
 }  # fmt: skip
 OWN_OPTIONS["SparseLayerSAM"] = OWN_OPTIONS["SLS2SAM"]
 OWN_OPTIONS["SLSAMRST"] = OWN_OPTIONS["SparseLayerSAM"] | {"probability"}
@@ -168,7 +170,7 @@ def test_sl_sam_on_the_schedules_of_other_methods_is_their_combination():
         method_spec("slsam", schedule="single")
 
 
-@pytest.mark.parametrize("name", ["sam", "slsam", "momentum_sam"])
+@pytest.mark.parametrize("name", ["sam", "slsam", "momentum_sam", "arwp"])
 def test_a_spec_is_only_its_options_and_each_engine_owns_what_it_builds(name):
     import dataclasses
 
@@ -180,7 +182,10 @@ def test_a_spec_is_only_its_options_and_each_engine_owns_what_it_builds(name):
     # Each engine has its own perturbation (its backup pool holds that engine's weights).
     assert first.perturbation is not second.perturbation
     assert first.perturbation.pool is not second.perturbation.pool
-    assert abs(first.perturbation.rho) == 0.05  # Momentum-SAM moves against the momentum
+    if name == "arwp":  # the drawn noise is the move: the perturbation scales nothing
+        assert first.perturbation.norm == "none"
+    else:
+        assert abs(first.perturbation.rho) == 0.05  # Momentum-SAM moves against the momentum
     # Once checked, the options are fixed: a changed copy is another spec, checked again.
     with pytest.raises(AttributeError, match=r"fixed once checked.*dataclasses\.replace"):
         spec.rho = 0.1
