@@ -54,7 +54,7 @@ def noise_radius(rho: float, growth: float, step: int, planned: float) -> float:
     """``sigma_t``: ``rho`` at step 0, growing along a half cosine to ``rho * (1 + growth)``
     at step ``planned`` (and held there after it).
 
-    >>> noise_radius(0.001, 10.0, 0, 100), noise_radius(0.001, 10.0, 50, 100)
+    >>> noise_radius(0.001, 10.0, 0, 100), round(noise_radius(0.001, 10.0, 50, 100), 6)
     (0.001, 0.006)
     >>> round(noise_radius(0.001, 10.0, 100, 100), 6)
     0.011
