@@ -5,7 +5,9 @@ Add :class:`SAMMixin` to a LightningModule's bases and a method callback to the 
 (:class:`SAM`, :class:`RandomSLSAM`, :class:`TopSLSAM`, :class:`S2SAM`, :class:`SLS2SAM`,
 :class:`RST`, :class:`ESAM`, :class:`SSAMF`, :class:`LookSAM`), Momentum-SAM
 (:class:`MomentumSAM`, SAM at one gradient per step), ARWP (:class:`ARWP`, random weight
-perturbation at one gradient per step) and the combinations beyond it
+perturbation at one gradient per step), MESA (:class:`MESA`, a consistency term with the
+weights' moving average), SAF (:class:`SAF`, a consistency term with each sample's past
+logits) and the combinations beyond it
 (:class:`SLSAMRST`, :class:`SLSAMLookSAM`, :class:`CostAwareSLSAM`); :func:`make_callback`
 by name. In a Lightning Fabric loop, :class:`FabricSAM` runs any of them over the model and
 optimizer that ``fabric.setup`` returned; in a plain PyTorch loop, :func:`make_engine`.
@@ -43,9 +45,11 @@ if TYPE_CHECKING:
     from lightning_slsam.lightning.callbacks import (
         ARWP,
         ESAM,
+        MESA,
         METHODS,
         RST,
         S2SAM,
+        SAF,
         SAM,
         SLS2SAM,
         SLSAMRST,
@@ -87,9 +91,11 @@ __version__ = "0.3.0.dev0"
 __all__ = [
     "ARWP",
     "ESAM",
+    "MESA",
     "METHODS",
     "RST",
     "S2SAM",
+    "SAF",
     "SAM",
     "SLS2SAM",
     "SLSAMRST",

@@ -22,12 +22,11 @@ from dataclasses import dataclass, field
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from helpers import Counting, Stack, linear_sgd, make_data, make_mlp
+from helpers import Counting, Stack, linear_sgd, make_data, make_mlp, per_sample_outputs
 
 from lightning_slsam import FabricSAM
 from lightning_slsam.core.step import StepResult
@@ -37,14 +36,15 @@ GLOBAL_BATCH = 16
 #: Options a method runs with here beyond its name's: SL-SAM on LookSAM's interval in the
 #: paper's configuration, what the name ran before 0.3 (the default preset's update scaling
 #: multiplies the rounding that LookSAM's reused component amplifies past the tolerances).
-OPTIONS: dict[str, dict] = {"slsam_looksam": {"preset": "paper"}}
+OPTIONS: dict[str, dict] = {"slsam_looksam": {"preset": "paper"},
+                            "saf": {"delay": 1, "start_epoch": 0}}  # fmt: skip
 STEPS = 3
 #: Every method of the registry, under DDP ("slsam" is SparseLayerSAM(), "slsam_paper" the
 #: paper's method).
 METHODS = [
     "sam", "slsam_paper", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
     "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_depth", "slsam", "slsam_ablation",
-    "momentum_sam", "arwp",
+    "momentum_sam", "arwp", "mesa", "saf",
 ]  # fmt: skip
 #: Under FSDP2 (ModelParallelStrategy, fully_shard in parallelize_fn).
 FSDP2_METHODS = ["sam", "slsam_paper", "slsam", "esam"]
@@ -129,12 +129,12 @@ def make_fabric(strategy: str, devices: int, precision: str) -> L.Fabric:
 
 def _batches(fabric: L.Fabric, step: int, accumulate: int) -> list[tuple]:
     """The step's micro-batches on this rank: its share of the global batch ``step``."""
-    x, y = make_data(GLOBAL_BATCH * RESUME_STEPS)[:]
+    x, y, index = make_data(GLOBAL_BATCH * RESUME_STEPS, indexed=GLOBAL_BATCH)[:]
     window = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
-    x, y = x[window], y[window]
+    x, y, index = x[window], y[window], index[window]
     size = GLOBAL_BATCH // accumulate
     rank, world = fabric.global_rank, fabric.world_size
-    return [(x[i : i + size][rank::world], y[i : i + size][rank::world])
+    return [tuple(t[i : i + size][rank::world] for t in (x, y, index))
             for i in range(0, GLOBAL_BATCH, size)]  # fmt: skip
 
 
@@ -150,7 +150,7 @@ class _PlainSteps:
         self.fabric, self.model, self.optimizer = fabric, model, optimizer
 
     def step(self, loss_fn, batch) -> StepResult:
-        loss = loss_fn(batch).mean()
+        loss = loss_fn(batch)["loss"].mean()
         self.fabric.backward(loss)
         self.optimizer.step()
         self.optimizer.zero_grad()
@@ -211,8 +211,7 @@ def train(fabric: L.Fabric, case: Case, out: str | None = None) -> dict:
         calls[0] += 1
         if fabric.global_rank == case.fail_rank and step == 2 and calls[0] == 2:
             raise RuntimeError(f"a fault on rank {fabric.global_rank}")
-        x, y = batch
-        return F.cross_entropy(model(x), y, reduction="none")
+        return per_sample_outputs(model, batch)  # ESAM's losses, MESA's logits, SAF's indices
 
     for step in range(case.start, case.steps):
         if case.compile and step == case.steps // 2:
@@ -220,7 +219,7 @@ def train(fabric: L.Fabric, case: Case, out: str | None = None) -> dict:
         calls[0] = 0
         batches = _batches(fabric, step, case.accumulate)
         if case.compile:  # as a DataLoader gives them: a strided view would trace apart
-            batches = [(x.contiguous(), y) for x, y in batches]
+            batches = [(b[0].contiguous(), *b[1:]) for b in batches]
         if case.evaluate:
             with torch.no_grad():
                 model(batches[0][0])

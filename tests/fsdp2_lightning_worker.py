@@ -16,14 +16,22 @@ import sys
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from helpers import Counting, LitModel, Stack, compared_optimizer, make_mlp, planned, rank_loader
+from helpers import (
+    Counting,
+    LitModel,
+    Stack,
+    compared_optimizer,
+    make_mlp,
+    per_sample_outputs,
+    planned,
+    rank_loader,
+)
 
 from lightning_slsam import make_callback
 from lightning_slsam.parallel.ddp import release_process_group
@@ -32,7 +40,8 @@ GLOBAL_BATCH = 16
 #: Options a method runs with here beyond its name's: SL-SAM on LookSAM's interval in the
 #: paper's configuration, what the name ran before 0.3 (the default preset's update scaling
 #: multiplies the rounding that LookSAM's reused component amplifies past the tolerances).
-OPTIONS: dict[str, dict] = {"slsam_looksam": {"preset": "paper"}}
+OPTIONS: dict[str, dict] = {"slsam_looksam": {"preset": "paper"},
+                            "saf": {"delay": 1, "start_epoch": 0}}  # fmt: skip
 #: Trainer options of a run that validates before training and between its steps.
 VALIDATE = {"val_check_interval": 1, "limit_val_batches": 2}
 
@@ -62,8 +71,7 @@ class Sharded(LitModel):
     def training_step(self, batch, batch_idx):
         if self.global_rank == self.fail_rank and self.global_step == 2 and self.sam_pass == 2:
             raise RuntimeError(f"a fault on rank {self.global_rank}")
-        x, y = batch
-        return F.cross_entropy(self(x), y, reduction="none")
+        return per_sample_outputs(self, batch)  # ESAM's losses, MESA's logits, SAF's indices
 
     def train_dataloader(self) -> DataLoader:
         return rank_loader(self.trainer, GLOBAL_BATCH // self.accumulate)

@@ -42,6 +42,8 @@ CASES = {
     "s2sam": ("s2sam", {}),
     "momentum_sam": ("momentum_sam", {}),
     "arwp": ("arwp", {}),  # its noise grows over the planned steps
+    "mesa": ("mesa", {"start": 0.2, "decay": 0.5}),  # the term from step 1 on
+    "saf": ("saf", {"delay": 1, "start_epoch": 0}),  # a sample's past: the step before's
     "sl_s2sam": ("sl_s2sam", {"layer_ratio": 0.5}),
     "rst": ("rst", {}),
     "looksam": ("looksam", {"interval": 2}),
@@ -79,9 +81,15 @@ def _sharded(root_owns_head: bool = False) -> torch.nn.Sequential:
     return fully_shard(net)
 
 
-def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
-    def compute(index=slice(None)):  # per-sample losses: ESAM picks samples
-        return F.cross_entropy(model(x[index]), y[index], reduction="none")
+def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, samples=None):
+    """Per-sample losses (ESAM picks samples), the logits (MESA, SAF) and the samples'
+    positions (``samples``; SAF's indices: by default ``0 .. len(x) - 1``)."""
+    samples = torch.arange(len(x)) if samples is None else samples
+
+    def compute(index=slice(None)):
+        logits = model(x[index])
+        losses = F.cross_entropy(logits, y[index], reduction="none")
+        return {"loss": losses, "logits": logits, "index": samples[index]}
 
     return compute
 
@@ -106,8 +114,10 @@ def _case(rank: int, world: int, method: str, options: dict, evaluate: bool = Fa
         xb, yb = x[step], y[step]
         if evaluate:
             _evaluate(net, xb[mine])
-        result = engine.train_step(_loss(net, xb[mine], yb[mine]), opt, batch_size=half)
-        ref_engine.train_step(_loss(ref, xb, yb), ref_opt, batch_size=16)
+        samples = torch.arange(16)  # SAF's indices: each step revisits the step before's
+        result = engine.train_step(_loss(net, xb[mine], yb[mine], samples[mine]), opt,
+                                   batch_size=half)  # fmt: skip
+        ref_engine.train_step(_loss(ref, xb, yb, samples), ref_opt, batch_size=16)
         diff = max(
             float((p.full_tensor() - q).abs().max())
             for p, q in zip(net.parameters(), ref.parameters())

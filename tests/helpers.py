@@ -17,11 +17,28 @@ from lightning_slsam import SAMMixin
 kernels.apply()  # worker processes import this module: the variant reaches them too
 
 
-def make_data(n: int = 64, dim: int = 8, classes: int = 3, seed: int = 0) -> TensorDataset:
+def make_data(
+    n: int = 64, dim: int = 8, classes: int = 3, seed: int = 0, indexed: int = 0
+) -> TensorDataset:
+    """``n`` samples (x, y); ``indexed``: each with an index last (SAF's), counting up to
+    ``indexed`` and again (so that a short run revisits its "samples", as epochs would)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, dim, generator=gen)
     y = (x[:, :classes].argmax(dim=1)).long()
-    return TensorDataset(x, y)
+    if not indexed:
+        return TensorDataset(x, y)
+    return TensorDataset(x, y, torch.arange(n) % indexed)
+
+
+def per_sample_outputs(model: nn.Module, batch) -> dict:
+    """``model``'s per-sample cross-entropy on ``batch`` (x, y[, index]) with what the methods
+    read besides: the logits (MESA, SAF) and, where the batch carries them, the samples'
+    indices (SAF)."""
+    logits = model(batch[0])
+    out = {"loss": F.cross_entropy(logits, batch[1], reduction="none"), "logits": logits}
+    if len(batch) > 2:
+        out["index"] = batch[2]
+    return out
 
 
 def loader(dataset: TensorDataset, batch_size: int = 16) -> DataLoader:
@@ -31,8 +48,8 @@ def loader(dataset: TensorDataset, batch_size: int = 16) -> DataLoader:
 def rank_loader(trainer: L.Trainer, global_batch: int) -> DataLoader:
     """64 samples for a multi-process test: rank r takes samples r, r + world, ... of each
     batch (Lightning's own sampler would shuffle), so the ranks' batches together are the
-    one-process batch of ``global_batch`` samples."""
-    data, world = make_data(64), trainer.world_size
+    one-process batch of ``global_batch`` samples. Each sample carries its index (SAF's)."""
+    data, world = make_data(64, indexed=global_batch), trainer.world_size
     sampler = (
         DistributedSampler(data, world, trainer.global_rank, shuffle=False) if world > 1 else None
     )
@@ -96,13 +113,13 @@ class LitModel(SAMMixin, L.LightningModule):
         return self.net(x)
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
+        x, y = batch[0], batch[1]
         loss = F.cross_entropy(self(x), y)
         self.log("train_loss", loss)
         return loss
 
     def validation_step(self, batch, batch_idx):
-        x, y = batch
+        x, y = batch[0], batch[1]
         self.log("val_loss", F.cross_entropy(self(x), y))
 
     def configure_optimizers(self):
@@ -173,16 +190,21 @@ def reference_sam(
     params = [p for p in net.parameters() if p.requires_grad]
     opt = optimizer(params, lr=lr, weight_decay=weight_decay)
     history = []
+
+    def loss_of(batch):  # a loss function of MODELS returns a dict with its logits
+        loss = loss_fn(net, batch)
+        return loss["loss"].mean() if isinstance(loss, dict) else loss
+
     for batch in batches:
         opt.zero_grad(set_to_none=True)
-        loss_fn(net, batch).backward()
+        loss_of(batch).backward()
         with torch.no_grad():
             norm = torch.norm(torch.stack([p.grad.norm(p=2) for p in params]), p=2)
             old = [p.clone() for p in params]
             for p in params:
                 p.add_(p.grad * (rho / (norm + eps)))
         opt.zero_grad(set_to_none=True)
-        loss_fn(net, batch).backward()
+        loss_of(batch).backward()
         with torch.no_grad():
             for p, o in zip(params, old):
                 p.copy_(o)
@@ -234,7 +256,12 @@ class Wrapped(SAMMixin, L.LightningModule):
         return self.optimizer(self.parameters(), lr=self.lr, weight_decay=0.01)
 
 
+#: The models every method trains (tests/test_methods_models.py): each batch ends with the
+#: samples' indices (SAF's), each loss function returns its logits (MESA's and SAF's).
+
+
 def _reduce(losses: torch.Tensor, per_sample: bool) -> torch.Tensor:
+    """The per-sample losses (ESAM ranks them), or their mean."""
     return losses if per_sample else losses.mean()
 
 
@@ -246,10 +273,12 @@ def vit_model(per_sample: bool = False):
         "vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=4,
         embed_dim=32, depth=2, num_heads=2, num_classes=3,
     )  # fmt: skip
-    data = TensorDataset(torch.randn(16, 3, 16, 16), torch.randint(0, 3, (16,)))
+    data = TensorDataset(torch.randn(16, 3, 16, 16), torch.randint(0, 3, (16,)), torch.arange(16))
 
     def loss_fn(m, batch):
-        return _reduce(F.cross_entropy(m(batch[0]), batch[1], reduction="none"), per_sample)
+        logits = m(batch[0])
+        losses = F.cross_entropy(logits, batch[1], reduction="none")
+        return {"loss": _reduce(losses, per_sample), "logits": logits, "index": batch[-1]}
 
     return net, data, loss_fn
 
@@ -264,11 +293,14 @@ def bert_model(per_sample: bool = False):
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )  # fmt: skip
     net = BertForSequenceClassification(cfg)
-    data = TensorDataset(torch.randint(1, 50, (16, 12)), torch.randint(0, 2, (16,)))
+    data = TensorDataset(
+        torch.randint(1, 50, (16, 12)), torch.randint(0, 2, (16,)), torch.arange(16)
+    )
 
     def loss_fn(m, batch):
         logits = m(input_ids=batch[0]).logits
-        return _reduce(F.cross_entropy(logits, batch[1], reduction="none"), per_sample)
+        losses = F.cross_entropy(logits, batch[1], reduction="none")
+        return {"loss": _reduce(losses, per_sample), "logits": logits, "index": batch[-1]}
 
     return net, data, loss_fn
 
@@ -283,13 +315,15 @@ def llama_model(per_sample: bool = False):
         tie_word_embeddings=True,
     )  # fmt: skip
     net = LlamaForCausalLM(cfg)
-    data = TensorDataset(torch.randint(0, 64, (16, 12)))
+    data = TensorDataset(torch.randint(0, 64, (16, 12)), torch.arange(16))
 
     def loss_fn(m, batch):
         ids = batch[0]
         logits = m(input_ids=ids).logits[:, :-1]
         tokens = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        return _reduce(tokens.mean(dim=1), per_sample)  # causal LM loss per sequence
+        # the causal LM loss per sequence; MESA and SAF read every token's logits
+        loss = _reduce(tokens.mean(dim=1), per_sample)
+        return {"loss": loss, "logits": logits, "index": batch[-1]}
 
     return net, data, loss_fn
 

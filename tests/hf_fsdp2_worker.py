@@ -86,7 +86,8 @@ def _data(n: int = 64, seq: int = 8) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 64, (n, seq), generator=gen)
     mask = torch.ones(seq, dtype=torch.long)
-    return [{"input_ids": ids[i], "attention_mask": mask, "labels": ids[i]} for i in range(n)]
+    return [{"input_ids": ids[i], "attention_mask": mask, "labels": ids[i], "index": i}
+            for i in range(n)]  # fmt: skip
 
 
 def main() -> None:

@@ -37,12 +37,13 @@ def tiny_causal_lm(seed: int = 0, vocab_size: int = 64) -> Any:
 
 
 def classification_data(n: int = 96, seq: int = 8, seed: int = 0) -> list[dict[str, Any]]:
-    """``n`` samples whose label is whether token 5 appears (learnable)."""
+    """``n`` samples whose label is whether token 5 appears (learnable), each with its
+    ``index`` (SAF's; SAMTrainer keeps it from the model)."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, 64, (n, seq), generator=gen)
     labels = (ids == 5).any(1).long() | (ids[:, 0] < 32).long()
     return [{"input_ids": ids[i], "attention_mask": torch.ones(seq, dtype=torch.long),
-             "labels": labels[i]} for i in range(n)]  # fmt: skip
+             "labels": labels[i], "index": i} for i in range(n)]  # fmt: skip
 
 
 def lm_data(n: int = 64, seq: int = 8, seed: int = 0) -> list[dict[str, Any]]:
@@ -54,7 +55,7 @@ def lm_data(n: int = 64, seq: int = 8, seed: int = 0) -> list[dict[str, Any]]:
         length = seq - i % 3
         mask = (torch.arange(seq) < length).long()
         labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
-        rows.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+        rows.append({"input_ids": ids, "attention_mask": mask, "labels": labels, "index": i})
     return rows
 
 

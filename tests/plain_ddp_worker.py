@@ -51,9 +51,11 @@ def _case(rank: int, world: int, method: str, options: dict) -> dict:
     record: dict = {"masks": [], "kinds": [], "diff": [], "bytes": []}
     for step in range(STEPS):
         xb, yb = x[step], y[step]
-        result = engine.train_step(_loss(ddp, xb[mine], yb[mine]), opt, mine.stop - mine.start,
+        samples = torch.arange(16)  # SAF's indices: each step revisits the step before's
+        result = engine.train_step(_loss(ddp, xb[mine], yb[mine], samples[mine]), opt,
+                                   mine.stop - mine.start,
                                    ddp=ddp)  # fmt: skip
-        ref_engine.train_step(_loss(ref, xb, yb), ref_opt, batch_size=16)
+        ref_engine.train_step(_loss(ref, xb, yb, samples), ref_opt, batch_size=16)
         with torch.no_grad():
             diff = max(
                 float((p - q).abs().max()) for p, q in zip(net.parameters(), ref.parameters())

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from lightning_slsam import METHODS, make_callback
 
-DENSE = {"sam", "s2sam", "rst", "looksam", "ssamf", "momentum_sam", "arwp"}
+DENSE = {"sam", "s2sam", "rst", "looksam", "ssamf", "momentum_sam", "arwp", "mesa", "saf"}
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -48,7 +48,7 @@ def test_method_trains_model_and_reports_comparable_metrics(method, model, tmp_p
     else:
         assert 0 < cb.mean_active_ratio < passes / 5
     expected = {"sam": 2.0, "s2sam": 1.0, "ssamf": 2.0, "looksam": 1.2, "sl_s2sam": None,
-                "momentum_sam": 1.0, "arwp": 1.0}  # fmt: skip
+                "momentum_sam": 1.0, "arwp": 1.0, "mesa": 1.0, "saf": 1.0}  # fmt: skip
     if expected.get(method) is not None:
         assert cb.mean_active_ratio == pytest.approx(expected[method])
     if method == "esam":

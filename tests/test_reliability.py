@@ -17,7 +17,16 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import LitModel, ResumableLoader, Snapshots, loader, make_data, make_mlp, trainer
+from helpers import (
+    LitModel,
+    ResumableLoader,
+    Snapshots,
+    loader,
+    make_data,
+    make_mlp,
+    per_sample_outputs,
+    trainer,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
@@ -58,8 +67,7 @@ def _finite(tree) -> bool:
 
 class _PerSample(LitModel):
     def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self(x), y, reduction="none")
+        return per_sample_outputs(self, batch)
 
 
 # --- 1. crash and resume ----------------------------------------------------------------
@@ -435,7 +443,7 @@ def test_random_configs_train_correctly_or_fail_at_setup_naming_the_option(metho
         t = trainer(callbacks=[callback, reached], max_steps=3, **trainer_flags)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            t.fit(model, loader(make_data(64), 8))
+            t.fit(model, loader(make_data(64, indexed=64), 8))
     except Exception as err:  # what is raised is the subject of the test
         assert not reached.started, f"failed inside training: {err!r}"
         assert isinstance(err, (ValueError, TypeError)) or "Misconfiguration" in type(err).__name__
@@ -481,7 +489,7 @@ def test_same_seed_same_result_for_every_method(method):
         callbacks = make_callbacks(method)
         callback = callbacks[0] if callbacks else None
         t = trainer(callbacks=callbacks, max_steps=6)
-        t.fit(model, ResumableLoader(make_data(96), batch_size=16, shuffle=True))
+        t.fit(model, ResumableLoader(make_data(96, indexed=96), batch_size=16, shuffle=True))
         probs = getattr(callback, "probs", None) if callback else None
         return _weights(model), probs
 

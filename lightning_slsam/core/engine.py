@@ -49,7 +49,7 @@ from torch import Tensor
 
 from lightning_slsam.core.isolation import PassIsolation, RunningStats
 from lightning_slsam.core.partition import LayerFreezer, LayerPartition, by_position
-from lightning_slsam.core.passes import PassRunner, split_per_sample
+from lightning_slsam.core.passes import LossOutput, PassRunner, read_output
 from lightning_slsam.core.perturbation import SAMPerturbation
 from lightning_slsam.core.step import (
     STEP_KINDS,
@@ -187,7 +187,10 @@ class SAMEngine:
         if kind not in STEP_KINDS:
             raise ValueError(f"The method named step kind {kind!r}; the kinds are {STEP_KINDS}.")
         ctx = StepContext(step, loop, self.freezer, self.isolation, self.shards,
-                          self.planned_steps)  # fmt: skip
+                          self.planned_steps, self._module)  # fmt: skip
+        if parts.needs_outputs:  # the training step's outputs, read by the method's term
+            loop.forward_backward.needs = (parts.label, parts.needs_outputs)
+            loop.forward_backward.extra_loss = functools.partial(parts.extra_loss, ctx)
         # A single-step method's directions (S2-SAM: the last step's gradients;
         # Momentum-SAM: the optimizer's momentum). Without any (the first step), a plain
         # step on every layer, not a draw (the selection neither draws nor learns).
@@ -198,10 +201,10 @@ class SAMEngine:
         drawn = not (kind == "single" and not directions)
         if not drawn:
             kind = "plain"
-        # S2-SAM keeps the gradients of its steps, the first plain one included; ARWP reads
-        # those of each one-pass step.
-        one_pass = kind == "single" or not drawn
-        keep = one_pass and (parts.keeps_last_grads or parts.reads_update_grads)
+        # S2-SAM keeps the gradients of its steps, the first plain one included; ARWP and
+        # MESA read those of each one-pass step.
+        single = kind == "single" or not drawn
+        keep = (single and parts.keeps_last_grads) or (kind != "sam" and parts.reads_update_grads)
         mask = self.selection.sample() if drawn else self.freezer.all.clone()
         inclusion = self.selection.inclusion() if drawn and self.update_scale else None
         if (self.check_masks or loop.check_draw) and loop.averager is not None:
@@ -231,7 +234,7 @@ class SAMEngine:
                     if parts.reads_update_grads:  # as the optimizer used them
                         read = functools.partial(parts.after_update, ctx, params, grads)
                         loop.after_update(read) if loop.after_update is not None else read()
-                    if parts.keeps_last_grads:
+                    if single and parts.keeps_last_grads:
                         for param, grad in zip(params, self.shards.local(grads)):
                             self.last_grad[id(param)] = grad
         finally:
@@ -274,8 +277,8 @@ class SAMEngine:
                 process drew the same layers. (FSDP2 needs nothing: its parameters average.)
         """
 
-        def loss(index: Tensor | None) -> tuple[Tensor, Tensor | None]:
-            return split_per_sample(compute_loss() if index is None else compute_loss(index))
+        def loss(index: Tensor | None) -> LossOutput:
+            return read_output(compute_loss() if index is None else compute_loss(index))
 
         def size(_: Any) -> int:
             if batch_size is None:

@@ -25,6 +25,7 @@ __all__ = [
     "RandomState",
     "RunningStats",
     "StepIsolation",
+    "evaluating",
 ]
 
 #: Which pass's running statistics a SAM step keeps.
@@ -76,6 +77,19 @@ class RunningStats:
         finally:
             for layer, mode in zip(self.layers, modes):
                 layer.train(mode)
+
+
+@contextmanager
+def evaluating(module: nn.Module) -> Iterator[None]:
+    """``module`` in evaluation mode (no dropout, running statistics used and left as they
+    are), every submodule's mode restored afterwards."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.train(mode)
 
 
 class RandomState:

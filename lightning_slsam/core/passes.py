@@ -15,7 +15,7 @@ trainable reached it, and returns the summed loss with the per-sample losses
 >>> w = torch.nn.Parameter(torch.tensor(2.0))
 >>> x = [torch.tensor([1.0, 3.0]), torch.tensor([5.0])]  # two micro-batches
 >>> def loss(batch):  # per-sample losses: a 1-D tensor
-...     return split_per_sample(w * batch)
+...     return read_output(w * batch)
 >>> passes = PassRunner(x, loss, torch.Tensor.backward, scale=0.5)
 >>> out = passes()
 >>> out.loss, w.grad  # (mean([2, 6]) + 10) / 2; its gradient (2 + 5) / 2
@@ -25,14 +25,16 @@ trainable reached it, and returns the summed loss with the per-sample losses
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "OUTPUT_KEYS",
     "PER_SAMPLE_NEEDED",
+    "LossOutput",
     "PassOutput",
     "PassRunner",
     "batch_size",
@@ -54,6 +56,63 @@ PER_SAMPLE_NEEDED = (
     " F.cross_entropy(logits, y, reduction='none') (it is averaged for the update), or as"
     " {'loss': ..., 'per_sample_loss': ...}; or set data_ratio=1.0 to turn the selection off."
 )
+
+
+#: What a training step may return besides its loss, for the methods that read it: each
+#: sample's loss (ESAM), the model's output logits (SAF, MESA), each sample's position in
+#: the training set (SAF).
+OUTPUT_KEYS = ("per_sample_loss", "logits", "index")
+
+
+class LossOutput(NamedTuple):
+    """One micro-batch's loss as the pass loop takes it (:func:`read_output`).
+
+    Attributes:
+        loss: the scalar loss to back-propagate.
+        per_sample: each sample's loss, detached (``None``: not given).
+        logits: the model's output logits, ``[batch, classes]`` or ``[batch, ..., classes]``
+            (``None``: not given), with their graph.
+        index: each sample's position in the training set, ``[batch]`` (``None``: not given).
+    """
+
+    loss: Tensor
+    per_sample: Tensor | None = None
+    logits: Tensor | None = None
+    index: Tensor | None = None
+
+
+def read_output(output: Any, error: type[Exception] = ValueError) -> LossOutput:
+    """The one rule for what a training step (or a loss function) returns, in every loop: a
+    tensor is the loss (a 1-D tensor holds per-sample losses, whose mean is the loss); a
+    mapping holds ``"loss"`` and may hold the :data:`OUTPUT_KEYS`.
+
+    >>> read_output(torch.tensor([1.0, 3.0])).loss
+    tensor(2.)
+    >>> out = read_output({"loss": torch.tensor(0.5), "logits": torch.zeros(2, 3),
+    ...                    "index": torch.tensor([4, 7])})
+    >>> out.loss, out.logits.shape, out.index.tolist()
+    (tensor(0.5000), torch.Size([2, 3]), [4, 7])
+    """
+    mapping = isinstance(output, Mapping)
+    loss = output.get("loss") if mapping else output
+    per_sample = output.get("per_sample_loss") if mapping else None
+    if isinstance(loss, Tensor) and per_sample is None:
+        loss, per_sample = split_per_sample(loss)
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else ""
+        raise error(
+            "The training step must return the loss: a scalar tensor, a 1-D tensor of"
+            f" per-sample losses, or a dict with key 'loss'. It returned"
+            f" {type(output).__name__}{shape}."
+        )
+    logits = output.get("logits") if mapping else None
+    index = output.get("index") if mapping else None
+    return LossOutput(
+        loss.reshape(()),
+        per_sample.detach().reshape(-1) if per_sample is not None else None,
+        logits,
+        index.reshape(-1) if isinstance(index, Tensor) else None,
+    )
 
 
 def split_per_sample(loss: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -81,10 +140,13 @@ class PassOutput:
             the accumulation factor).
         per_sample: detached per-sample losses, one tensor per micro-batch (``None`` for a
             micro-batch that gave none or was skipped).
+        logits: the detached logits of each micro-batch, when the pass was asked to keep
+            them (MESA's forward at the averaged weights); else empty.
     """
 
     loss: Tensor
     per_sample: list[Tensor | None]
+    logits: list[Tensor | None] = field(default_factory=list)
 
 
 class PassRunner:
@@ -92,8 +154,8 @@ class PassRunner:
 
     Args:
         micro_batches: the step's micro-batches (one without accumulation).
-        loss: ``loss(batch)`` runs the model on one micro-batch and returns the loss and
-            its per-sample losses (``None`` when not given; :func:`split_per_sample`).
+        loss: ``loss(batch)`` runs the model on one micro-batch and returns its
+            :class:`LossOutput` (:func:`read_output` of what the training step returned).
         backward: back-propagates a loss (``Tensor.backward``, Lightning's
             ``manual_backward``, ``fabric.backward``).
         scale: each micro-batch's loss is multiplied by it (``1 / k`` for ``k``
@@ -104,12 +166,21 @@ class PassRunner:
             (default :func:`batch_subset`).
         needs_per_sample: a loss without per-sample losses raises ``error`` (ESAM).
         error: the exception class of that error.
+        term_scale: a method's added term (:attr:`extra_loss`) is multiplied by it before
+            ``scale``: ``1 / k`` where ``loss`` gives each micro-batch's share of the step
+            already (the Hugging Face Trainer's).
 
     Calling it runs one pass: ``subsets[i]`` restricts micro-batch ``i`` to those sample
-    indices (an empty index skips it), ``backward=False`` runs the forwards only, and
-    ``loss_scale`` multiplies every loss before its backward pass (SSAM-F under FSDP2).
-    :attr:`number` is the pass running: 1 for the first pass with gradients over the whole
-    batch, 2 for any other (at perturbed weights, or an extra forward), 0 between passes.
+    indices (an empty index skips it), ``backward=False`` runs the forwards only,
+    ``loss_scale`` multiplies every loss before its backward pass (SSAM-F under FSDP2) and
+    ``keep_logits`` keeps each micro-batch's logits. :attr:`number` is the pass running: 1
+    for the first pass with gradients over the whole batch, 2 for any other (at perturbed
+    weights, or an extra forward), 0 between passes.
+
+    A method that reads the training step's outputs sets :attr:`needs` (its name and the
+    :data:`OUTPUT_KEYS` it reads: a step without them stops before its first backward
+    pass, naming them) and :attr:`extra_loss` (``extra_loss(i, output)``: a term added to
+    micro-batch ``i``'s loss before its backward, SAF's and MESA's consistency term).
     """
 
     def __init__(
@@ -123,12 +194,16 @@ class PassRunner:
         subset: Callable[[Any, Tensor], Any] | None = None,
         needs_per_sample: bool = False,
         error: type[Exception] = ValueError,
+        term_scale: float = 1.0,
     ) -> None:
         self.micro_batches = list(micro_batches)
         self.loss, self.backward, self.scale = loss, backward, float(scale)
         self.size = size if size is not None else batch_size
         self.subset = subset if subset is not None else batch_subset
         self.needs_per_sample, self.error = needs_per_sample, error
+        self.term_scale = float(term_scale)
+        self.needs: tuple[str, tuple[str, ...]] | None = None
+        self.extra_loss: Callable[[int, LossOutput], Tensor | None] | None = None
         self.number = 0
         self._full_passes = 0
 
@@ -138,7 +213,11 @@ class PassRunner:
         return [self.size(batch) for batch in self.micro_batches]
 
     def __call__(
-        self, subsets: list[Tensor] | None = None, backward: bool = True, loss_scale: float = 1.0
+        self,
+        subsets: list[Tensor] | None = None,
+        backward: bool = True,
+        loss_scale: float = 1.0,
+        keep_logits: bool = False,
     ) -> PassOutput:
         full = subsets is None and backward
         self.number = 1 if full and self._full_passes == 0 else 2
@@ -146,6 +225,7 @@ class PassRunner:
         scale = self.scale * loss_scale
         total: Tensor | None = None
         per_sample: list[Tensor | None] = []
+        logits: list[Tensor | None] = []
         try:
             for i, batch in enumerate(self.micro_batches):
                 if subsets is not None:
@@ -155,10 +235,19 @@ class PassRunner:
                         continue
                     batch = self.subset(batch, index)
                 with torch.set_grad_enabled(backward and torch.is_grad_enabled()):
-                    loss, samples = self.loss(batch)
-                if samples is None and self.needs_per_sample:
-                    raise self.error(PER_SAMPLE_NEEDED)  # before any backward pass
-                per_sample.append(samples)
+                    out = self.loss(batch)
+                    loss = out.loss
+                    if out.per_sample is None and self.needs_per_sample:
+                        raise self.error(PER_SAMPLE_NEEDED)  # before any backward pass
+                    if self.needs is not None:
+                        self._check_outputs(out)
+                    if self.extra_loss is not None and backward:
+                        term = self.extra_loss(i, out)
+                        if term is not None:
+                            loss = loss + term * self.term_scale
+                per_sample.append(out.per_sample)
+                if keep_logits:
+                    logits.append(out.logits.detach() if out.logits is not None else None)
                 if scale != 1.0:
                     loss = loss * scale
                 # No trainable tensor reached the loss: nothing to back-propagate (norm 0).
@@ -168,7 +257,21 @@ class PassRunner:
                 total = loss if total is None else total + loss
         finally:
             self.number = 0
-        return PassOutput(total if total is not None else torch.zeros(()), per_sample)
+        return PassOutput(total if total is not None else torch.zeros(()), per_sample, logits)
+
+    def _check_outputs(self, out: LossOutput) -> None:
+        name, keys = self.needs  # type: ignore[misc]
+        missing = [k for k in keys if getattr(out, k) is None]
+        if missing:  # before any backward pass: nothing has changed
+            meaning = {"logits": "'logits' the model's outputs",
+                       "index": "'index' each sample's position in the training set",
+                       "per_sample_loss": "'per_sample_loss' each sample's loss"}  # fmt: skip
+            raise self.error(
+                f"{name} reads the training step's {' and '.join(repr(k) for k in keys)},"
+                f" but it returned no {' and no '.join(repr(k) for k in missing)}: return"
+                " {'loss': loss, " + ", ".join(f"'{k}': {k}" for k in keys) + "} from"
+                f" training_step (or the loss function), {', '.join(meaning[k] for k in keys)}."
+            )
 
 
 def skip_with_scaler(optimizer: Any) -> None:

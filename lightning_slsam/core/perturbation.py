@@ -30,8 +30,8 @@ from torch import Tensor
 
 from lightning_slsam.parallel.shards import WHOLE, Shards
 
-__all__ = ["ASAM_ETA", "PERTURBATION_NORMS", "BackupPool", "SAMPerturbation", "group_norms",
-           "is_weight_name"]  # fmt: skip
+__all__ = ["ASAM_ETA", "PERTURBATION_NORMS", "BackupPool", "SAMPerturbation", "copy_values",
+           "group_norms", "is_weight_name"]  # fmt: skip
 
 PERTURBATION_NORMS = ("global", "layer")
 #: ASAM's ``eta`` in ``T_w = |w| + eta``: its reference value.
@@ -82,11 +82,11 @@ class BackupPool:
             start = offsets[key]
             views.append(self._buffers[key][start : start + t.numel()].view_as(t))
             offsets[key] = start + t.numel()
-        _copy(views, [t.detach() for t in tensors])
+        copy_values(views, [t.detach() for t in tensors])
         return views
 
 
-def _copy(dst: list[Tensor], src: list[Tensor]) -> None:
+def copy_values(dst: list[Tensor], src: list[Tensor]) -> None:
     """``dst[i].copy_(src[i])``: one foreach kernel on accelerators, a plain loop on the
     CPU (where the foreach path is a slower loop of its own)."""
     if not dst:
@@ -211,4 +211,4 @@ class SAMPerturbation:
     @torch.no_grad()
     def restore_(params: list[Tensor], backup: list[Tensor], shards: Shards = WHOLE) -> None:
         """Copy the pre-ascent values back, bit for bit."""
-        _copy(shards.local(params), backup)
+        copy_values(shards.local(params), backup)

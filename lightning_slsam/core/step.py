@@ -42,7 +42,7 @@ from torch import Tensor
 
 from lightning_slsam.core.isolation import PassIsolation, StepIsolation
 from lightning_slsam.core.partition import LayerFreezer
-from lightning_slsam.core.passes import PassOutput, PassRunner
+from lightning_slsam.core.passes import LossOutput, PassOutput, PassRunner
 from lightning_slsam.core.perturbation import BackupPool, SAMPerturbation
 from lightning_slsam.parallel.ddp import GradientAverager, average_grads
 from lightning_slsam.parallel.shards import Shards
@@ -120,7 +120,9 @@ class StepContext:
         shards: the :mod:`~lightning_slsam.parallel.shards` seam (whole tensors, or FSDP2
             shards).
         planned: the run's planned optimizer steps (``math.inf``: not known), for a method
-            whose schedule spans the run (ARWP's growing noise).
+            whose schedule spans the run (ARWP's growing noise, MESA's start).
+        module: the model (``None`` where the engine was built without it), for a method
+            that runs it in evaluation mode (MESA's forward at the averaged weights).
     """
 
     step: int
@@ -129,6 +131,7 @@ class StepContext:
     isolation: PassIsolation | None
     shards: Shards
     planned: float = math.inf
+    module: torch.nn.Module | None = None
 
 
 class ExtraWork(NamedTuple):
@@ -201,7 +204,9 @@ class MethodParts:
     * :meth:`directions` -- a ``"single"`` step's directions (S2-SAM: the last step's
       gradients; Momentum-SAM: the optimizer's momentum; ARWP: random noise);
     * :meth:`after_update` -- after the update of a one-pass step, with its gradients (ARWP's
-      running squared gradients).
+      running squared gradients, MESA's average of the weights);
+    * :meth:`extra_loss` -- a term added to each micro-batch's loss, from what the training
+      step returned (:attr:`needs_outputs`: SAF's and MESA's consistency term).
 
     A hook reports a warning through :attr:`warn` (the engine's builder sets it:
     Lightning's rank-zero warning under the callback).
@@ -223,6 +228,11 @@ class MethodParts:
     fresh_directions: bool = False
     #: Whether a one-pass step hands :meth:`after_update` its tensors and gradients.
     reads_update_grads: bool = False
+    #: What :meth:`extra_loss` reads of the training step's outputs (``"logits"``,
+    #: ``"index"``: :data:`~lightning_slsam.core.passes.OUTPUT_KEYS`); empty: no extra term.
+    needs_outputs: tuple[str, ...] = ()
+    #: The method's name in messages.
+    label: str = "the method"
     #: How a hook reports a warning.
     warn: Callable[[str], None] = warnings.warn
 
@@ -270,6 +280,11 @@ class MethodParts:
     def after_update(self, ctx: StepContext, params: list[Tensor], grads: list[Tensor]) -> None:
         """After a one-pass step's update (with :attr:`reads_update_grads`): its tensors and
         their gradients, after the optimizer's unscaling and clipping."""
+
+    def extra_loss(self, ctx: StepContext, i: int, output: LossOutput) -> Tensor | None:
+        """The term added to micro-batch ``i``'s loss before its backward (``None``: none),
+        from the training step's ``output`` (with :attr:`needs_outputs`)."""
+        return None
 
     def state_dict(self, index: dict[int, int]) -> dict[str, Any]:
         """The parts' state; ``index`` maps ``id(tensor)`` to its position."""

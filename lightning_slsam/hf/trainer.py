@@ -38,6 +38,7 @@ import copy
 import functools
 import math
 import os
+from collections.abc import Mapping
 from contextlib import nullcontext
 from typing import Any
 
@@ -50,6 +51,7 @@ from lightning_slsam.core.caller import warn
 from lightning_slsam.core.engine import SAMEngine
 from lightning_slsam.core.passes import (
     PER_SAMPLE_NEEDED,
+    LossOutput,
     PassRunner,
     loss_scale_reader,
     skip_with_scaler,
@@ -132,7 +134,9 @@ class SAMTrainerMixin:
         self._sam_position = 0
         self._sam_model: Any = None
         self._sam_items: Any = None
-        self._sam_per_sample: list[Tensor | None] | None = None
+        #: During a pass: what compute_loss records for the method (per-sample losses,
+        #: logits); ``None`` otherwise.
+        self._sam_outputs: dict[str, Tensor] | None = None
         self._sam_pending: list[Any] = []
         self._sam_hooked: Any = None
         self._sam_passes: PassRunner | None = None
@@ -187,9 +191,11 @@ class SAMTrainerMixin:
         self._sam_hook_optimizer()
         self._sam_pending = []
         self._sam_model, self._sam_items = model, items
+        # The Trainer's loss is already its share of the step (divided by the micro-batches
+        # or normalised by the step's tokens): a method's added term is scaled to match.
         passes = PassRunner(
             micro_batches, self._sam_loss, trainer.accelerator.backward,
-            needs_per_sample=engine.needs_per_sample,
+            needs_per_sample=engine.needs_per_sample, term_scale=1.0 / len(micro_batches),
         )  # fmt: skip
         self._sam_passes = passes
         scaler = getattr(trainer.accelerator, "scaler", None)
@@ -223,14 +229,15 @@ class SAMTrainerMixin:
         self.sam_engine = rebuilt
         return rebuilt
 
-    def _sam_loss(self, batch: Any) -> tuple[Tensor, Tensor | None]:
+    def _sam_loss(self, batch: Any) -> LossOutput:
         """One micro-batch's loss, as the Trainer's own ``training_step`` computes it (its
         backward is taken over by the pass loop), with the per-sample losses if needed. In a
         later pass, what the call records in :attr:`sam_first_pass_attributes` is undone."""
         trainer: Any = self
         accelerator = trainer.accelerator
         taken: list[Tensor] = []
-        self._sam_per_sample = [] if self.sam_engine.needs_per_sample else None
+        engine = self.sam_engine
+        self._sam_outputs = {} if engine.needs_per_sample or engine.parts.needs_outputs else None
         kept = self._sam_keep_first_pass_attributes() if self.sam_pass >= 2 else {}
         accelerator.backward = lambda loss, **kwargs: taken.append(loss)
         try:
@@ -239,10 +246,10 @@ class SAMTrainerMixin:
             del accelerator.backward  # the Accelerator's own method again
             for name, value in kept.items():
                 setattr(self, name, value)
-        per_sample = self._sam_per_sample[-1] if self._sam_per_sample else None
-        self._sam_per_sample = None
+        recorded, self._sam_outputs = self._sam_outputs or {}, None
         loss, given = split_per_sample(taken[0])
-        return loss, given if given is not None else per_sample
+        per_sample = given if given is not None else recorded.get("per_sample")
+        return LossOutput(loss, per_sample, recorded.get("logits"), recorded.get("index"))
 
     def _sam_keep_first_pass_attributes(self) -> dict[str, Any]:
         """Copies of the :attr:`sam_first_pass_attributes` the trainer has."""
@@ -252,18 +259,40 @@ class SAMTrainerMixin:
 
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:  # fmt: skip
-        """The Trainer's ``compute_loss``; during a pass that needs per-sample losses
-        (ESAM), also records them (:meth:`per_sample_loss`)."""
-        if getattr(self, "_sam_per_sample", None) is None:
+        """The Trainer's ``compute_loss``; during a pass of a method that reads more than the
+        loss, also records it: per-sample losses (ESAM, :meth:`per_sample_loss`), the
+        model's logits (MESA, SAF)."""
+        inputs, index = _without_index(inputs)
+        recording = getattr(self, "_sam_outputs", None)
+        if recording is None:
             return super().compute_loss(  # type: ignore[misc]
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
         loss, outputs = super().compute_loss(  # type: ignore[misc]
             model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
         )
-        if not (isinstance(loss, Tensor) and loss.dim() == 1):
-            self._sam_per_sample.append(self.per_sample_loss(outputs, inputs).detach())
+        engine = self.sam_engine
+        if engine.needs_per_sample and not (isinstance(loss, Tensor) and loss.dim() == 1):
+            recording["per_sample"] = self.per_sample_loss(outputs, inputs).detach()
+        if "logits" in engine.parts.needs_outputs:
+            recording["logits"] = outputs["logits"]
+        if index is not None:
+            recording["index"] = index
         return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``prediction_step``, the batch's ``index`` column (SAF's) kept from
+        the model."""
+        inputs = _without_index(inputs)[0]
+        return super().prediction_step(model, inputs, *args, **kwargs)  # type: ignore[misc]
+
+    def _set_signature_columns_if_needed(self) -> None:
+        # The Trainer drops a dataset's columns the model's forward does not take: the
+        # `index` column SAF reads stays (taken out of the batch before the model sees it).
+        super()._set_signature_columns_if_needed()  # type: ignore[misc]
+        columns = self._signature_columns  # type: ignore[has-type]
+        if "index" not in columns:
+            columns.append("index")
 
     def per_sample_loss(self, outputs: Any, inputs: Any) -> Tensor:
         """Each sample's loss from the model's ``outputs`` on ``inputs`` (ESAM chooses the
@@ -531,3 +560,11 @@ def _info(message: str) -> None:
     from transformers.utils import logging
 
     logging.get_logger("lightning_slsam.hf").warning(message)
+
+
+def _without_index(inputs: Any) -> tuple[Any, Tensor | None]:
+    """The batch without its ``index`` column (each sample's position in the training set,
+    which SAF reads and no model takes), and that column."""
+    if isinstance(inputs, Mapping) and "index" in inputs:
+        return {k: v for k, v in inputs.items() if k != "index"}, inputs["index"]
+    return inputs, None

@@ -28,6 +28,8 @@ name (``make_callback``)  class                       defaults
 ``slsam_ablation``        :class:`SLSAMAblation`      each preset setting alone (results)
 ``momentum_sam``          :class:`MomentumSAM`        rho 1 (against the momentum)
 ``arwp``                  :class:`ARWP`               rho 0.001 growing 11x, eta 0.1
+``mesa``                  :class:`MESA`               weight 0.8, tau 5, start 0.05
+``saf``                   :class:`SAF`                weight 0.3, tau 5, delay 3, start 5
 ========================  ==========================  ====================================
 """
 
@@ -41,10 +43,12 @@ from lightning_slsam.methods import (
     arwp,
     esam,
     looksam,
+    mesa,
     momentum_sam,
     random_slsam,
     rst,
     s2sam,
+    saf,
     sam,
     sl_s2sam,
     slsam,
@@ -210,6 +214,38 @@ class ARWP(SAM, arwp.ARWPOptions):
     """
 
     spec_class = arwp.ARWPSpec
+
+
+class MESA(SAM, mesa.MESAOptions):
+    """MESA (Du et al., 2022, "Sharpness-Aware Training for Free"): one training pass per
+    step, its loss plus ``weight * tau^2 * KL`` between the logits of an exponential moving
+    average of the weights (one forward without gradients, the model in evaluation mode)
+    and the model's own; the average moves after each update. ``training_step`` returns
+    ``{"loss": loss, "logits": logits}``. The term starts after ``start`` of the run (the
+    trainer's planned steps).
+
+    Example:
+        >>> MESA().weight, MESA().tau, MESA(weight=0.3).weight
+        (0.8, 5.0, 0.3)
+    """
+
+    spec_class = mesa.MESASpec
+
+
+class SAF(SAM, saf.SAFOptions):
+    """SAF (Du et al., 2022, "Sharpness-Aware Training for Free"): one training pass per
+    step, its loss plus ``weight * tau^2 * KL`` between each sample's logits ``delay``
+    epochs ago (a store of every training sample's recent logits) and its logits now.
+    ``training_step`` returns ``{"loss": loss, "logits": logits, "index": index}``,
+    ``index`` each sample's position in the training set. A sample gets the term after
+    ``start_epoch`` visits.
+
+    Example:
+        >>> SAF().weight, SAF().delay, SAF(start_epoch=2).start_epoch
+        (0.3, 3, 2)
+    """
+
+    spec_class = saf.SAFSpec
 
 
 class SLS2SAM(SparseLayerSAM, sl_s2sam.SLS2SAMOptions):
@@ -446,5 +482,5 @@ __all__ = [  # the method classes: the ones declared above
     "make_callbacks",
     *(cls.__name__ for cls in (SAM, SparseLayerSAM, RandomSLSAM, TopSLSAM, S2SAM, SLS2SAM)),
     *(cls.__name__ for cls in (RST, LookSAM, ESAM, SSAMF, SLSAMRST, SLSAMLookSAM)),
-    *(cls.__name__ for cls in (CostAwareSLSAM, SLSAMAblation, MomentumSAM, ARWP)),
+    *(cls.__name__ for cls in (CostAwareSLSAM, SLSAMAblation, MomentumSAM, ARWP, MESA, SAF)),
 ]

@@ -28,10 +28,11 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
 from lightning_slsam.core.passes import (
+    LossOutput,
     PassRunner,
     loss_scale_reader,
+    read_output,
     skip_with_scaler,
-    split_per_sample,
 )
 from lightning_slsam.core.step import LoopHooks
 from lightning_slsam.lightning.compat import (
@@ -45,7 +46,7 @@ from lightning_slsam.parallel.ddp import GradientAverager
 if TYPE_CHECKING:
     from lightning_slsam.core.engine import SAMEngine
 
-__all__ = ["SAMCallbackBase", "StepDriver", "driver_of", "find_sam_callback", "loss_of"]
+__all__ = ["SAMCallbackBase", "StepDriver", "driver_of", "find_sam_callback"]
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -80,28 +81,6 @@ def find_sam_callback(trainer: Any) -> Any:
 def driver_of(module: Any) -> StepDriver | None:
     """The step driver of ``module`` (``None`` before its first SAM step)."""
     return getattr(module, "_slsam_driver", None)
-
-
-def loss_of(output: Any) -> tuple[Tensor, Tensor | None]:
-    """The scalar loss of a ``training_step`` output and its per-sample losses, if given.
-
-    A 1-D tensor is a vector of per-sample losses (averaged for the update:
-    :func:`~lightning_slsam.core.passes.split_per_sample`); a dict may carry
-    ``"per_sample_loss"`` next to ``"loss"``.
-    """
-    per_sample = output.get("per_sample_loss") if isinstance(output, Mapping) else None
-    loss = output.get("loss") if isinstance(output, Mapping) else output
-    if isinstance(loss, Tensor) and per_sample is None:
-        loss, per_sample = split_per_sample(loss)
-    if not isinstance(loss, Tensor) or loss.numel() != 1:
-        raise MisconfigurationException(
-            "With a SAM callback, `training_step` must return the loss: a scalar tensor, a"
-            " 1-D tensor of per-sample losses, or a dict with key 'loss'. It returned"
-            f" {type(output).__name__}"
-            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else "")
-            + ". The mixin re-runs training_step for each gradient pass and needs that loss."
-        )
-    return loss.reshape(()), (per_sample.detach().reshape(-1) if per_sample is not None else None)
 
 
 class StepDriver:
@@ -172,11 +151,14 @@ class StepDriver:
         if self.schedulers:
             self.step_schedulers(batch_idx)
         output = self._first_output
-        if isinstance(output, Mapping):
-            return {**output, "loss": loss_of(output)[0].detach()}
-        return loss_of(output)[0].detach() if isinstance(output, Tensor) else output
+        if isinstance(output, Mapping):  # logits and the like: without their graphs
+            loss = read_output(output, MisconfigurationException).loss
+            return {**_detached(output), "loss": loss.detach()}
+        if isinstance(output, Tensor):
+            return read_output(output, MisconfigurationException).loss.detach()
+        return output
 
-    def _loss(self, call: Call) -> tuple[Tensor, Tensor | None]:
+    def _loss(self, call: Call) -> LossOutput:
         """One micro-batch's loss: the user's ``training_step``, run as pass 1 (at the
         current weights) or 2 (``SAMMixin.sam_pass``)."""
         module, number = self.module, self._passes.number  # type: ignore[union-attr]
@@ -184,7 +166,7 @@ class StepDriver:
         output = self._user_step(module, *call[0], **call[1])  # type: ignore[misc]
         if number == 1 and self._first_output is None:
             self._first_output = output
-        return loss_of(output)
+        return read_output(output, MisconfigurationException)
 
     def _size(self, call: Call) -> int:
         return self.module.sam_batch_size(call[0][0])
@@ -255,3 +237,7 @@ class StepDriver:
                         )
                     continue
             self.module.lr_scheduler_step(config.scheduler, monitor_val)
+
+
+def _detached(output: Mapping) -> dict[str, Any]:
+    return {k: v.detach() if isinstance(v, Tensor) else v for k, v in output.items()}

@@ -31,8 +31,8 @@ from lightning_slsam.core.engine import SAMEngine
 from lightning_slsam.core.passes import (
     PassRunner,
     loss_scale_reader,
+    read_output,
     skip_with_scaler,
-    split_per_sample,
 )
 from lightning_slsam.core.regions import compile_blocks_instead, compiled_whole
 from lightning_slsam.core.state import apply_method_state, method_state
@@ -240,7 +240,7 @@ class FabricSAM:
             self.partition = self.engine.partition
             _info(f"{self.name}, before step {self.engine.num_steps}: {change}")
         passes = PassRunner(
-            batches, lambda batch: split_per_sample(loss_fn(batch)), self.fabric.backward,
+            batches, lambda batch: read_output(loss_fn(batch)), self.fabric.backward,
             scale=1.0 / len(batches), needs_per_sample=self.engine.needs_per_sample,
         )  # fmt: skip
         scaler = getattr(self.fabric.strategy.precision, "scaler", None)

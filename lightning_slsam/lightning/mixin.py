@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
-from lightning_slsam.core.passes import first_tensor, split_per_sample, subset_batch
+from lightning_slsam.core.passes import first_tensor, read_output, split_per_sample, subset_batch
 from lightning_slsam.lightning.compat import attached_trainer, carry_step_progress
 from lightning_slsam.lightning.driver import StepDriver, find_sam_callback
 
@@ -40,8 +40,13 @@ def _wrap_training_step(user_step: Callable[..., Any]) -> Callable[..., Any]:
         controller = find_sam_callback(trainer)
         if controller is None:
             output = user_step(self, *args, **kwargs)
-            # Per-sample losses (returned for ESAM) are averaged for automatic optimization.
-            return split_per_sample(output)[0] if isinstance(output, Tensor) else output
+            # Per-sample losses (returned for ESAM) are averaged for automatic optimization;
+            # what a dict carries besides for a method (logits, indices) is passed on.
+            if isinstance(output, Tensor):
+                return split_per_sample(output)[0]
+            if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
+                return {**output, "loss": read_output(output).loss}
+            return output
         # The module's step driver runs the SAM step (a new one for each fit: another
         # callback, Trainer or optimizer).
         driver = self._slsam_driver

@@ -73,10 +73,12 @@ from typing import TYPE_CHECKING, Any
 from lightning_slsam.methods.arwp import ARWPSpec
 from lightning_slsam.methods.esam import ESAMSpec
 from lightning_slsam.methods.looksam import LookSAMSpec
+from lightning_slsam.methods.mesa import MESASpec
 from lightning_slsam.methods.momentum_sam import MomentumSAMSpec
 from lightning_slsam.methods.random_slsam import RandomSLSAMSpec
 from lightning_slsam.methods.rst import RSTSpec
 from lightning_slsam.methods.s2sam import S2SAMSpec
+from lightning_slsam.methods.saf import SAFSpec
 from lightning_slsam.methods.sam import SAMSpec
 from lightning_slsam.methods.sl_s2sam import SLS2SAMSpec
 from lightning_slsam.methods.slsam import SLSAMSpec
@@ -124,6 +126,8 @@ SPECS: dict[str, tuple[type[MethodSpec] | None, dict[str, Any]]] = {
     "slsam_ablation": (SLSAMAblationSpec, {}),
     "momentum_sam": (MomentumSAMSpec, {}),
     "arwp": (ARWPSpec, {}),
+    "mesa": (MESASpec, {}),
+    "saf": (SAFSpec, {}),
 }
 
 #: Names of earlier versions and what each is now.

@@ -61,7 +61,8 @@ def read_cifar(root: str, num_classes: int, train: bool) -> tuple[Tensor, Tensor
 
 
 class _Images(Dataset):
-    """uint8 images -> normalised float images at ``size`` px, augmented when training."""
+    """uint8 images -> normalised float images at ``size`` px, augmented when training (and
+    then with each image's index, SAF's)."""
 
     def __init__(
         self, images: Tensor, labels: Tensor, size: int, train: bool, mean: Any, std: Any
@@ -73,7 +74,7 @@ class _Images(Dataset):
     def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+    def __getitem__(self, index: int) -> tuple[Tensor, ...]:
         image = self.images[index].float().div_(255)
         if self.train:  # random crop with 4 px padding and a horizontal flip, at 32 px
             image = F.pad(image, (4, 4, 4, 4), mode="reflect")
@@ -84,7 +85,8 @@ class _Images(Dataset):
         if self.size != 32:
             image = F.interpolate(image[None], size=self.size, mode="bicubic", align_corners=False)
             image = image[0]
-        return (image - self.mean) / self.std, self.labels[index]
+        image = (image - self.mean) / self.std
+        return (image, self.labels[index], index) if self.train else (image, self.labels[index])
 
 
 class CIFARDataModule(L.LightningDataModule):
@@ -209,12 +211,14 @@ class TimmClassifier(SAMMixin, L.LightningModule):
     def forward(self, images: Tensor) -> Tensor:
         return self.model(images)
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        """Per-sample losses (averaged by SAMMixin; ranked by ESAM)."""
-        images, labels = batch
-        losses = F.cross_entropy(self(images).float(), labels, reduction="none")
+    def training_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> dict[str, Tensor]:
+        """Per-sample losses (averaged by SAMMixin; ranked by ESAM), the logits (MESA, SAF)
+        and the images' indices (SAF)."""
+        images, labels, index = batch
+        logits = self(images).float()
+        losses = F.cross_entropy(logits, labels, reduction="none")
         self.log("train_loss", losses.mean(), prog_bar=True, batch_size=len(labels))
-        return losses
+        return {"loss": losses, "logits": logits, "index": index}
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         images, labels = batch

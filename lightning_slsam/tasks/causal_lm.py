@@ -295,13 +295,14 @@ class CausalLMFineTuner(SAMMixin, L.LightningModule):
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
         ).logits
 
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        """Returns the per-sequence losses: SAMMixin averages them for the update, and
-        ESAM's data selection ranks sequences by them."""
-        losses, counted = token_losses(self(batch), batch["labels"])
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        """Returns the per-sequence losses (SAMMixin averages them for the update, ESAM's
+        data selection ranks sequences by them) and the next-token logits (MESA's)."""
+        logits = self(batch)
+        losses, counted = token_losses(logits, batch["labels"])
         per_sequence = losses.sum(1) / counted.sum(1).clamp(min=1)
         self.log("train_loss", per_sequence.mean(), prog_bar=True, batch_size=len(losses))
-        return per_sequence
+        return {"loss": per_sequence, "logits": logits}
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         logits = self(batch)

@@ -132,7 +132,9 @@ class PaddingCollator:
         longest = max(len(ex["input_ids"]) for ex in examples)
         labels = [ex["labels"] for ex in examples]
         batch = {"labels": torch.tensor(labels, dtype=self.label_dtype)}
-        for key in (k for k in examples[0] if k != "labels"):
+        if "index" in examples[0]:  # each example's position in its set (SAF's)
+            batch["index"] = torch.tensor([ex["index"] for ex in examples], dtype=torch.long)
+        for key in (k for k in examples[0] if k not in ("labels", "index")):
             fill = self.pad_token_id if key == "input_ids" else 0
             rows = [ex[key] + [fill] * (longest - len(ex[key])) for ex in examples]
             batch[key] = torch.tensor(rows, dtype=torch.long)

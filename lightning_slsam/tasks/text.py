@@ -232,7 +232,8 @@ class RottenTomatoesDataModule(L.LightningDataModule):
                 {**{k: enc[k][j] for k in keys}, "labels": labels[i]} for j, i in enumerate(rows)
             ]
 
-        self.train_dataset = encode(train_idx)
+        # Each training sentence's position: SAF finds its past logits by it.
+        self.train_dataset = [{**ex, "index": j} for j, ex in enumerate(encode(train_idx))]
         # Length-sorted validation batches carry almost no padding, and the order of the
         # validation sentences does not change the metrics.
         self.val_dataset = sorted(encode(val_idx), key=lambda ex: len(ex["input_ids"]))
@@ -321,11 +322,13 @@ class TextClassifier(SAMMixin, L.LightningModule):
         """The Hugging Face output: ``logits``, and ``loss`` when ``batch`` has ``labels``."""
         return self.model(**batch)
 
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        """Returns the per-sample losses: SAMMixin averages them for the update, and ESAM's
-        data selection ranks samples by them."""
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Any]:
+        """Returns the per-sample losses (SAMMixin averages them for the update, ESAM's data
+        selection ranks samples by them), the logits (MESA's, SAF's) and the sentences'
+        positions in the training set (SAF's)."""
         labels = batch["labels"]
-        logits = self.model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        inputs = {k: v for k, v in batch.items() if k not in ("labels", "index")}
+        logits = self.model(**inputs).logits
         losses = F.cross_entropy(logits.float(), labels, reduction="none")
         size = labels.shape[0]
         self.log("train_loss", losses.mean(), prog_bar=True, batch_size=size)
@@ -333,7 +336,7 @@ class TextClassifier(SAMMixin, L.LightningModule):
         if self.sam_pass <= 1:
             self.train_acc.update(logits.detach().argmax(-1), labels)
             self.log("train_acc", self.train_acc, on_step=False, on_epoch=True, batch_size=size)
-        return losses
+        return {"loss": losses, "logits": logits, "index": batch.get("index")}
 
     def validation_step(
         self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0

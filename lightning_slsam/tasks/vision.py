@@ -129,7 +129,8 @@ class DigitsDataModule(L.LightningDataModule):
         train, val, test = split_rows(len(labels), hp.seed, hp.val_fraction, hp.test_fraction)
         train = torch.tensor(train[: hp.num_train], dtype=torch.long)
         noisy = noisy_labels(labels[train], hp.label_noise, 10, hp.seed)
-        self.train_set = TensorDataset(images[train].contiguous(), noisy)
+        # Each training sample's position last: SAF finds its past logits by it.
+        self.train_set = TensorDataset(images[train].contiguous(), noisy, torch.arange(len(train)))
         self.val_set = TensorDataset(images[val].contiguous(), labels[val])
         if test:
             self.test_set = TensorDataset(images[test].contiguous(), labels[test])
@@ -177,12 +178,14 @@ class ImageClassifier(SAMMixin, L.LightningModule):
     def forward(self, images: Tensor) -> Tensor:
         return self.model(images)
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        """Per-sample losses (averaged by SAMMixin; ranked by ESAM)."""
-        images, labels = batch
-        losses = F.cross_entropy(self(images), labels, reduction="none")
+    def training_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> dict[str, Tensor]:
+        """Per-sample losses (averaged by SAMMixin; ranked by ESAM), the logits (MESA's,
+        SAF's) and the samples' positions in the training set (SAF's)."""
+        images, labels = batch[0], batch[1]
+        logits = self(images)
+        losses = F.cross_entropy(logits, labels, reduction="none")
         self.log("train_loss", losses.mean(), prog_bar=True, batch_size=len(labels))
-        return losses
+        return {"loss": losses, "logits": logits, "index": batch[2] if len(batch) > 2 else None}
 
     def validation_step(
         self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0

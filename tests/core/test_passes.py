@@ -17,9 +17,11 @@ from torch import nn
 from lightning_slsam import make_engine
 from lightning_slsam.core.passes import (
     PER_SAMPLE_NEEDED,
+    LossOutput,
     PassOutput,
     PassRunner,
     first_tensor,
+    read_output,
     skip_with_scaler,
     split_per_sample,
     subset_batch,
@@ -41,7 +43,7 @@ class Model:
         number = self.passes.number if self.passes is not None else -1
         self.calls.append((batch.tolist(), torch.is_grad_enabled(), number))
         losses = self.w * batch
-        return split_per_sample(losses if self.per_sample else losses.mean())
+        return read_output(losses if self.per_sample else losses.mean())
 
     def backward(self, loss):
         self.backwards.append(float(loss.detach()))
@@ -145,7 +147,7 @@ def test_backward_runs_only_when_the_loss_reaches_a_trainable_tensor():
     backwards = []
 
     def loss(batch):
-        return (trainable * batch if float(batch) == 1.0 else batch * 3.0), None
+        return LossOutput(trainable * batch if float(batch) == 1.0 else batch * 3.0)
 
     def backward(value):
         backwards.append(float(value.detach()))

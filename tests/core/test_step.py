@@ -27,7 +27,7 @@ from torch import nn
 from lightning_slsam import SLS2SAM, make_callback, make_engine
 from lightning_slsam.core.engine import SAMEngine
 from lightning_slsam.core.partition import LayerFreezer, build_partition
-from lightning_slsam.core.passes import PassRunner, split_per_sample
+from lightning_slsam.core.passes import LossOutput, PassRunner, read_output
 from lightning_slsam.core.perturbation import SAMPerturbation
 from lightning_slsam.core.step import (
     STEP_KINDS,
@@ -75,7 +75,7 @@ def test_non_finite_pass_skips_the_step_untouched(bad_pass):
         loss = F.cross_entropy(net(batch[0]), batch[1])
         if calls[0] == bad_pass:
             loss = loss * float("nan")
-        return loss, None
+        return LossOutput(loss)
 
     stepped = []
     loop = LoopHooks(
@@ -472,7 +472,7 @@ class Gathered:
 
 def _loop(net, x, y, averager=None) -> LoopHooks:
     def loss(batch):
-        return split_per_sample(F.cross_entropy(net(batch[0]), batch[1]))
+        return read_output(F.cross_entropy(net(batch[0]), batch[1]))
 
     passes = PassRunner([(x, y)], loss, torch.Tensor.backward)
     return LoopHooks(passes, lambda: net.zero_grad(set_to_none=True), lambda skip: None,

@@ -10,6 +10,7 @@ import pytest
 from lightning_slsam import (
     ARWP,
     ESAM,
+    MESA,
     METHODS,
     RST,
     S2SAM,
@@ -39,6 +40,7 @@ def test_registry_builds_every_method_with_its_paper_defaults():
         "rst": RST, "esam": ESAM, "ssamf": SSAMF, "looksam": LookSAM, "slsam_rst": SLSAMRST,
         "slsam_looksam": SLSAMLookSAM, "slsam_depth": CostAwareSLSAM,
         "slsam_ablation": SLSAMAblation, "momentum_sam": MomentumSAM, "arwp": ARWP,
+        "mesa": MESA,
     }  # fmt: skip
     for name, cls in expected.items():
         cb = make_callback(name)

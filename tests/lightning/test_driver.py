@@ -17,8 +17,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from probes import fp16
 
 from lightning_slsam import ESAM, SAM, SparseLayerSAM
+from lightning_slsam.core.passes import read_output
 from lightning_slsam.lightning.callbacks import SLSAMAblation
-from lightning_slsam.lightning.driver import StepDriver, driver_of, find_sam_callback, loss_of
+from lightning_slsam.lightning.driver import StepDriver, driver_of, find_sam_callback
 
 # -- LR schedulers ---------------------------------------------------------------------------------
 
@@ -270,7 +271,11 @@ class Outputs(L.Callback):
         self.steps.append(trainer.global_step)
 
 
-def test_loss_of_reads_a_scalar_per_sample_losses_or_a_dict():
+def test_read_output_reads_a_scalar_per_sample_losses_or_a_dict():
+    def loss_of(output):
+        out = read_output(output, MisconfigurationException)
+        return out.loss, out.per_sample
+
     loss, per_sample = loss_of(torch.tensor(2.5))
     assert loss.shape == () and float(loss) == 2.5 and per_sample is None
     losses = torch.tensor([1.0, 2.0, 6.0], requires_grad=True)

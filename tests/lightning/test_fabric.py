@@ -8,7 +8,16 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import Counting, LitModel, Stack, loader, make_data, make_mlp, trainer
+from helpers import (
+    Counting,
+    LitModel,
+    Stack,
+    loader,
+    make_data,
+    make_mlp,
+    per_sample_outputs,
+    trainer,
+)
 from tolerance import within
 
 from lightning_slsam import FabricSAM, make_callback
@@ -17,7 +26,7 @@ from lightning_slsam import FabricSAM, make_callback
 METHODS = [
     "sam", "slsam_paper", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
     "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_depth", "slsam", "slsam_ablation",
-    "momentum_sam", "arwp",
+    "momentum_sam", "arwp", "mesa", "saf",
 ]  # fmt: skip
 STEPS = 4
 BATCH = 16
@@ -25,12 +34,12 @@ BATCH = 16
 
 class PerSample(LitModel):
     def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self(x), y, reduction="none")
+        return per_sample_outputs(self, batch)  # ESAM's losses, MESA's logits, SAF's indices
 
 
 def _options(method: str, **extra) -> dict:
-    return {"seed": 3, **extra}
+    saf = {"delay": 1, "start_epoch": 0} if method == "saf" else {}  # its term at step 2
+    return {"seed": 3, **saf, **extra}
 
 
 def _weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -48,12 +57,11 @@ def fabric_run(method, accumulate=1, clip=None, algorithm="norm", precision="32-
     sam = FabricSAM(fabric, model, optimizer, method, gradient_clip_val=clip,
                     gradient_clip_algorithm=algorithm, **_options(method, **options))  # fmt: skip
     sam.engine.planned_steps = steps  # ARWP's noise grows over the run
-    batches = list(loader(make_data(BATCH * steps), BATCH // accumulate))
+    batches = list(loader(make_data(BATCH * steps, indexed=BATCH), BATCH // accumulate))
     results = []
 
     def loss_fn(batch):
-        x, y = batch
-        return F.cross_entropy(model(x), y, reduction="none")
+        return per_sample_outputs(model, batch)
 
     for i in range(steps):
         results.append(sam.step(loss_fn, *batches[i * accumulate : (i + 1) * accumulate]))
@@ -68,7 +76,7 @@ def trainer_run(method, accumulate=1, clip=None, algorithm="norm", precision="32
                              gradient_clip_algorithm=algorithm,
                              **_options(method, **options))  # fmt: skip
     fit = trainer(callbacks=[callback], max_steps=steps, limit_val_batches=0, precision=precision)
-    fit.fit(model, loader(make_data(BATCH * steps), BATCH // accumulate))
+    fit.fit(model, loader(make_data(BATCH * steps, indexed=BATCH), BATCH // accumulate))
     return _weights(model), callback
 
 

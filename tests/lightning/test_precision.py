@@ -5,8 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from helpers import LitModel, Snapshots, linear_sgd, loader, make_data, make_mlp, trainer
+from helpers import (
+    LitModel,
+    Snapshots,
+    linear_sgd,
+    loader,
+    make_data,
+    make_mlp,
+    per_sample_outputs,
+    trainer,
+)
 from probes import fp16
 from tolerance import BF16_CHANGES, BF16_UPDATE_GAP, update_gap, within
 from torch import nn
@@ -37,7 +45,7 @@ def test_precisions_keep_the_contract(precision):
 PRECISION_METHODS = [
     "sam", "slsam_paper", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
     "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_depth", "slsam_ablation", "slsam",
-    "momentum_sam", "arwp",
+    "momentum_sam", "arwp", "mesa", "saf",
 ]  # fmt: skip
 
 
@@ -59,8 +67,7 @@ LOOKSAM = {"looksam", "slsam_looksam"}
 
 class PerSample(LitModel):
     def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self(x), y, reduction="none")  # ESAM ranks the samples
+        return per_sample_outputs(self, batch)  # ESAM's losses, MESA's logits, SAF's indices
 
     def configure_optimizers(self):
         # SGD: the update is linear in the gradient, so the comparison measures the
@@ -73,11 +80,13 @@ def _fit_in(method: str, precision: str) -> tuple[Snapshots, nn.Module]:
     options = {"seed": 3, "plot": False}
     if method in ("slsam_paper", "random_slsam", "sl_s2sam"):
         options["layer_ratio"] = 0.5
+    if method == "saf":  # the term from the second step on
+        options.update(delay=1, start_epoch=0)
     snaps, model = Snapshots(), PerSample(make_mlp(seed=0))
     plugins = [fp16(2.0**8)] if precision == "16-mixed" else []
     fit = trainer([make_callback(method, **options), snaps], max_steps=3, plugins=plugins,
                   precision=None if plugins else precision)  # fmt: skip
-    fit.fit(model, loader(make_data(48), 16))
+    fit.fit(model, loader(make_data(48, indexed=16), 16))  # SAF's samples seen every step
     return snaps, model
 
 

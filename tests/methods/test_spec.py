@@ -38,10 +38,13 @@ def _train(engine, model, steps=6):
     for step in range(steps):
         xb, yb = x[16 * step : 16 * step + 16], y[16 * step : 16 * step + 16]
 
-        def loss(index=None, xb=xb, yb=yb):
+        def loss(index=None, xb=xb, yb=yb, step=step):
+            samples = torch.arange(16 * step, 16 * step + 16)  # SAF's indices
             if index is not None:
-                xb, yb = xb[index], yb[index]
-            return F.cross_entropy(model(xb), yb, reduction="none")
+                xb, yb, samples = xb[index], yb[index], samples[index]
+            logits = model(xb)  # MESA and SAF read them
+            losses = F.cross_entropy(logits, yb, reduction="none")
+            return {"loss": losses, "logits": logits, "index": samples}
 
         engine.train_step(loss, opt, batch_size=16)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -112,6 +115,8 @@ OWN_OPTIONS = {
     "RandomSLSAM": {"layer_ratio", "preset"},
     "SLS2SAM": {"layer_ratio", "p_min", "preset"},
     "ARWP": {"growth", "eta", "beta"},
+    "MESA": {"weight", "tau", "start", "decay"},
+    "SAF": {"weight", "tau", "delay", "start_epoch"},
 }  # fmt: skip
 OWN_OPTIONS["SparseLayerSAM"] = OWN_OPTIONS["SLS2SAM"]
 OWN_OPTIONS["SLSAMRST"] = OWN_OPTIONS["SparseLayerSAM"] | {"probability"}

@@ -24,7 +24,7 @@ WORKER = os.path.join(TESTS, "ddp_worker.py")
 METHODS = [
     "sam", "slsam_paper", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
     "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam", "slsam_depth", "slsam_ablation",
-    "momentum_sam", "arwp",
+    "momentum_sam", "arwp", "mesa", "saf",
 ]  # fmt: skip
 #: The fp16 and bfloat16 runs: every method but slsam_ablation, which without options runs
 #: slsam's configuration (its runs would repeat slsam's).

@@ -26,7 +26,7 @@ WORKER = os.path.join(TESTS, "fsdp2_worker.py")
 EXACT = [
     "sam", "asam", "sam_layer_norm", "slsam_paper", "slsam", "random_slsam", "top_slsam",
     "s2sam", "sl_s2sam", "rst", "looksam", "slsam_rst", "slsam_looksam", "slsam_depth", "ssamf",
-    "momentum_sam", "arwp",
+    "momentum_sam", "arwp", "mesa", "saf",
 ]  # fmt: skip
 
 
@@ -127,7 +127,7 @@ LIGHTNING_WORKER = os.path.join(TESTS, "fsdp2_lightning_worker.py")
 LIGHTNING_METHODS = [
     "sam", "slsam_paper", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "looksam",
     "slsam_rst", "slsam_looksam", "slsam", "esam", "ssamf", "slsam_depth", "slsam_ablation",
-    "momentum_sam", "arwp",
+    "momentum_sam", "arwp", "mesa", "saf",
 ]  # fmt: skip
 #: The bfloat16 runs: every method but slsam_ablation, which without options runs slsam's
 #: configuration (its runs would repeat slsam's).
@@ -159,6 +159,8 @@ RESUMED = [
     "ssamf",
     "momentum_sam",
     "arwp",
+    "mesa",
+    "saf",
 ]
 CROSSED = ["slsam_paper", "s2sam", "looksam"]
 #: form of torch.compile (after fully_shard, in configure_model) -> the methods it trains

@@ -18,12 +18,11 @@ sys.path.insert(0, os.path.join(ROOT, "examples", "scripts"))
 import benefit  # noqa: E402
 
 
-def write(folder, group, label, seed, *, lr, rho=None, cls="SAM", val, best, end):
+def write(folder, group, label, seed, *, lr, rho=None, cls="SAM", val, best, end, **options):
     here = os.path.join(folder, group, "runs", label, f"seed{seed}")
     os.makedirs(here)
-    callbacks = (
-        [] if rho is None else [{"class_path": f"lightning_slsam.{cls}", "init_args": {"rho": rho}}]
-    )
+    args = {"rho": rho, **options}
+    callbacks = [] if rho is None else [{"class_path": f"lightning_slsam.{cls}", "init_args": args}]
     config = {"model": {"init_args": {"learning_rate": lr}}, "trainer": {"callbacks": callbacks}}
     with open(os.path.join(here, "config.yaml"), "w") as handle:
         yaml.safe_dump(config, handle)
@@ -121,6 +120,34 @@ def test_choices_are_made_on_validation_and_shares_read_on_test(task):
     alone, added = rows["slsam"]["split"]["best_epoch"]
     assert alone == pytest.approx(0.2) and added == pytest.approx(0.3)
     assert set(table["sweep"]) == {"AdamW lr 0.001", "AdamW lr 0.003", "SAM rho 0.3", "SAM rho 1"}
+
+
+def test_a_method_sized_by_options_of_its_own_has_a_row_per_setting(task):
+    # MESA at two weights (its rho is the default, not its size): two rows named by the
+    # options that size it, each with its own seeds
+    for seed in range(3):
+        for group, weight, best in (("mesa_w0.3", 0.3, 0.85), ("mesa_w1", 1.0, 0.90)):
+            write(task, group, "mesa", seed, lr=1e-3, rho=0.01, cls="MESA", val=0.9,
+                  best=best, end=best, weight=weight, tau=5.0, decay=0.999, start=0.05)  # fmt: skip
+    table = benefit.task_table(benefit.read_runs(task))
+    rows = table["rows"]
+    low, high = (
+        "mesa (weight 0.3, tau 5, decay 0.999, start 0.05)",
+        "mesa (weight 1, tau 5, decay 0.999, start 0.05)",
+    )
+    assert {low, high} <= set(rows) and rows[low]["seeds"] == rows[high]["seeds"] == 3
+    assert rows[low]["best_epoch"]["share"][0] == pytest.approx(0.5)
+    assert rows[high]["best_epoch"]["share"][0] == pytest.approx(1.0)
+    assert f"| {high} | MESA | - | 3 |" in benefit.render({"toy": table})
+
+
+def test_a_control_of_a_radius_method_is_named_by_what_it_varies(task):
+    for seed in range(2):
+        for group, eta in (("arwp", 0.1), ("arwp_eta0", 0.0)):
+            write(task, group, "arwp", seed, lr=1e-3, rho=0.01, cls="ARWP", val=0.9, best=0.85,
+                  end=0.85, growth=10.0, eta=eta)  # fmt: skip
+    rows = benefit.task_table(benefit.read_runs(task))["rows"]
+    assert {"arwp (rho 0.01)", "arwp (rho 0.01, eta 0)"} <= set(rows)
 
 
 def test_a_gain_within_twice_its_standard_error_is_not_called_real(tmp_path):

@@ -127,8 +127,9 @@ def test_per_sample_loss_ignores_padding(glass):
     short, long = [BOS, *glass[1](TEXTS[0])["input_ids"][:6], EOS], [BOS, *range(40, 70), EOS]
     collate = CausalLMCollator(PAD)
     with torch.no_grad():
-        alone = module.training_step(collate([{"input_ids": short}]), 0)
-        batched = module.training_step(collate([{"input_ids": short}, {"input_ids": long}]), 0)
+        alone = module.training_step(collate([{"input_ids": short}]), 0)["loss"]
+        pair = collate([{"input_ids": short}, {"input_ids": long}])
+        batched = module.training_step(pair, 0)["loss"]
     assert alone.shape == (1,) and batched.shape == (2,)
     torch.testing.assert_close(batched[0], alone[0], rtol=0, atol=1e-5)
     assert not torch.isclose(batched[1], alone[0])

@@ -187,3 +187,24 @@ def test_a_bad_vit_shape_is_refused_naming_the_parameter(kwargs, words):
     with pytest.raises(ValueError) as err:
         ViTClassifier(**kwargs)
     assert words in str(err.value)
+
+
+def test_the_training_sets_yield_each_samples_index_and_the_steps_return_it(tmp_path):
+    # SAF finds each sample's past logits by its position in the training set.
+    digits = DigitsDataModule(image_size=8, batch_size=64)
+    digits.setup("fit")
+    seen = torch.cat([batch[2] for batch in digits.train_dataloader()])
+    assert sorted(seen.tolist()) == list(range(len(digits.train_set)))  # each once an epoch
+    images, labels, index = next(iter(digits.train_dataloader()))
+    assert torch.equal(digits.train_set.tensors[1][index], labels)
+    out = MLPClassifier(in_features=192, hidden=[16]).training_step((images, labels, index), 0)
+    assert out["logits"].shape == (64, 10) and torch.equal(out["index"], index)
+    assert out["loss"].shape == (64,)  # per-sample losses, for ESAM
+    rows = [(f"sentence {i}", i % 2, "rotten_tomatoes") for i in range(60)]
+    csv = tmp_path / "rt.csv"
+    csv.write_text("text,label,source\n" + "".join(f"{t},{y},{s}\n" for t, y, s in rows))
+    text = RottenTomatoesDataModule(csv_path=str(csv), val_fraction=0.2, batch_size=8)
+    text.setup("fit")
+    batches = list(text.train_dataloader())
+    assert sorted(torch.cat([b["index"] for b in batches]).tolist()) == list(range(48))
+    assert all("index" not in b for b in text.val_dataloader())  # the training set's only

@@ -85,11 +85,19 @@ def test_split_sizes_and_padded_batches(stand_in_csv):
     dm = datamodule(stand_in_csv)
     dm.setup("fit")
     assert len(dm.train_dataset) == 30 and len(dm.val_dataset) == 10
-    for loader, size in ((dm.train_dataloader(), 8), (dm.val_dataloader(), 16)):
+    for loader, size, indexed in (
+        (dm.train_dataloader(), 8, True),
+        (dm.val_dataloader(), 16, False),
+    ):
         batches = list(loader)
         assert sum(len(b["labels"]) for b in batches) == len(loader.dataset)
         batch = batches[0]
-        assert set(batch) == {"input_ids", "attention_mask", "token_type_ids", "labels"}
+        keys = {"input_ids", "attention_mask", "token_type_ids", "labels"}
+        # the training examples carry their positions (SAF's index), each once an epoch
+        assert set(batch) == keys | ({"index"} if indexed else set())
+        if indexed:
+            seen = torch.cat([b["index"] for b in batches]).sort().values
+            assert torch.equal(seen, torch.arange(len(loader.dataset)))
         assert batch["labels"].shape == (min(size, len(loader.dataset)),)
         rows, longest = batch["input_ids"].shape
         assert batch["attention_mask"].shape == batch["token_type_ids"].shape == (rows, longest)
