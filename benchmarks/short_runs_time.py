@@ -66,7 +66,7 @@ TASKS = {
 BASELINES = {"adamw": ("adamw", {}), "sam": ("sam", {}), "slsam_paper": ("slsam_paper", {}),
              "random_slsam": ("random_slsam", {})}  # fmt: skip
 #: the other methods with their defaults, as docs/results/choosing compares them
-_OTHERS = "slsam esam rst looksam s2sam sl_s2sam slsam_depth ssamf momentum_sam"
+_OTHERS = "slsam esam rst looksam s2sam sl_s2sam slsam_depth ssamf momentum_sam arwp mesa saf"
 METHODS = {name: (name, {}) for name in _OTHERS.split()}
 TIME_GOAL = 0.70
 
@@ -93,7 +93,8 @@ def _build(entry: dict[str, Any]) -> Any:
 
 def load_task(config: str, epochs: int) -> tuple[torch.nn.Module, list, Callable, float]:
     """The task's module, its training batches for ``epochs`` epochs, the loss its
-    ``training_step`` computes (per-sample cross-entropy) and its learning rate."""
+    ``training_step`` computes (per-sample cross-entropy, with the logits and the samples'
+    indices for MESA and SAF) and its learning rate."""
     with open(os.path.join(ROOT, config)) as handle:
         spec = yaml.safe_load(handle)
     torch.manual_seed(spec.get("seed_everything", 0))
@@ -114,15 +115,18 @@ def load_task(config: str, epochs: int) -> tuple[torch.nn.Module, list, Callable
 
         def loss(model, batch, index=None):
             part = batch if index is None else {k: v[index] for k, v in batch.items()}
-            inputs = {k: v for k, v in part.items() if k != "labels"}
+            inputs = {k: v for k, v in part.items() if k not in ("labels", "index")}
             logits = model.model(**inputs).logits.float()
-            return F.cross_entropy(logits, part["labels"], reduction="none")
+            losses = F.cross_entropy(logits, part["labels"], reduction="none")
+            return {"loss": losses, "logits": logits, "index": part["index"]}
 
     else:
 
         def loss(model, batch, index=None):
-            images, labels = batch if index is None else (batch[0][index], batch[1][index])
-            return F.cross_entropy(model(images), labels, reduction="none")
+            images, labels, order = batch if index is None else [t[index] for t in batch]
+            logits = model(images)
+            losses = F.cross_entropy(logits, labels, reduction="none")
+            return {"loss": losses, "logits": logits, "index": order}
 
     return module, batches, loss, float(module.hparams.learning_rate)
 
@@ -135,7 +139,8 @@ def make_step(method: str, options: dict[str, Any], module, loss, lr) -> Callabl
 
         def adamw(batch):
             opt.zero_grad(set_to_none=True)
-            loss(module, batch).mean().backward()
+            out = loss(module, batch)
+            (out["loss"] if isinstance(out, dict) else out).mean().backward()
             opt.step()
 
         adamw.engine = None  # type: ignore[attr-defined]

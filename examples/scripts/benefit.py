@@ -57,6 +57,12 @@ DRAWS = 2000
 FLOOR = -1.5
 #: the radius of the controls: sparse updates without a perturbation
 CONTROL_RHO = 1e-8
+#: the options that size a method without a radius (its rows are named by them, not by rho)
+SIZES = {"MESA": ("weight", "tau", "decay", "start"),
+         "SAF": ("weight", "tau", "delay", "start_epoch")}  # fmt: skip
+#: options of a method sized by its radius that a control varies: a row names them where
+#: they differ from these defaults, after its radius
+VARIED = {"ARWP": {"growth": 10.0, "eta": 0.1}}
 #: seeds of AdamW and of SAM below which SAM's gain is shown but not claimed
 CLAIM_SEEDS = 5
 
@@ -74,13 +80,18 @@ def read_runs(folder: str) -> list[dict[str, Any]]:
         sam = [c for c in config["trainer"].get("callbacks") or []
                if c["class_path"].startswith("lightning_slsam.")
                and not c["class_path"].endswith("RunRecorder")]  # fmt: skip
+        method = sam[0]["class_path"].rsplit(".", 1)[-1] if sam else "AdamW"
+        options = sam[0]["init_args"] if sam else {}
         found.append({
             "group": os.path.relpath(here, folder).split(os.sep)[0],
             "label": os.path.basename(os.path.dirname(here)),
             "seed": int(os.path.basename(here).removeprefix("seed")),
             "lr": float(config["model"]["init_args"]["learning_rate"]),
-            "method": sam[0]["class_path"].rsplit(".", 1)[-1] if sam else "AdamW",
-            "rho": float(sam[0]["init_args"]["rho"]) if sam else None,
+            "method": method,
+            "rho": float(options["rho"]) if sam else None,
+            "setting": tuple((k, float(options[k])) for k in SIZES.get(method, ()))
+            + tuple((k, float(options[k])) for k, default in VARIED.get(method, {}).items()
+                    if float(options.get(k, default)) != default),
             "best_val": run["best"],
             "best_epoch": run["report_at_best"],
             "end": run["report_final"],
@@ -146,20 +157,24 @@ def task_table(runs: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     # One row per (label, radius): a method run at SAM's radius and at its own; of SAM's
     # sweep only the chosen radius is a row.
-    keys = sorted({(r["label"], r["rho"], r["lr"]) for r in runs if r["method"] != "AdamW"},
-                  key=lambda k: (k[0] != "sam", k[0], k[2] != lr, k[2], k[1]))  # fmt: skip
-    for label, radius, rate in keys:
+    keys = sorted({(r["label"], r["rho"], r["lr"], r["setting"]) for r in runs
+                   if r["method"] != "AdamW"},
+                  key=lambda k: (k[0] != "sam", k[0], k[2] != lr, k[2], k[1], k[3]))  # fmt: skip
+    for label, radius, rate, setting in keys:
         mine = [r for r in runs
-                if (r["label"], r["rho"], r["lr"]) == (label, radius, rate)]  # fmt: skip
+                if (r["label"], r["rho"], r["lr"], r["setting"])
+                == (label, radius, rate, setting)]  # fmt: skip
         if mine[0]["method"] == "SAM" and (label != "sam" or radius != rho or rate != lr):
             continue  # the sweep's other points
-        name = label
-        if radius != rho and not label.endswith("_rho0"):
-            name += f" (rho {radius:g})"
+        name, named = label, [f"{k} {v:g}" for k, v in setting]
+        if mine[0]["method"] not in SIZES and radius != rho and not label.endswith("_rho0"):
+            named.insert(0, f"rho {radius:g}")
+        if named:  # a method at a setting of its own
+            name += " (" + ", ".join(named) + ")"
         if rate != lr:  # a method at a learning rate of its own
             name += f" (lr {rate:g})"
         row: dict[str, Any] = {"method": mine[0]["method"], "rho": radius, "lr": rate,
-                               "seeds": len(mine)}  # fmt: skip
+                               "seeds": len(mine), "setting": dict(setting)}  # fmt: skip
         for point in ("best_epoch", "end"):
             values = [r[point] for r in mine]
             a, s = ([r[point] for r in base[k]] for k in ("adamw", "sam"))
@@ -318,17 +333,19 @@ def render(tables: dict[str, dict[str, Any]]) -> str:
         lines += [
             "",
             "| row | method | rho | seeds | best val acc | test acc, best epoch | share kept |"
-            " test acc, end | share kept | step time / SAM |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            " test acc, end | share kept | step time / SAM | step time / AdamW |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for label, row in t["rows"].items():
             cells = ["{:.4f} ± {:.4f}".format(*row["val"])]
             for point in ("best_epoch", "end"):
                 (m, se), (sh, lo, hi) = row[point]["acc"], row[point]["share"]
                 cells.append(f"{m:.4f} ± {se:.4f} | {sh:.2f} [{lo:.2f}, {hi:.2f}]")
-            time = row.get("time")
+            time, adamw = row.get("time"), t.get("adamw_time")
             cells.append("-" if time is None else f"{time:.2f}")
-            lines.append(f"| {label} | {row['method']} | {row['rho']:g} | {row['seeds']} | "
+            cells.append("-" if time is None or not adamw else f"{time / adamw:.2f}")
+            radius = "-" if row["method"] in SIZES else f"{row['rho']:g}"
+            lines.append(f"| {label} | {row['method']} | {radius} | {row['seeds']} | "
                          + " | ".join(cells) + " |")  # fmt: skip
         split = {label: row["split"] for label, row in t["rows"].items() if "split" in row}
         if split:
