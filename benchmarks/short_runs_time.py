@@ -187,6 +187,9 @@ def measure(tasks: list[str], labels: list[str], limit: int | None = None) -> li
         for label in labels
     }
     batches = batches[:limit] if limit else batches
+    for step in steps.values():  # the run's length (ARWP's noise schedule, MESA's start)
+        if step.engine is not None:  # type: ignore[attr-defined]
+            step.engine.planned_steps = len(batches)  # type: ignore[attr-defined]
     print(f"== {', '.join(tasks)}: {len(batches)} steps x {len(labels)} configurations", flush=True)
     kinds: dict[str, list[str | None]] = {}
     times = interleaved(steps, batches, warmup=0, kinds=kinds)

@@ -52,6 +52,8 @@ TASKS = {
     "vit_noisy": "ViT from scratch, digits, 40% label noise",
 }
 TIMES = os.path.join(ROOT, "benchmarks", "results", "short_runs_time.json")
+#: a later measurement of some methods beside AdamW and SAM (``short_runs_time.py --out``)
+MORE_TIMES = os.path.join(ROOT, "benchmarks", "results", "single_pass", "short_runs_time.json")
 DRAWS = 2000
 #: the plot's lowest share: a row under it (a diverged run) is marked at the floor
 FLOOR = -1.5
@@ -211,17 +213,29 @@ def add_times(task: str, table: dict[str, Any], times: dict[str, float]) -> None
     table["adamw_time"] = times.get("adamw")
 
 
-def step_times(task: str, path: str = TIMES) -> dict[str, float]:
+def step_times(task: str, path: str = TIMES, *more: str) -> dict[str, float]:
     """Each configuration's mean step time relative to SAM's on ``task`` (a task folder is
-    named as its task in benchmarks/short_runs_time.py; empty when it was not measured)."""
-    if not os.path.exists(path):
-        return {}
-    with open(path) as handle:
-        results = json.load(handle)["results"]
-    for result in results:
-        if result["task"] == task:
-            return {label: row["ratio_to_sam"] for label, row in result["configs"].items()}
-    return {}
+    named as its task in benchmarks/short_runs_time.py; empty when it was not measured).
+
+    ``more``: later measurements, each with AdamW in it; a configuration only they timed
+    joins at its time relative to AdamW's in its own run, times AdamW's relative to SAM's
+    here (so its ratio to AdamW is the one measured beside it)."""
+    times: dict[str, float] = {}
+    for where in (path, *more):
+        if not os.path.exists(where):
+            continue
+        with open(where) as handle:
+            results = json.load(handle)["results"]
+        for result in results:
+            if result["task"] != task:
+                continue
+            found = {label: row["ratio_to_sam"] for label, row in result["configs"].items()}
+            if not times:
+                times = found
+            elif "adamw" in times and "adamw" in found:
+                scale = times["adamw"] / found["adamw"]
+                times.update({k: v * scale for k, v in found.items() if k not in times})
+    return times
 
 
 #: Configurations that do the step work of another: SparseLayerSAM() without its update
@@ -377,7 +391,8 @@ def render(tables: dict[str, dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default=OUT, help="the benefit tasks' folder")
-    parser.add_argument("--times", default=TIMES, help="short_runs_time.py's results (JSON)")
+    parser.add_argument("--times", nargs="+", default=[TIMES, MORE_TIMES],
+                        help="short_runs_time.py's results, the first the reference")  # fmt: skip
     args = parser.parse_args(argv)
     tables = {}
     for task in sorted(os.listdir(args.results)):
@@ -389,7 +404,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             except LookupError as missing:
                 print(f"{task}: left out of the table ({missing})")
                 continue
-            add_times(task, tables[task], step_times(task, args.times))
+            add_times(task, tables[task], step_times(task, *args.times))
     text = render(tables)
     # A share is plotted only where SAM's gain is real at one point of the run at least.
     gained = {task: t for task, t in tables.items() if t["best_epoch"]["real"] or t["end"]["real"]}

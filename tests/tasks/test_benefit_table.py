@@ -190,6 +190,15 @@ def test_step_times_attach_to_rows_and_the_frontier_keeps_the_undominated(task, 
     assert benefit.time_of("slsam_unscaled", times_of) == 0.45
     assert benefit.time_of("looksam_alpha01", times_of) == 0.6
     assert benefit.time_of("rst", times_of) is None
+    # a later run timing a new method beside AdamW and SAM: the method joins at its ratio
+    # to AdamW measured there; what the first run timed keeps its figures
+    later = tmp_path / "later.json"
+    configs = {"sam": 1.0, "adamw": 0.5, "slsam": 0.9, "arwp": 0.55}
+    rows_of = {k: {"ratio_to_sam": v} for k, v in configs.items()}
+    later.write_text(json.dumps({"results": [{"task": "toy", "configs": rows_of}]}))
+    merged = benefit.step_times("toy", str(times), str(later))
+    assert merged["slsam"] == 0.45 and merged["adamw"] == 0.6
+    assert merged["arwp"] / merged["adamw"] == pytest.approx(1.1)
     assert benefit.frontier([(0.6, 0.0), (0.45, 0.5), (1.0, 1.0), (0.8, 0.4)]) == [
         (0.45, 0.5),
         (1.0, 1.0),
