@@ -21,17 +21,20 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 
 import lightning as L
 import torch
 
-from lightning_slsam import SparseLayerSAM
-from lightning_slsam.tasks.text import RottenTomatoesDataModule, TextClassifier
-from lightning_slsam.tasks.vision import DigitsDataModule, ImageClassifier
-
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # examples.tasks, from the repository
+
+from examples.tasks.vision import DigitsDataModule, ImageClassifier  # noqa: E402
+from lightning_slsam import SparseLayerSAM  # noqa: E402
+from lightning_slsam.demo.text import RottenTomatoesDataModule, TextClassifier  # noqa: E402
+
 IMAGES = os.path.join(os.path.dirname(HERE), "docs", "images")
 
 

@@ -48,6 +48,7 @@ from lightning_slsam import make_engine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)  # the tasks' class paths (examples.tasks) resolve from the repository
 RESULTS = os.path.join(HERE, "results")
 SCRIPT = os.path.join(ROOT, "examples", "scripts", "compare_short_runs.sh")
 #: name: (task config, epochs)
@@ -105,7 +106,7 @@ def load_task(config: str, epochs: int) -> tuple[torch.nn.Module, list, Callable
         # the language-model task: each sequence's mean next-token loss
 
         def loss(model, batch, index=None):
-            from lightning_slsam.tasks.causal_lm import token_losses
+            from examples.tasks.causal_lm import token_losses
 
             part = batch if index is None else {k: v[index] for k, v in batch.items()}
             losses, counted = token_losses(model(part), part["labels"])

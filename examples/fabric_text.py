@@ -21,8 +21,8 @@ import torch
 from torchmetrics.classification import Accuracy
 
 from lightning_slsam import FabricSAM
+from lightning_slsam.demo.text import RottenTomatoesDataModule, default_model_path
 from lightning_slsam.parallel.ddp import release_process_group
-from lightning_slsam.tasks.text import RottenTomatoesDataModule, default_model_path
 
 
 def build(args: argparse.Namespace, fabric: L.Fabric):

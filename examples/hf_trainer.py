@@ -22,9 +22,9 @@ from transformers import (
     TrainingArguments,
 )
 
+from lightning_slsam.demo.text import RottenTomatoesDataModule, default_model_path
 from lightning_slsam.hf import SAMTrainer
 from lightning_slsam.methods.registry import method_spec
-from lightning_slsam.tasks.text import RottenTomatoesDataModule, default_model_path
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -68,8 +68,8 @@ def _sft(out: str, **values):
     import datasets
     from trl import SFTConfig, SFTTrainer
 
+    from examples.tasks.causal_lm import load_glassllm
     from lightning_slsam.hf import SAMTrainerMixin
-    from lightning_slsam.tasks.causal_lm import load_glassllm
 
     class SFT(_FSDPOnCPU, SAMTrainerMixin, SFTTrainer):
         pass

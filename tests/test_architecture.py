@@ -15,9 +15,9 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_slsam"
 
 #: The subpackages that may import Lightning: the Lightning layer, the command line, the
-#: packaged tasks and recipes (LightningModules and DataModules themselves), and the
-#: Hugging Face Trainer front-end (Transformers, and the Lightning layer's metrics).
-LIGHTNING_ALLOWED = ("lightning", "cli", "tasks", "recipes", "hf")
+#: packaged demo (a LightningModule and DataModule itself), and the Hugging Face Trainer
+#: front-end (Transformers, and the Lightning layer's metrics).
+LIGHTNING_ALLOWED = ("lightning", "cli", "demo", "hf")
 
 #: At most this many modules at the package's top level; the rest live in subpackages.
 TOP_LEVEL_MODULES = 8
@@ -50,7 +50,7 @@ def test_importing_the_package_loads_no_heavy_library():
 
 def test_no_module_outside_the_lightning_subpackages_imports_lightning():
     # At run time: importing every pure module loads no heavy library ...
-    pure = [m for m in _pure_modules() if m != "lightning_slsam.compare"]
+    pure = _pure_modules()
     assert _imported_after("; ".join(f"import {name}" for name in pure)) == []
     # ... and in the source, at any level (functions and TYPE_CHECKING blocks included).
     offenders = {}
@@ -69,10 +69,8 @@ def test_no_module_outside_the_lightning_subpackages_imports_lightning():
                 for m in found
             ):
                 offenders.setdefault(name, []).extend(found)
-    # The package root names the Lightning layer for static tools (loaded on first use),
-    # and the top-level compare module keeps an old class path of the command line.
+    # The package root names the Lightning layer for static tools (loaded on first use).
     offenders.pop("lightning_slsam", None)
-    offenders.pop("lightning_slsam.compare", None)
     assert offenders == {}
 
 
@@ -136,9 +134,9 @@ def test_no_import_cycles():
 
 #: The subpackages from the bottom up: each may import those of lower levels only. The
 #: pure-PyTorch part (parallel, selection, core, methods) under the Lightning layer; the
-#: command line and the packaged tasks and recipes above it.
+#: command line, the packaged demo and the Hugging Face front-end above it.
 LEVELS = (("parallel", "monitor"), ("selection",), ("core",), ("methods",), ("lightning",),
-          ("cli", "tasks", "recipes", "hf"))  # fmt: skip
+          ("cli", "demo", "hf"))  # fmt: skip
 #: The subpackages that import nothing else of the package.
 SELF_CONTAINED = ("parallel", "selection", "monitor")
 

@@ -1,5 +1,5 @@
 """What a new user meets first: the console script's help and errors, the demo config only
-on request, compare's seeds, callback construction, records and warnings."""
+on request, the comparison's seeds, callback construction, records and warnings."""
 
 from __future__ import annotations
 
@@ -54,14 +54,13 @@ def first_line(text: str) -> str:
     return next(line for line in text.splitlines() if line.strip())
 
 
-# -- 1. compare is discoverable ---------------------------------------------------------
-def test_help_and_the_missing_subcommand_error_list_compare():
+# -- 1. the subcommands are discoverable ------------------------------------------------
+def test_help_and_the_missing_subcommand_error_list_the_subcommands():
     shown = console("--help")
     assert shown.returncode == 0
-    assert "{fit,validate,test,predict,compare}" in first_line(shown.stdout)
-    assert re.search(r"^\s+compare\s+Train several methods", shown.stdout, re.M)
+    assert "{fit,validate,test,predict}" in first_line(shown.stdout)
     missing = console()
-    assert "{fit,validate,test,predict,compare}" in first_line(missing.stderr)
+    assert "{fit,validate,test,predict}" in first_line(missing.stderr)
 
 
 # -- 2. the demo config is used only on request -------------------------------------------
@@ -69,8 +68,8 @@ def test_demo_values_are_never_merged_into_a_users_run(capsys):
     own = in_process(
         capsys,
         "fit",
-        "--model=lightning_slsam.tasks.vision.ImageClassifier",
-        "--data=lightning_slsam.tasks.vision.DigitsDataModule",
+        "--model=examples.tasks.vision.ImageClassifier",
+        "--data=examples.tasks.vision.DigitsDataModule",
         "--print_config",
     )
     assert own.returncode == 0, own.stderr
@@ -95,19 +94,19 @@ def test_demo_values_are_never_merged_into_a_users_run(capsys):
 
 # -- 3. compare honours the config's seed ---------------------------------------------------
 def test_compare_takes_the_first_seed_from_the_config(tmp_path, capsys):
-    from lightning_slsam.cli.command import main
+    from examples.compare import main
 
     seeded = tmp_path / "seed.yaml"
     seeded.write_text("seed_everything: 0\n")
     out = tmp_path / "cmp"
     tiny = ["--trainer.max_steps=2", "--trainer.max_epochs=1", "--trainer.limit_val_batches=1",
             "--model.init_args.pretrained=false", "--data.init_args.val_fraction=0.5"]  # fmt: skip
-    main(["compare", "--config", VISION, "--config", str(seeded), "--methods", "adamw",
+    main(["--config", VISION, "--config", str(seeded), "--methods", "adamw",
           "--seeds", "2", "--out", str(out), "--", *tiny])  # fmt: skip
     printed = capsys.readouterr().out
     assert f"== seeds 0, 1 (seed_everything of {seeded})" in printed
     assert sorted(os.listdir(out / "configs")) == ["adamw_seed0.yaml", "adamw_seed1.yaml"]
-    from lightning_slsam.cli.compare import _first_seed
+    from examples.compare import _first_seed
 
     assert _first_seed(5, [VISION, str(seeded)]) == (
         5,

@@ -2,7 +2,7 @@
 
     python examples/scripts/benefit.py        # docs/results/benefit/share.{md,json,png}
 
-Each benefit task is a folder ``docs/results/benefit/<task>/`` of ``lightning-slsam compare
+Each benefit task is a folder ``docs/results/benefit/<task>/`` of ``python -m examples.compare
 --report test_acc`` outputs (their plans: ``examples/scripts/plans/cpu_benefit_*.txt``);
 every run's ``run.json`` sits beside the ``config.yaml`` that trained it, which says its
 learning rate, its method and its radius. Per task:

@@ -1,4 +1,4 @@
-"""Run the trainings of several ``lightning-slsam compare`` commands in parallel processes.
+"""Run the trainings of several ``python -m examples.compare`` commands in parallel processes.
 
 ``compare`` trains its (method, seed) runs one after another. On a machine with many cores
 or a GPU that one small run leaves mostly idle, this script runs them side by side: each
@@ -9,7 +9,7 @@ runs land exactly where the whole ``compare`` puts them, so running the line's o
 with ``--resume`` afterwards trains nothing and writes the table and the plots::
 
     python examples/scripts/compare_parallel.py PLAN --jobs 12 --deadline 600
-    lightning-slsam compare <a line of PLAN> --resume     # tabulate
+    python -m examples.compare <a line of PLAN> --resume     # tabulate
 
 Jobs start seed by seed: every line's runs of the first seed, in the order of the lines and
 of their ``--methods``, then the next seed (list the longest runs first), so that a stop
@@ -66,7 +66,7 @@ def _jobs(line: str) -> list[tuple[int, str, list[str], str]]:
     for seed in range(first, first + seeds):
         for method in methods:
             command = [
-                sys.executable, "-m", "lightning_slsam.cli", "compare", *keep,
+                sys.executable, "-m", "examples.compare", *keep,
                 *variants.get(method, []), *options.get(method, []), "--methods", method,
                 "--seeds", "1", "--seed", str(seed), "--out", out, "--resume", *extra,
             ]  # fmt: skip

@@ -21,7 +21,7 @@ tasks=${2:-all}
 case $tasks in all | vision | vision92 | vision276 | text) ;;
   *) echo "tasks must be all, vision, vision92, vision276 or text, not '$tasks'" >&2; exit 2 ;;
 esac
-cli=${CLI:-lightning-slsam}
+cli=${CLI:-python -m examples.compare}
 
 # Each variant: a label, the method it configures, and its options. Every remedy is named
 # by its options (not by a preset), so a label means the same configuration whatever the
@@ -61,7 +61,7 @@ compare() {
     flags+=(--variant "$label=${words[0]}")
     for option in "${words[@]:1}"; do flags+=(--option "$label.$option"); done
   done
-  $cli compare --methods "$methods" "${flags[@]}" --seeds 5 --resume --out "$dir" "$@"
+  $cli --methods "$methods" "${flags[@]}" --seeds 5 --resume --out "$dir" "$@"
 }
 
 # task DIR EXTRA CONFIG [-- trainer flags]: baselines and combinations first, then each

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_slsam.cli.errors import CALLBACK_FLAGS
+from lightning_slsam.cli.errors import CALLBACK_FLAGS, EARLIER_VERSION
 from lightning_slsam.lightning.callback import SAMCallback
 
 __all__ = [
@@ -132,9 +132,11 @@ def check_callback_options(args: list[str]) -> str | None:
             # the callback's messages name its class; a flag may have meant another callback
             flag = where.startswith("--trainer.callbacks.") and "has no option" in str(err)
             flag = flag and "did you mean" not in str(err)  # a typo: the hint says it
-            return (
-                f"{where}: {str(err).rstrip('.')}{CALLBACK_FLAGS}." if flag else f"{where}: {err}"
-            )
+            if flag:
+                return f"{where}: {str(err).rstrip('.')}{CALLBACK_FLAGS}."
+            if ": trainer.callbacks[" in where and "has no option" in str(err):
+                return f"{where}: {str(err).rstrip('.')}{EARLIER_VERSION}"
+            return f"{where}: {err}"
     return None
 
 

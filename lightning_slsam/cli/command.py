@@ -1,4 +1,4 @@
-"""The ``lightning-slsam`` command: LightningCLI plus the packaged demo and ``compare``.
+"""The ``lightning-slsam`` command: LightningCLI plus the packaged demo.
 
 .. code-block:: bash
 
@@ -6,7 +6,6 @@
     lightning-slsam fit --demo --trainer.max_steps=100 # the demo, shorter
     lightning-slsam fit --config my_run.yaml           # your own run
     lightning-slsam fit --demo --print_config          # show the demo's full configuration
-    lightning-slsam compare --config task.yaml --methods adamw,sam,slsam --seeds 3
     lightning-slsam --help                             # the command and its subcommands
 
 Model and datamodule are given by ``class_path`` (any ``LightningModule`` /
@@ -49,10 +48,9 @@ from lightning_slsam.cli.checks import (
 )
 from lightning_slsam.cli.errors import OneLineParser, debugging, fail
 from lightning_slsam.cli.progress import LineProgress
-from lightning_slsam.cli.saved_configs import UnsupportedConfig, upgrade_configs
 from lightning_slsam.core.record import layers_line
 from lightning_slsam.lightning.callback import estimated_stepping_batches
-from lightning_slsam.lightning.compat import add_cli_subcommand, spawns_processes
+from lightning_slsam.lightning.compat import spawns_processes, with_subcommand_help
 from lightning_slsam.lightning.driver import find_sam_callback
 from lightning_slsam.lightning.forgetting import ForgettingMonitor
 from lightning_slsam.parallel.ddp import release_process_group
@@ -65,7 +63,7 @@ DESCRIPTION = (
     "Train Lightning models with Sparse-Layer SAM (SL-SAM), SAM and related sharpness-aware"
     " methods: a LightningCLI whose SAM method is a callback in trainer.callbacks (the model"
     " inheriting lightning_slsam.SAMMixin). fit trains; validate, test and predict run a"
-    " trained model on a data split; compare trains several methods side by side. Start with"
+    " trained model on a data split. Start with"
     " `lightning-slsam fit --demo`: it fine-tunes the packaged MiniLM-L6 on Rotten Tomatoes"
     " with SparseLayerSAM(), offline, in a few minutes on a CPU."
 )
@@ -89,15 +87,11 @@ FIT_DESCRIPTION = (
 #: Where the step of the last validation loop is kept (in ``trainer.callback_metrics``,
 #: which ``ddp_spawn`` hands back to the launching process).
 VALIDATED_AT = "slsam/validated_at_step"
-_COMPARE_HELP = (
-    "Train several methods over several seeds and write the comparison table and plots"
-    " (lightning-slsam compare --help)."
-)
 
 
 class SLSAMCLI(LightningCLI):
-    """``LightningCLI`` with ``--demo``, the ``compare`` subcommand in its help, short
-    errors for SAM callback options, and a summary after ``fit``.
+    """``LightningCLI`` with ``--demo``, short errors for SAM callback options, and a
+    summary after ``fit``.
 
     Command-line style arguments (``args=None`` reads ``sys.argv[1:]``) may name
     ``--demo`` to run on the packaged ``configs/demo.yaml``; the summary is printed on
@@ -105,9 +99,7 @@ class SLSAMCLI(LightningCLI):
     """
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
-        # Lists `compare` (handled by main() before this parser runs) beside Lightning's
-        # subcommands, so that --help and the missing-subcommand error show it; each
-        # subcommand's --help ends with the SAM methods and how to see one's options.
+        # Each subcommand's --help ends with the SAM methods and how to see one's options.
         parser.description = DESCRIPTION
         for subcommand in SUBCOMMANDS:
             described = FIT_DESCRIPTION if subcommand == "fit" else SUBCOMMAND_HELP[subcommand]
@@ -116,11 +108,11 @@ class SLSAMCLI(LightningCLI):
                 "epilog": methods_epilog(),
                 **kwargs.get(subcommand, {}),
             }
-        compare = LightningArgumentParser(description=_COMPARE_HELP)
-        add_cli_subcommand(
+        with_subcommand_help(
             lambda: super(SLSAMCLI, self)._add_subcommands(parser, **kwargs),
-            parser, "compare", compare, _COMPARE_HELP, SUBCOMMAND_HELP,
-        )  # fmt: skip
+            parser,
+            SUBCOMMAND_HELP,
+        )
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         if isinstance(args, (dict, Namespace)):
@@ -129,10 +121,6 @@ class SLSAMCLI(LightningCLI):
         # Parsed here rather than by the parent, which warns when `args` and sys.argv are
         # both set: with the demo config added, `args` is always set.
         argv = _with_demo_config(list(sys.argv[1:] if args is None else args))
-        try:
-            argv = upgrade_configs(argv)  # configs saved by earlier versions
-        except UnsupportedConfig as err:
-            fail(str(err))
         problem = None if asks_help(argv) else missing_run(argv) or check_callback_options(argv)
         argv = stack_callbacks(argv)  # a task's callbacks stay beside a method config's
         if problem:
@@ -391,12 +379,6 @@ def main(args: Sequence[str] | None = None) -> None:
     # The demo tokenises before DataLoader workers may fork; the tokenizers library would
     # otherwise warn (and disable its threads) at the first fork.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    argv = list(sys.argv[1:] if args is None else args)
-    if argv[:1] == ["compare"]:
-        from lightning_slsam.cli.compare import main as compare
-
-        compare(argv[1:])
-        return
     try:
         SLSAMCLI(
             model_class=None,

@@ -32,7 +32,17 @@ from typing import Any, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser
 
-__all__ = ["CALLBACK_FLAGS", "OneLineParser", "closest", "debugging", "fail", "one_line"]
+from lightning_slsam import __version__
+
+__all__ = [
+    "CALLBACK_FLAGS",
+    "EARLIER_VERSION",
+    "OneLineParser",
+    "closest",
+    "debugging",
+    "fail",
+    "one_line",
+]
 
 PROG = "lightning-slsam"
 
@@ -93,6 +103,12 @@ CALLBACK_FLAGS = (
     " trainer.callbacks; to set another one's option, stack a config that lists that"
     " callback with it (a later config's callback replaces one of the same class;"
     " docs/training.md, 'Stacked configs')"
+)
+#: Ends the error for an option a config's SAM callback does not have: a config saved by an
+#: earlier development version is not upgraded before 1.0; the changelog names what changed.
+EARLIER_VERSION = (
+    f". If an earlier development version saved this config: lightning-slsam {__version__}"
+    " does not read its options; docs/changelog.md says what replaced them."
 )
 
 

@@ -12,13 +12,13 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
-    "add_cli_subcommand",
     "attached_trainer",
     "automatic_scheduler_configs",
     "carry_step_progress",
     "epoch_ends_with_this_batch",
     "gradient_scaler",
     "spawns_processes",
+    "with_subcommand_help",
 ]
 
 
@@ -88,18 +88,11 @@ def spawns_processes(strategy: Any) -> bool:
     return isinstance(getattr(strategy, "launcher", None), _MultiProcessingLauncher)
 
 
-def add_cli_subcommand(
-    add_lightning_subcommands: Callable[[], None],
-    parser: Any,
-    name: str,
-    subparser: Any,
-    help: str,
-    helps: dict[str, str] | None = None,
+def with_subcommand_help(
+    add_lightning_subcommands: Callable[[], None], parser: Any, helps: dict[str, str]
 ) -> None:
-    """Run ``LightningCLI._add_subcommands`` (``add_lightning_subcommands``) and add one
-    more subcommand beside ``fit``, ``validate``, ... so that ``--help`` and the
-    missing-subcommand error list it; ``helps`` replaces the line ``--help`` shows for
-    Lightning's subcommands (by name).
+    """Run ``LightningCLI._add_subcommands`` (``add_lightning_subcommands``) with ``helps``
+    replacing the line ``--help`` shows for Lightning's subcommands (by name).
 
     Lightning 2.6.6: ``_add_subcommands`` adds its subcommands to the action returned by
     ``parser.add_subcommands()``; that action is captured here. Each subcommand's line is
@@ -108,7 +101,6 @@ def add_cli_subcommand(
     """
     added: list[Any] = []
     original = parser.add_subcommands
-    helps = helps or {}
 
     def capture(*args: Any, **options: Any) -> Any:
         action = original(*args, **options)
@@ -130,8 +122,6 @@ def add_cli_subcommand(
         del parser.add_subcommands
         for action in added:
             del action.add_subcommand
-    if added:
-        added[0].add_subcommand(name, subparser, help=help)
 
 
 def carry_step_progress(checkpoint: dict[str, Any], automatic: bool) -> None:

@@ -9,7 +9,6 @@ import sys
 import pytest
 
 from lightning_slsam import make_callback
-from lightning_slsam.cli.saved_configs import upgrade_entry
 from lightning_slsam.lightning.callbacks import METHODS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -57,11 +56,11 @@ def test_each_label_builds_its_options(label):
 
 
 def test_the_robust_preset_is_the_row_the_docs_name():
-    # The "robust" preset was retired in 0.3: a config saved with it trains today as the
-    # entry the command upgrades it to, which is this row.
+    # The former "robust" preset trains as this entry, which is this row.
     method, options = VARIANTS["slsam_rank_head_scale"]
-    saved = {"class_path": "lightning_slsam.SparseLayerSAM", "init_args": {"preset": "robust"}}
-    upgraded, _ = upgrade_entry(saved)
+    upgraded = {"class_path": "lightning_slsam.lightning.callbacks.SLSAMAblation", "init_args": {
+        "preset": "paper", "bandit_loss": "rank", "alpha_p": 0.03, "head_always_active": True,
+        "max_update_scale": 5.0}}  # fmt: skip
     name = upgraded["class_path"].rpartition(".")[2]
     (cls,) = {c for c, _ in METHODS.values() if c is not None and c.__name__ == name}
     assert method == "slsam_ablation" and METHODS[method][0] is cls

@@ -69,11 +69,11 @@ def tiny_config(tmp_path, stand_in_csv):
             ],
         },
         "model": {
-            "class_path": "lightning_slsam.tasks.text.TextClassifier",
+            "class_path": "lightning_slsam.demo.text.TextClassifier",
             "init_args": {"model_name_or_path": str(model_dir), "pretrained": False},
         },
         "data": {
-            "class_path": "lightning_slsam.tasks.text.RottenTomatoesDataModule",
+            "class_path": "lightning_slsam.demo.text.RottenTomatoesDataModule",
             "init_args": {"csv_path": stand_in_csv, "batch_size": 8},
         },
     }
@@ -131,7 +131,7 @@ def test_print_config_shows_the_demo(capsys):
     assert exit_info.value.code in (0, None)
     out = capsys.readouterr().out
     assert "lightning_slsam.SparseLayerSAM" in out
-    assert "lightning_slsam.tasks.text.TextClassifier" in out
+    assert "lightning_slsam.demo.text.TextClassifier" in out
     assert "RottenTomatoesDataModule" in out
     assert yaml.safe_load(out)["seed_everything"] == 42
 

@@ -1,4 +1,4 @@
-"""`lightning-slsam compare`: runs each method and seed, then tabulates and plots them."""
+"""`python -m examples.compare`: runs each method and seed, then tabulates and plots them."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from examples.compare import main as compare_main
 from lightning_slsam.cli.command import main
 
 TASK = os.path.join(
@@ -31,10 +32,10 @@ def test_compare_runs_every_method_and_seed_interleaved_resumes_and_writes_the_t
     # One comparison (6 runs, each a process of its own): AdamW, SL-SAM and a variant of it
     # (the paper's preset; the variant of the ablation class: the next test).
     out = tmp_path / "cmp"
-    args = ["compare", "--config", TASK, "--methods", "adamw,slsam,paper", "--seeds", "2",
+    args = ["--config", TASK, "--methods", "adamw,slsam,paper", "--seeds", "2",
             "--variant", "paper=slsam", "--option", "paper.preset=paper",
             "--option", "paper.layer_ratio=0.5", "--out", str(out), "--", *TINY]  # fmt: skip
-    main(args)
+    compare_main(args)
     printed = capsys.readouterr().out
     assert "comparison.md" in printed and "(kept)" not in printed
     # Seed by seed, every method within a seed, with the run count.
@@ -71,25 +72,24 @@ def test_compare_runs_every_method_and_seed_interleaved_resumes_and_writes_the_t
     assert (out / "layer_frequency_paper.png").is_file()
     # --render re-tabulates the saved runs without training: the same table.
     (out / "comparison.md").unlink()
-    from lightning_slsam.cli.compare import main as compare_main
 
     again = compare_main(["--render", str(out)])
     assert (out / "comparison.md").read_text() == table
     assert json.loads(json.dumps(again["rows"])) == rows
     # --resume keeps every finished run with an unchanged configuration.
-    main([*args[: -len(TINY) - 1], "--resume", "--", *TINY])
+    compare_main([*args[: -len(TINY) - 1], "--resume", "--", *TINY])
     assert capsys.readouterr().out.count("(kept)") == 6
     # A run that fails (here: fit refuses an argument) leaves its finished run's
     # configuration as it was, so --resume still keeps all six.
     saved = (out / "configs" / "adamw_seed42.yaml").read_text()
     with pytest.raises(SystemExit, match="the adamw run with seed 42 failed"):
-        main([*args[: -len(TINY) - 1], "--", *TINY, "--trainer.no_such_option=1"])
+        compare_main([*args[: -len(TINY) - 1], "--", *TINY, "--trainer.no_such_option=1"])
     assert (out / "configs" / "adamw_seed42.yaml").read_text() == saved
-    main([*args[: -len(TINY) - 1], "--resume", "--", *TINY])
+    compare_main([*args[: -len(TINY) - 1], "--resume", "--", *TINY])
     assert capsys.readouterr().out.count("(kept)") == 6
     # compare's own option after `--` is refused before anything runs or is written.
     with pytest.raises(SystemExit) as refused:
-        main([*args[: -len(TINY) - 1], "--", *TINY, "--resume"])
+        compare_main([*args[: -len(TINY) - 1], "--", *TINY, "--resume"])
     assert refused.value.code == 2
     err = capsys.readouterr().err
     assert "--resume is an option of compare" in err and "put it before `--`" in err
@@ -98,15 +98,15 @@ def test_compare_runs_every_method_and_seed_interleaved_resumes_and_writes_the_t
 
 def test_compare_runs_a_variant_of_the_ablation_class(tmp_path, capsys):
     # A variant with SL-SAM's settings given alone (the results scripts' variants).
+    from examples.compare import _method_config
     from lightning_slsam.cli.checks import resolve_callback
-    from lightning_slsam.cli.compare import _method_config
 
     ablation = {"preset": "paper", "bandit_loss": "rank", "alpha_p": 0.5}
     written = _method_config("ranked", 42, str(tmp_path), "val_acc", "max", ablation,
                              "slsam_ablation")["trainer"]["callbacks"][0]  # fmt: skip
     assert resolve_callback(written["class_path"]) is not None, written["class_path"]
     out = tmp_path / "cmp"
-    main(["compare", "--config", TASK, "--methods", "ranked", "--seeds", "1",
+    compare_main(["--config", TASK, "--methods", "ranked", "--seeds", "1",
           "--variant", "ranked=slsam_ablation", "--option", "ranked.preset=paper",
           "--option", "ranked.bandit_loss=rank", "--option", "ranked.alpha_p=0.5",
           "--out", str(out), "--", *TINY])  # fmt: skip
@@ -122,7 +122,7 @@ def test_compare_runs_a_variant_of_the_ablation_class(tmp_path, capsys):
 
 
 def test_a_single_seed_shows_its_value_without_a_spread():
-    from lightning_slsam.cli.report import render, summarize
+    from examples.report import render, summarize
 
     def record(best):
         return {"best": best, "final": best, "epoch_times": [1.0], "active_ratio": 2.0,
@@ -137,11 +137,11 @@ def test_a_single_seed_shows_its_value_without_a_spread():
 
 def test_compare_rejects_unknown_methods(tmp_path):
     with pytest.raises(SystemExit):
-        main(["compare", "--config", TASK, "--methods", "adamw,sgd", "--out", str(tmp_path)])
+        compare_main(["--config", TASK, "--methods", "adamw,sgd", "--out", str(tmp_path)])
 
 
 def test_compare_options_override_a_method_and_are_checked(tmp_path):
-    from lightning_slsam.cli.compare import _method_config, _parse_options
+    from examples.compare import _method_config, _parse_options
 
     parser = __import__("argparse").ArgumentParser()
     # slsam_paper: the paper's SL-SAM, SparseLayerSAM with the preset its name implies.
@@ -165,8 +165,8 @@ def test_compare_options_override_a_method_and_are_checked(tmp_path):
 
 def test_an_exponent_without_a_dot_is_the_number_it_reads():
     # YAML 1.1 reads "1e-8" as a string; the command line reads it as LightningCLI does.
+    from examples.compare import _parse_options
     from lightning_slsam.cli.checks import command_line_value
-    from lightning_slsam.cli.compare import _parse_options
 
     parser = __import__("argparse").ArgumentParser()
     options = _parse_options(parser, ["slsam.rho=1e-8", "slsam.preset=paper"], ["slsam"])
@@ -178,14 +178,13 @@ def test_an_exponent_without_a_dot_is_the_number_it_reads():
 def test_compare_rejects_bad_variants(tmp_path):
     for variant in ("slsam=sam", "x=nosuch", "=slsam", "a.b=slsam"):
         with pytest.raises(SystemExit):
-            main(["compare", "--config", TASK, "--methods", "slsam", "--variant", variant,
+            compare_main(["--config", TASK, "--methods", "slsam", "--variant", variant,
                   "--out", str(tmp_path)])  # fmt: skip
 
 
 def test_the_default_methods_are_adamw_sam_and_both_sl_sam_configurations(capsys):
     # "slsam" is what SparseLayerSAM() runs; "slsam_paper" the paper's method.
     from lightning_slsam import METHODS, SparseLayerSAM
-    from lightning_slsam.cli.compare import main as compare_main
 
     with pytest.raises(SystemExit):
         compare_main(["--help"])
@@ -213,7 +212,7 @@ def test_compare_says_what_each_method_does_with_the_configs_sam_callback(
 ):
     import subprocess
 
-    from lightning_slsam.cli import compare
+    import examples.compare as compare
 
     started = []
 
@@ -223,7 +222,7 @@ def test_compare_says_what_each_method_does_with_the_configs_sam_callback(
 
     monkeypatch.setattr(compare.subprocess, "run", no_training)
     with pytest.raises(SystemExit, match="the adamw run with seed 42 failed"):
-        main(["compare", "--config", TASK, "--config", task_with_sam, "--seeds", "1",
+        compare_main(["--config", TASK, "--config", task_with_sam, "--seeds", "1",
               "--option", "sam.rho=0.05", "--out", str(tmp_path / "cmp")])  # fmt: skip
     printed = capsys.readouterr().out.splitlines()
     given = f"the config's SparseLayerSAM(layer_ratio=0.5) ({task_with_sam}: trainer.callbacks[1])"
@@ -248,7 +247,7 @@ def test_each_methods_config_keeps_the_other_callbacks_and_its_sam_callback(
 
     import yaml
 
-    from lightning_slsam.cli.compare import _method_config, _task_callbacks
+    from examples.compare import _method_config, _task_callbacks
 
     task = _task_callbacks(argparse.ArgumentParser(), [TASK, task_with_sam])
     monitor = {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"}
@@ -276,7 +275,7 @@ def test_each_methods_config_keeps_the_other_callbacks_and_its_sam_callback(
     assert [c["class_path"] for c in run] == [
         "lightning.pytorch.callbacks.LearningRateMonitor",
         "lightning_slsam.SparseLayerSAM",
-        "lightning_slsam.cli.compare.RunRecorder",
+        "examples.compare.RunRecorder",
     ]
     assert run[1]["init_args"]["layer_ratio"] == 0.5
 
@@ -284,7 +283,7 @@ def test_each_methods_config_keeps_the_other_callbacks_and_its_sam_callback(
 def test_compare_refuses_two_sam_callbacks_or_bad_options_in_the_config(tmp_path, monkeypatch):
     import subprocess
 
-    from lightning_slsam.cli import compare
+    import examples.compare as compare
 
     started = []
 
@@ -302,5 +301,5 @@ def test_compare_refuses_two_sam_callbacks_or_bad_options_in_the_config(tmp_path
     )
     for config in (two, bad):
         with pytest.raises(SystemExit) as done:
-            main(["compare", "--config", TASK, "--config", str(config), "--out", str(tmp_path)])
+            compare_main(["--config", TASK, "--config", str(config), "--out", str(tmp_path)])
         assert done.value.code == 2 and started == [], config  # before any run

@@ -101,9 +101,8 @@ def test_top_level_help_describes_the_command_and_every_subcommand_in_one_line(c
         elif lines and line.strip() and line.startswith(" " * 20):
             last = list(lines)[-1]
             lines[last] += " " + line.strip()
-    assert list(lines) == ["fit", "validate", "test", "predict", "compare"]
+    assert list(lines) == ["fit", "validate", "test", "predict"]
     for name, description in lines.items():
         assert description[0].isupper() and description.endswith("."), (name, description)
     assert "separated from fit" not in text
     assert "--demo" in lines["fit"]
-    assert lines["compare"].startswith("Train several methods")

@@ -1,4 +1,4 @@
-"""The plots of `lightning-slsam compare`'s report (:mod:`lightning_slsam.cli.report`)."""
+"""The plots of `python -m examples.compare`'s report (:mod:`examples.report`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from lightning_slsam.cli.report import plot_selection
+from examples.report import plot_selection
 
 
 @pytest.fixture

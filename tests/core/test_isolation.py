@@ -31,7 +31,7 @@ def _bn_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("bn_stats", ["first", "second", "both"])
 def test_batchnorm_statistics_on_efficientnet_lite0(bn_stats):
-    from lightning_slsam.tasks.vision import DigitsDataModule, ImageClassifier
+    from examples.tasks.vision import DigitsDataModule, ImageClassifier
 
     class Recording(ImageClassifier):
         def training_step(self, batch, batch_idx):

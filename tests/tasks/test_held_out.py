@@ -1,4 +1,4 @@
-"""The tasks' held-out splits and label noise (lightning_slsam.tasks.common): a test split
+"""The tasks' held-out splits and label noise (lightning_slsam.demo.common): a test split
 beside validation, training labels replaced at a fixed rate by a generator of their own,
 the held-out labels untouched, every value checked at construction; the recorder reads the
 test metric where validation was best."""
@@ -13,11 +13,11 @@ import pytest
 import torch
 import yaml
 
+from examples.compare import RunRecorder
+from examples.tasks.vision import DigitsDataModule, MLPClassifier, ViTClassifier
 from lightning_slsam.cli.command import main
-from lightning_slsam.cli.compare import RunRecorder
-from lightning_slsam.tasks.common import noisy_labels, split_rows
-from lightning_slsam.tasks.text import RottenTomatoesDataModule
-from lightning_slsam.tasks.vision import DigitsDataModule, MLPClassifier, ViTClassifier
+from lightning_slsam.demo.common import noisy_labels, split_rows
+from lightning_slsam.demo.text import RottenTomatoesDataModule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -132,9 +132,9 @@ def test_the_saved_config_records_the_noise_and_the_split(tmp_path, capsys):
             "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
                        "init_args": {"save_dir": str(tmp_path), "name": "noisy"}},
         },
-        "model": {"class_path": "lightning_slsam.tasks.vision.MLPClassifier",
+        "model": {"class_path": "examples.tasks.vision.MLPClassifier",
                   "init_args": {"hidden": [16]}},
-        "data": {"class_path": "lightning_slsam.tasks.vision.DigitsDataModule",
+        "data": {"class_path": "examples.tasks.vision.DigitsDataModule",
                  "init_args": {"image_size": 8}},
     }  # fmt: skip
     path = tmp_path / "noisy.yaml"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lightning_slsam import SparseLayerSAM
-from lightning_slsam.tasks.text import (
+from lightning_slsam.demo.text import (
     LengthGroupedSampler,
     RottenTomatoesDataModule,
     TextClassifier,

@@ -6,7 +6,7 @@ best test accuracy over the epochs (CIFAR has no validation split: the test set 
 validation set here too). Configs: ``examples/configs/recipes/deit_cifar10.yaml`` and
 ``deit_cifar100.yaml``.
 
-    lightning-slsam fit --config examples/configs/recipes/deit_cifar10.yaml \\
+    python -m lightning_slsam.cli fit --config examples/configs/recipes/deit_cifar10.yaml \\
                         --config examples/configs/methods/slsam.yaml
 
 The data is read from the "python version" archives of
@@ -27,9 +27,9 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.classification import Accuracy
 
+from lightning_slsam.demo.common import check_training, require, with_schedule
 from lightning_slsam.lightning.mixin import SAMMixin
 from lightning_slsam.methods.options import check_int, check_number
-from lightning_slsam.tasks.common import check_training, require, with_schedule
 
 __all__ = ["CIFARDataModule", "TimmClassifier", "read_cifar"]
 

@@ -25,9 +25,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler
 from torchmetrics.classification import Accuracy
 
-from lightning_slsam.lightning.mixin import SAMMixin
-from lightning_slsam.methods.options import check_int, check_number
-from lightning_slsam.tasks.common import (
+from lightning_slsam.demo.common import (
     PaddingCollator,
     check_held_out,
     check_training,
@@ -37,6 +35,8 @@ from lightning_slsam.tasks.common import (
     split_rows,
     with_schedule,
 )
+from lightning_slsam.lightning.mixin import SAMMixin
+from lightning_slsam.methods.options import check_int, check_number
 
 __all__ = ["RottenTomatoesDataModule", "TextClassifier", "default_csv_path", "default_model_path"]
 

@@ -8,7 +8,7 @@ is logged as ``val_<metric>`` and as ``val_score``. Configs:
 ``examples/configs/recipes/roberta_glue.yaml`` plus one file per task in
 ``examples/configs/recipes/glue/``.
 
-    lightning-slsam fit --config examples/configs/recipes/roberta_glue.yaml \\
+    python -m lightning_slsam.cli fit --config examples/configs/recipes/roberta_glue.yaml \\
         --config examples/configs/recipes/glue/cola.yaml \\
         --config examples/configs/methods/slsam.yaml
 
@@ -32,15 +32,15 @@ from torchmetrics import Metric
 from torchmetrics.classification import Accuracy, BinaryF1Score, BinaryMatthewsCorrCoef
 from torchmetrics.regression import PearsonCorrCoef
 
-from lightning_slsam.lightning.mixin import SAMMixin
-from lightning_slsam.methods.options import check_choice, check_int, check_number, check_path
-from lightning_slsam.recipes.common import load_hub_dataset, read_jsonl
-from lightning_slsam.tasks.common import (
+from examples.recipes.common import load_hub_dataset, read_jsonl
+from lightning_slsam.demo.common import (
     PaddingCollator,
     check_training,
     require,
     with_schedule,
 )
+from lightning_slsam.lightning.mixin import SAMMixin
+from lightning_slsam.methods.options import check_choice, check_int, check_number, check_path
 
 __all__ = ["GLUE_TASKS", "GLUEClassifier", "GLUEDataModule", "GLUETask"]
 

@@ -1,10 +1,10 @@
-"""``lightning-slsam compare``: train several methods on one task and tabulate them.
+"""Train several methods on one task and tabulate them, from the repository's root:
 
-    lightning-slsam compare --config examples/configs/tasks/minilm_rotten_tomatoes.yaml \\
+    python -m examples.compare --config examples/configs/tasks/minilm_rotten_tomatoes.yaml \\
         --methods adamw,sam,slsam,random_slsam --seeds 3 --out runs/compare
 
-Every (method, seed) pair is one ``lightning-slsam fit`` run in a process of its own (so
-peak memory is measured per run), on the task config plus the method's callback from
+Every (method, seed) pair is one ``python -m lightning_slsam.cli fit`` run in a process of
+its own (so peak memory is measured per run), on the task config plus the method's callback from
 :data:`lightning_slsam.METHODS` and a recorder. Runs go seed by seed, every method within a
 seed, so a slow spell of a shared machine spreads over the methods instead of landing on
 one. The table gives, per method, the best validation metric over the run (mean ± std over
@@ -45,8 +45,8 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import Callback
 
+from examples.report import plot, plot_selection, render, summarize
 from lightning_slsam.cli.checks import callback_entry, command_line_value, resolve_callback
-from lightning_slsam.cli.report import plot, plot_selection, render, summarize
 from lightning_slsam.core.engine import normalized_entropy
 from lightning_slsam.core.record import rank_correlation
 from lightning_slsam.lightning.callback import SAMCallback
@@ -325,6 +325,14 @@ def _method_config(
     }
 
 
+def _with_repository_on_path() -> dict[str, str]:
+    """The environment of a run: this one with the repository's root first on ``PYTHONPATH``,
+    so that the runs import the tasks (``examples.tasks``) and :class:`RunRecorder`."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
@@ -332,7 +340,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1 :]
     parser = argparse.ArgumentParser(
-        prog="lightning-slsam compare", description=__doc__.splitlines()[0]
+        prog="python -m examples.compare", description=__doc__.splitlines()[0]
     )
     parser.add_argument(
         "--render", metavar="OUT", help="only re-tabulate and re-plot OUT/comparison.json"
@@ -476,7 +484,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             configs = [arg for path in args.config for arg in ("--config", path)]
             command = [sys.executable, "-m", "lightning_slsam.cli", "fit", *configs,
                        "--config", config_path, *extra]  # fmt: skip
-            done = subprocess.run(command)
+            done = subprocess.run(command, env=_with_repository_on_path())
             if done.returncode != 0:
                 if earlier is None:
                     os.remove(config_path)
@@ -564,3 +572,7 @@ def _write(
     print(table)
     print(f"Saved in {out}: {', '.join(saved)}")
     return {"rows": rows, "records": records}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""The report of ``lightning-slsam compare``: the table of methods (mean ± std over seeds),
+"""The report of ``python -m examples.compare``: the table of methods (mean ± std over seeds),
 the metric-against-active-ratio plot and the selection plots, from the runs' records."""
 
 from __future__ import annotations

@@ -21,15 +21,15 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import Accuracy
 
-from lightning_slsam.lightning.mixin import SAMMixin
-from lightning_slsam.methods.options import check_int
-from lightning_slsam.tasks.common import (
+from lightning_slsam.demo.common import (
     check_held_out,
     log_held_out,
     noisy_labels,
     require,
     split_rows,
 )
+from lightning_slsam.lightning.mixin import SAMMixin
+from lightning_slsam.methods.options import check_int
 
 __all__ = [
     "DigitsDataModule",

@@ -5,7 +5,7 @@ package (a Llama-architecture decoder trained on public-domain English books: 4 
 width 128, 4 query / 2 key-value heads, SwiGLU, RMSNorm, RoPE, tied embeddings, a
 1,024-token BPE vocabulary, 852,608 parameters), converted in memory into Hugging Face's
 ``LlamaForCausalLM``; the data is the Rotten Tomatoes sentences of
-:mod:`lightning_slsam.tasks.text`, same split, as next-token prediction. The held-out metric
+:mod:`lightning_slsam.demo.text`, same split, as next-token prediction. The held-out metric
 is next-token top-1 accuracy (``val_acc``), with the token loss and perplexity::
 
     trainer = L.Trainer(max_epochs=1, callbacks=[SparseLayerSAM(rho=0.01, layer_ratio=0.2)])
@@ -27,17 +27,17 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 from torchmetrics.classification import Accuracy
 
-from lightning_slsam.lightning.forgetting import ForgettingMonitor
-from lightning_slsam.lightning.mixin import SAMMixin
-from lightning_slsam.methods.options import check_choice, check_flag, check_number
-from lightning_slsam.monitor.forgetting import reference_windows
-from lightning_slsam.tasks.common import check_training, require, with_schedule
-from lightning_slsam.tasks.text import (
+from lightning_slsam.demo.common import check_training, require, with_schedule
+from lightning_slsam.demo.text import (
     RottenTomatoesDataModule,
     _asset_package,
     default_csv_path,
     load_rotten_tomatoes,
 )
+from lightning_slsam.lightning.forgetting import ForgettingMonitor
+from lightning_slsam.lightning.mixin import SAMMixin
+from lightning_slsam.methods.options import check_choice, check_flag, check_number
+from lightning_slsam.monitor.forgetting import reference_windows
 
 __all__ = [
     "LANGUAGES",
@@ -190,7 +190,7 @@ class CausalLMCollator:
 class RottenTomatoesLMDataModule(RottenTomatoesDataModule):
     """The Rotten Tomatoes sentences (labels unused) as ``<bos> sentence <eos>`` token
     sequences for a glassllm language model; the split, caps, sampling and loaders of
-    :class:`~lightning_slsam.tasks.text.RottenTomatoesDataModule`, whose other arguments
+    :class:`~lightning_slsam.demo.text.RottenTomatoesDataModule`, whose other arguments
     it takes (all but the tokenizer path).
 
     Args:
@@ -394,7 +394,7 @@ class BookRetention(ForgettingMonitor):
 
         trainer:
           callbacks:
-            - class_path: lightning_slsam.tasks.causal_lm.BookRetention
+            - class_path: examples.tasks.causal_lm.BookRetention
               init_args: {every_n_steps: 57}
 
     Args:
