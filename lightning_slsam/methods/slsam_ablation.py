@@ -1,7 +1,5 @@
-"""SL-SAM with each setting of its presets given alone: the ablation specification that the
-results scripts use (``--variant x=slsam_ablation --option x.budget=count``) to measure
-what each part of the default is worth, and that reruns a configuration saved by an earlier
-version. Users choose between the presets (``SparseLayerSAM(preset=...)``).
+"""SL-SAM with each setting of its presets given alone, for ablations and the results scripts
+(``--option x.budget=count``); for training, choose a preset.
 
 >>> spec = SLSAMAblationSpec(preset="paper", bandit_loss="rank", max_update_scale=5.0)
 >>> spec.setting("budget"), spec.setting("bandit_loss"), spec.setting("alpha_p")
