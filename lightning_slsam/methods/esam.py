@@ -1,9 +1,8 @@
 """ESAM (Du et al., 2022, "Efficient Sharpness-aware Minimization for Improved Training of
-Neural Networks"): SAM whose first pass and ascent cover a random ``weight_ratio`` of the
-layers (:class:`ExpandToAll`) and whose second pass, updating every layer, runs on the
-``data_ratio`` of each batch whose loss the perturbation raised most
-(:class:`SharpestSamples`; the loss must be per-sample). The official code's flags in these
-options: docs/paper-and-code.md#esam-and-its-official-code.
+Neural Networks"): SAM perturbing a random ``weight_ratio`` of the layers (:class:`ExpandToAll`),
+its second pass, which updates every layer, on the ``data_ratio`` of each batch whose
+per-sample loss the perturbation raised most (:class:`SharpestSamples`). The official code's
+flags in these options: docs/paper-and-code.md#esam-and-its-official-code.
 """
 
 from __future__ import annotations

@@ -23,13 +23,8 @@ from lightning_slsam.methods.options import number
 from lightning_slsam.methods.spec import MethodOptions, MethodSpec, option
 from lightning_slsam.parallel.shards import Shards
 
-__all__ = [
-    "AMPLIFICATION_LIMIT",
-    "LookSAMOptions",
-    "LookSAMSpec",
-    "Lookahead",
-    "amplification_message",
-]
+__all__ = ["AMPLIFICATION_LIMIT", "LookSAMOptions", "LookSAMSpec", "Lookahead",
+           "amplification_message"]  # fmt: skip
 
 #: The largest ``alpha / ratio`` without a warning: a reuse step's added component over the
 #: first SAM step's orthogonal part (docs/methods.md, "the reuse check", says why 3).
@@ -37,9 +32,8 @@ AMPLIFICATION_LIMIT = 3.0
 
 
 def amplification_message(alpha: float, ratio: float) -> str | None:
-    """The warning for a reuse weight ``alpha`` where the SAM step's orthogonal component
-    is ``ratio`` of the gradient's norm, or ``None`` when ``alpha / ratio`` is at most
-    :data:`AMPLIFICATION_LIMIT` (or nothing is reused).
+    """The warning for reuse weight ``alpha`` at orthogonal ratio ``ratio``, or ``None`` when
+    ``alpha / ratio`` is at most :data:`AMPLIFICATION_LIMIT` (or nothing is reused).
 
     >>> amplification_message(0.7, 0.5) is None  # a CNN's first SAM step
     True

@@ -1,11 +1,9 @@
 """MESA (Du et al., 2022, "Sharpness-Aware Training for Free", NeurIPS): SAM's flatness at
-one gradient per step, the loss plus ``weight * tau^2 * KL(softmax(z_avg / tau) ||
-softmax(z / tau))``, ``z`` the logits the training step returns
-(``{"loss": loss, "logits": logits}``) and ``z_avg`` those of the weights' moving average
-``avg <- decay * avg + (1 - decay) * w`` on the same batch, from one forward without
-gradients in evaluation mode; the true weights are restored bit for bit before the training
-pass. The term starts after ``start`` of the run. The defaults are the authors'
-(``AngusDujw/SAF``, ``MESA_train.py``).
+one gradient per step, the loss plus :func:`consistency` (times ``weight``) between the
+logits the training step returns (``{"loss": loss, "logits": logits}``) and those of the
+weights' moving average ``avg <- decay * avg + (1 - decay) * w``, from one forward without
+gradients in evaluation mode, the true weights restored bit for bit before the training
+pass; from ``start`` of the run on (docs/methods.md#what-each-method-does-in-one-step).
 
 >>> import torch
 >>> net = torch.nn.Linear(4, 3)

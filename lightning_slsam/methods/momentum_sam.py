@@ -1,10 +1,9 @@
 """Momentum-SAM (Becker, Altrock and Risse, 2024, "Momentum-SAM: Sharpness Aware
 Minimization without Computational Overhead"): one pass per step, at the weights moved
 against the optimizer's momentum, ``w - rho * m / ||m||`` (one norm over every tensor; ``m``
-is AdamW's ``exp_avg`` as stored, or SGD's ``momentum_buffer``). The move is undone bit for
-bit before the optimizer updates the true weights with that gradient; the first step, with
-no momentum yet, is plain. Where it differs from the authors' code (the weights between
-steps, weight decay): docs/methods.md#what-each-method-does-in-one-step.
+AdamW's ``exp_avg`` as stored, or SGD's ``momentum_buffer``), undone bit for bit before the
+update; the first step, with no momentum yet, is plain. Where it departs from the authors'
+code: docs/methods.md#what-each-method-does-in-one-step.
 
 >>> import torch
 >>> net = torch.nn.Linear(4, 2)
@@ -30,14 +29,8 @@ from lightning_slsam.core.step import MethodParts, StepContext, StepKind
 from lightning_slsam.methods.options import number
 from lightning_slsam.methods.spec import MethodOptions, MethodSpec, option
 
-__all__ = [
-    "MOMENTUM_KEYS",
-    "MomentumParts",
-    "MomentumSAMOptions",
-    "MomentumSAMSpec",
-    "base_optimizer",
-    "check_momentum",
-]  # fmt: skip
+__all__ = ["MOMENTUM_KEYS", "MomentumParts", "MomentumSAMOptions", "MomentumSAMSpec",
+           "base_optimizer", "check_momentum"]  # fmt: skip
 
 #: The optimizer state entries that hold a momentum: Adam's family (AdamW, Adam, NAdam,
 #: Adamax, Lion-style optimizers), SGD with ``momentum > 0``.

@@ -1,11 +1,9 @@
 """SAF (Du et al., 2022, "Sharpness-Aware Training for Free", NeurIPS): SAM's flatness at
-one gradient per step, the loss plus the batch's mean of ``weight * tau^2 *
-KL(softmax(z_past / tau) || softmax(z / tau))``, ``z`` a sample's logits and ``z_past`` its
-logits ``delay`` visits (epochs) earlier, from a CPU store of every training sample's last
-``delay + 1`` logits (a sample without a past counts 0). The training step returns
-``{"loss": loss, "logits": logits, "index": index}``; under DDP and FSDP2 every process
-records every process's batch. The defaults are the authors' (``AngusDujw/SAF``,
-``SAF_train.py``).
+one gradient per step, the loss plus ``weight`` times the consistency term between each
+sample's logits and its logits ``delay`` visits (epochs) earlier (0 without them), kept in a
+CPU store of every training sample's last ``delay + 1`` (found by ``index``: the training
+step returns ``{"loss": loss, "logits": logits, "index": index}``; every process records
+every batch).
 
 >>> import torch
 >>> net = torch.nn.Linear(4, 3)

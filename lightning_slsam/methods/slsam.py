@@ -1,8 +1,7 @@
-"""SL-SAM (the SL-SAM paper's Algorithms 1 and 2): each step a bandit
-(:class:`~lightning_slsam.selection.bandit.LayerBandit`) draws the active layers, SAM's two
-passes run on them alone, and the first pass's per-layer gradient norms update the bandit.
-``preset="default"`` adds remedies beyond the paper, ``preset="paper"`` is the paper's exact
-method (:data:`PRESETS`; docs/methods.md#the-presets).
+"""SL-SAM (the SL-SAM paper's Algorithms 1 and 2): SAM on the layers a bandit
+(:class:`~lightning_slsam.selection.bandit.LayerBandit`) draws each step, learning from the
+first pass's per-layer gradient norms; ``preset="paper"`` is the paper's exact method,
+``preset="default"`` adds remedies beyond it (:data:`PRESETS`; docs/methods.md#the-presets).
 
 >>> spec = SLSAMSpec()
 >>> spec.preset, spec.setting("budget"), spec.setting("bandit_loss"), spec.update_scale
@@ -81,10 +80,9 @@ class SLSAMOptions(LayerSubsetOptions):
     """SL-SAM's options.
 
     Args:
-        layer_ratio: the bandit's budget per step, in (0, 1]. Under ``preset="default"``
-            the expected fraction of the model's *parameters* drawn (a layer counts by its
-            size); under ``preset="paper"`` the expected fraction of *layers* drawn (the
-            paper's ``s/N``; Paper: 0.2). 1.0 is SAM on every layer.
+        layer_ratio: the bandit's budget per step, in (0, 1] (default 0.2): the expected
+            fraction of the *parameters* drawn (``preset="default"``) or of the *layers*
+            (``"paper"``, the paper's ``s/N``). 1.0 is SAM on every layer.
         p_min: lower bound of every layer's probability, in (0, 1), at most
             ``layer_ratio``. Paper: 1e-3.
         preset: ``"default"`` (beyond the paper) or ``"paper"`` (the paper's exact method);

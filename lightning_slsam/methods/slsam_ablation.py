@@ -30,10 +30,8 @@ class SLSAMAblationOptions(SLSAMOptions):
     """SLSAMAblation's options.
 
     Args:
-        budget: ``"count"`` (expected drawn layers, the paper's) or ``"compute"`` (their
-            parameters).
-        bandit_loss: ``"shifted"`` (the released code's), ``"paper"`` (Algorithm 2
-            literally) or ``"rank"`` (scale-free).
+        budget: ``"count"`` (drawn layers, the paper's) or ``"compute"`` (their parameters).
+        bandit_loss: ``"shifted"`` (released code), ``"paper"`` (Algorithm 2) or ``"rank"``.
         alpha_p: the bandit's step size (>= 0); ``None`` with a loss given: that loss's
             own (1e-3 for ``"shifted"`` and ``"paper"``, 0.03 for ``"rank"``).
         head_always_active: train the fresh task head every step.

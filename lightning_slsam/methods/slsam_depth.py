@@ -30,12 +30,9 @@ __all__ = ["CostAwareSLSAMOptions", "CostAwareSLSAMSpec", "DepthCut"]
 
 class DepthCut(WrappedSelection, Seeded):
     """Freeze every layer below a random cut along the parameter order, then let ``inner``
-    sample above it (independent sampling almost always activates a layer near the input).
-
-    The cut is uniform on ``[0, 2(1 - depth) N]`` for ``depth >= 0.5``, on
-    ``[(1 - 2 depth) N, N]`` below, so a ``depth`` fraction of the layers lies above it on
-    average; a draw with nothing above it is redrawn. ``inner`` learns from the layers it
-    sampled above the cut, with their true inclusion probabilities (:meth:`inclusion`).
+    sample above it. The cut is uniform on ``[0, 2(1 - depth) N]`` for ``depth >= 0.5``, on
+    ``[(1 - 2 depth) N, N]`` below; a draw with nothing above it is redrawn. ``inner`` learns
+    with the true inclusion probabilities (:meth:`inclusion`).
 
     Args:
         inner: the rule sampling above the cut (the bandit, for cost-aware SL-SAM).
