@@ -1,25 +1,10 @@
 """ARWP (Li et al., 2024, "Revisiting Random Weight Perturbation for Efficiently Improving
-Generalization", TMLR): one gradient per step, at randomly perturbed weights.
-
-Each step draws, for every row ``f`` of a weight (a filter of a convolution, an output unit
-of a linear layer; a bias or a norm's scale is one row of its own),
-
-``eps_f ~ N(0, (sigma_t * ||w_f||)^2 / (1 + eta * F_f))`` elementwise,
-
-computes the gradient at ``w + eps`` and has the optimizer update the true weights ``w`` with
-it: AdamW's price, no second pass. ``F_f`` is the row's sum of a running sum of squared
-gradients, ``F <- beta * F + g^2`` (the authors' form, without ``1 - beta``), so the rows that
-gradients say are sharp are perturbed less. The radius grows over the run as the authors'
-schedule has it: ``sigma_t = rho * (1 + growth * (1 - cos(pi t / T)) / 2)``, from ``rho`` at
-the start to ``rho * (1 + growth)`` at the planned last step ``T``. A bias or a norm's
-vector is one row, scaled by its whole norm, with ``F`` per element (the authors' code).
-
-The noise comes from the method's own generator, seeded alike on every process: every DDP
-rank draws the same; under FSDP2 each process draws the whole tensor and keeps its rows.
-The weights are restored bit for bit before the update (validation, checkpoints and a
-resumed run see the true weights). The authors' code is ``nblt/mARWP`` (``utils.py``,
-``ARWP``; ``train_rwp_cos.py``, ``CosineInc``); its defaults on CIFAR are ``std=0.001``,
-``inc=10``, ``eta=0.1``, ``beta=0.99``, the defaults here.
+Generalization", TMLR): one pass per step, at the weights moved by Gaussian noise. Each row
+``f`` of a weight (a filter, a linear layer's output unit; a vector is one row, with ``F``
+per element) draws ``eps_f ~ N(0, (sigma_t ||w_f||)^2 / (1 + eta F_f))``, ``F <- beta F + g^2``
+the running squared gradients and ``sigma_t`` :func:`noise_radius`. The noise comes from the
+method's own generator, alike on every process, and the true weights are restored bit for
+bit before the update. The defaults are the authors' CIFAR ones (``nblt/mARWP``).
 
 >>> import torch
 >>> net = torch.nn.Linear(4, 2)
@@ -71,8 +56,7 @@ def _rows(tensor: Tensor) -> Tensor:
 
 
 class RandomRows(MethodParts):
-    """ARWP's step: every step a single-step step whose move is a draw of row-scaled noise;
-    after each update, the running squared gradients."""
+    """ARWP's parts: a row-scaled noise draw as each step's move; after each update, ``F``."""
 
     keeps_last_grads = False
     fresh_directions = True
@@ -120,8 +104,7 @@ class RandomRows(MethodParts):
         moves: dict[int, Tensor] = {}
         with torch.no_grad():
             for k, (param, part) in enumerate(zip(params, local)):
-                # Drawn in float32 whatever the weights' precision (the same draws in each),
-                # scaled in float32 or wider.
+                # Drawn in float32 whatever the weights' precision, scaled in float32 or wider.
                 dtype = torch.promote_types(part.dtype, torch.float32)
                 whole = torch.randn(param.shape, generator=generator, device=part.device,
                                     dtype=torch.float32)  # fmt: skip
@@ -166,13 +149,13 @@ class ARWPOptions(MethodOptions):
 
     Args:
         rho: the noise's standard deviation at the start, relative to each row's norm
-            (> 0; default 0.001, the authors'). It grows to ``rho * (1 + growth)``.
-        growth: how far the noise grows over the run (>= 0; default 10, the authors'
-            ``inc``; 0: constant). Needs the run's length, which the Lightning callback and
-            ``SAMTrainer`` give; elsewhere set ``engine.planned_steps``.
-        eta: how much the running squared gradients shrink a row's noise (>= 0; default
-            0.1, the authors'; 0: plain random weight perturbation).
-        beta: the running sum's decay, in [0, 1) (default 0.99, the authors').
+            (> 0; default 0.001). It grows to ``rho * (1 + growth)``.
+        growth: how far the noise grows over the run (>= 0; default 10; 0: constant). Needs
+            the run's length (Lightning and ``SAMTrainer`` give it; else
+            ``engine.planned_steps``).
+        eta: how much ``F`` shrinks a row's noise (>= 0; default 0.1; 0: plain random weight
+            perturbation).
+        beta: ``F``'s decay, in [0, 1) (default 0.99).
     """
 
     rho: float = option(1e-3, number(0, low_open=True, note=" (noise relative to a row's norm)"))

@@ -1,20 +1,8 @@
 """ESAM (Du et al., 2022, "Efficient Sharpness-aware Minimization for Improved Training of
-Neural Networks").
-
-* Stochastic weight perturbation: the first pass computes the gradient of a random
-  ``weight_ratio`` of the layers (each independently), and only they are perturbed
-  (:class:`ExpandToAll` over a uniform draw).
-* Sharpness-sensitive data selection: a forward pass at the perturbed point (no gradient)
-  measures each sample's loss increase; the second pass runs on the ``data_ratio`` fraction
-  of the batch whose loss rose most (:class:`SharpestSamples`). It updates every layer.
-
-Active Ratio ``weight_ratio + 1`` (1.5x at the paper's 0.5). The data selection needs
-per-sample losses: the loss is a 1-D tensor of them (averaged for the update).
-
-``rho`` is the radius of the perturbation, as in every method. The official code
-(``utils/Esam.py``) perturbs by ``rho / beta`` and keeps ``int(gamma * n) - 1`` of ``n``
-samples; ``ESAM(rho=rho / beta, weight_ratio=beta, data_ratio=(int(gamma * n) - 1) / n)``
-runs its step (docs/paper-and-code.md).
+Neural Networks"): SAM perturbing a random ``weight_ratio`` of the layers (:class:`ExpandToAll`),
+its second pass, which updates every layer, on the ``data_ratio`` of each batch whose
+per-sample loss the perturbation raised most (:class:`SharpestSamples`). The official code's
+flags in these options: docs/paper-and-code.md#esam-and-its-official-code.
 """
 
 from __future__ import annotations
@@ -119,10 +107,7 @@ class ESAMOptions(MethodOptions):
 
 @dataclass(kw_only=True, eq=False)
 class ESAMSpec(ESAMOptions, MethodSpec):
-    """ESAM: stochastic weight perturbation (a random ``weight_ratio`` of the layers is
-    perturbed) and sharpness-sensitive data selection (the second pass runs on the
-    ``data_ratio`` of each batch whose loss rose most).
-    """
+    """ESAM: stochastic weight perturbation and sharpness-sensitive data selection."""
 
     name: ClassVar[str] = "esam"
     label: ClassVar[str] = "ESAM"

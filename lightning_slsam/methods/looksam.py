@@ -1,15 +1,8 @@
 """LookSAM (Liu et al., 2022, "Towards Efficient and Scalable Sharpness-Aware
-Minimization"): a full SAM step every ``interval`` steps, which stores ``g_v``, the part of
-the SAM gradient orthogonal to the plain gradient; the steps in between run one pass and
-add ``alpha * ||g|| / ||g_v|| * g_v`` to their gradient (Active Ratio ``1 + 1/interval``:
-1.2x at 5).
-
-That added component has norm ``alpha * ||g||`` whatever SAM's own correction was. Where the
-SAM gradient is nearly parallel to the gradient -- a pretrained Transformer fine-tuned with a
-small ``rho`` -- a reuse step adds many times what the SAM step did, and the committed runs
-lost there (MiniLM did not train at ``alpha=0.7``). At the first SAM step the parts measure
-``ratio = ||g_v|| / ||g||`` and warn when ``alpha / ratio`` exceeds :data:`AMPLIFICATION_LIMIT`
-(:func:`amplification_message`).
+Minimization"): a SAM step every ``interval`` steps stores ``g_v``, the part of the SAM
+gradient orthogonal to the gradient ``g``; the one-pass steps in between add
+``alpha * ||g|| / ||g_v|| * g_v``. The first SAM step warns when ``alpha`` exceeds
+:data:`AMPLIFICATION_LIMIT` times ``||g_v|| / ||g||`` (:func:`amplification_message`).
 
 >>> [Lookahead(interval=3, alpha=0.7, eps=1e-12).kind(t) for t in range(5)]
 ['sam', 'reuse', 'reuse', 'sam', 'reuse']
@@ -30,36 +23,17 @@ from lightning_slsam.methods.options import number
 from lightning_slsam.methods.spec import MethodOptions, MethodSpec, option
 from lightning_slsam.parallel.shards import Shards
 
-__all__ = [
-    "AMPLIFICATION_LIMIT",
-    "LookSAMOptions",
-    "LookSAMSpec",
-    "Lookahead",
-    "amplification_message",
-]
+__all__ = ["AMPLIFICATION_LIMIT", "LookSAMOptions", "LookSAMSpec", "Lookahead",
+           "amplification_message"]  # fmt: skip
 
-#: The largest ``alpha / ratio`` (a reuse step's added component over the SAM step's own
-#: orthogonal part, measured at the first SAM step) the committed runs support
-#: (``docs/results/looksam_alpha/amplification.md``, ``examples/scripts/looksam_table.py``):
-#: every configuration at 1.9 or less matched SAM (the vision runs at 0.1-0.7, MiniLM at
-#: ``alpha=0.1``: 1.2-2.5 per run) and every one at 6.7 or more lost (MiniLM at 0.35: one run
-#: in three did not train, 4.1-8.7 per run; MiniLM at 0.7: none trained; the tiny Llama at
-#: 0.7: 4 points under SAM, 27). The line sits between the largest run of a matching
-#: configuration and the smallest of a losing one.
+#: The largest ``alpha / ratio`` without a warning: a reuse step's added component over the
+#: first SAM step's orthogonal part (docs/methods.md, "the reuse check", says why 3).
 AMPLIFICATION_LIMIT = 3.0
-
-#: What the message cites.
-EVIDENCE = (
-    "on MiniLM alpha=0.35 (about 7x) left one run in three untrained and alpha=0.7 (13x)"
-    " every run, on a small Llama 27x learned 4 points less, while 1.9x or less matched SAM"
-    " (docs/results/looksam_alpha/amplification.md)"
-)
 
 
 def amplification_message(alpha: float, ratio: float) -> str | None:
-    """The warning for a reuse weight ``alpha`` where the SAM step's orthogonal component
-    is ``ratio`` of the gradient's norm, or ``None`` when ``alpha / ratio`` is at most
-    :data:`AMPLIFICATION_LIMIT` (or nothing is reused).
+    """The warning for reuse weight ``alpha`` at orthogonal ratio ``ratio``, or ``None`` when
+    ``alpha / ratio`` is at most :data:`AMPLIFICATION_LIMIT` (or nothing is reused).
 
     >>> amplification_message(0.7, 0.5) is None  # a CNN's first SAM step
     True
@@ -76,17 +50,15 @@ def amplification_message(alpha: float, ratio: float) -> str | None:
         f"LookSAM: at the first SAM step the SAM gradient's component orthogonal to the"
         f" gradient was {ratio:.3g} of the gradient's norm, and each reuse step adds"
         f" alpha={alpha:g} of the gradient's norm along it: {alpha / ratio:.0f} times what the"
-        f" SAM step added, over {AMPLIFICATION_LIMIT:g}: {EVIDENCE}. Options:"
-        f" alpha={suggested:g} or less, interval=1 (SAM), or another method"
-        " (docs/choosing.md)."
+        f" SAM step added, over {AMPLIFICATION_LIMIT:g}. Options: alpha={suggested:g} or less,"
+        " interval=1 (SAM), or another method"
+        " (docs/methods.md#looksam-on-a-pretrained-transformer-the-reuse-check)."
     )
 
 
 class Lookahead(MethodParts):
-    """LookSAM's parts: the SAM steps keep ``g_v = g_s - <g, g_s>/||g||^2 g``, the part of
-    the SAM gradient ``g_s`` orthogonal to the plain gradient ``g``; the ``"reuse"`` steps
-    in between add ``alpha * ||g|| / ||g_v|| * g_v`` to their gradient (``alpha=0``: plain
-    steps). ``g_v`` is saved with the engine's state."""
+    """LookSAM's parts: SAM steps keep ``g_v = g_s - <g, g_s>/||g||^2 g`` (``g_s`` the SAM
+    gradient; saved with the engine's state), ``"reuse"`` steps add it as the module says."""
 
     def __init__(self, interval: int, alpha: float, eps: float) -> None:
         self.interval = int(interval)
@@ -164,8 +136,7 @@ class LookSAMOptions(MethodOptions):
     Args:
         interval: steps between SAM steps, >= 1. LookSAM: 5.
         alpha: weight of the reused component, >= 0 (0: plain steps in between). LookSAM: 0.7;
-            on a pretrained Transformer far less (0.1 on MiniLM): the first SAM step warns
-            when it is too large and says how large.
+            the first SAM step warns when it is too large and says how large.
     """
 
     interval: int = option(5, number(1, integer=True))
@@ -174,9 +145,7 @@ class LookSAMOptions(MethodOptions):
 
 @dataclass(kw_only=True, eq=False)
 class LookSAMSpec(LookSAMOptions, MethodSpec):
-    """LookSAM: a SAM step every ``interval`` steps; the steps in between reuse the stored
-    orthogonal component with weight ``alpha``.
-    """
+    """LookSAM: a SAM step every ``interval`` steps, reusing its orthogonal part in between."""
 
     name: ClassVar[str] = "looksam"
     label: ClassVar[str] = "LookSAM"

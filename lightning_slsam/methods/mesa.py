@@ -1,23 +1,9 @@
 """MESA (Du et al., 2022, "Sharpness-Aware Training for Free", NeurIPS): SAM's flatness at
-one gradient per step, from a consistency term with the model's own average.
-
-Each step adds to the loss ``weight * tau^2 * KL(softmax(z_avg / tau) || softmax(z / tau))``,
-where ``z`` are the logits the training step returns and ``z_avg`` those of an exponential
-moving average of the weights on the same batch, ``avg <- decay * avg + (1 - decay) * w``
-after every update. The average's logits come from one forward without gradients (the
-model in evaluation mode: no dropout, running statistics untouched), with the average's
-values copied into the weights and the weights restored bit for bit before the training
-pass: validation, checkpoints and a resumed run see the true weights. The term starts after
-``start`` of the run (a fraction of the trainer's planned steps; the authors' 5 of 90
-epochs); before it, the average is kept and nothing else runs. One gradient per step plus
-a forward, a copy of the weights kept between steps (the average, saved in checkpoints;
-under FSDP2 sharded as the weights are).
-
-The training step returns its logits: ``{"loss": loss, "logits": logits}``. The authors' code
-is ``AngusDujw/SAF`` (``MESA_train.py``: ``--reinforce 0.8 --temperature 5 --kl_start_epoch
-5``, timm's ``ModelEmaV2`` at ``--model-ema-decay 0.9998``), the defaults here; their average
-is a copy of the module in evaluation mode that also averages its buffers, where here the
-forward uses the model's own buffers.
+one gradient per step, the loss plus :func:`consistency` (times ``weight``) between the
+logits the training step returns (``{"loss": loss, "logits": logits}``) and those of the
+weights' moving average ``avg <- decay * avg + (1 - decay) * w``, from one forward without
+gradients in evaluation mode, the true weights restored bit for bit before the training
+pass; from ``start`` of the run on (docs/methods.md#what-each-method-does-in-one-step).
 
 >>> import torch
 >>> net = torch.nn.Linear(4, 3)
@@ -55,8 +41,7 @@ __all__ = ["AverageTeacher", "MESAOptions", "MESASpec", "consistency", "per_samp
 
 def consistency(logits: Tensor, target: Tensor, tau: float) -> Tensor:
     """``tau^2 * KL(softmax(target / tau) || softmax(logits / tau))``, summed over the last
-    dimension (the classes) and averaged over the others (the samples; a language model's
-    tokens too), in float32 at least: the term SAF and MESA add, with ``target`` detached.
+    dimension and averaged over the others, in float32 at least, ``target`` detached.
 
     >>> z = torch.tensor([[2.0, 0.0, -1.0]])
     >>> float(consistency(z, z, 5.0)) == 0.0
@@ -75,8 +60,8 @@ def per_sample_consistency(logits: Tensor, target: Tensor, tau: float) -> Tensor
 
 
 class AverageTeacher(MethodParts):
-    """MESA's step: the average's logits from one forward at the averaged weights, the
-    consistency term in the training pass, the average moved after each update."""
+    """MESA's parts: the average's logits before the step, the term in the training pass, the
+    average moved after each update."""
 
     keeps_last_grads = False
     reads_update_grads = True
@@ -154,15 +139,13 @@ class MESAOptions(MethodOptions):
     """MESA's options.
 
     Args:
-        weight: the consistency term's weight (>= 0; default 0.8, the authors' ImageNet
-            value; 0: plain training).
-        tau: the softmax temperature (> 0; default 5, the authors').
+        weight: the consistency term's weight (>= 0; default 0.8; 0: plain training).
+        tau: the softmax temperature (> 0; default 5).
         start: the fraction of the run's planned steps after which the term is added, in
-            [0, 1) (default 0.05: the authors' 5 of 90 epochs). Needs the run's length,
-            which the Lightning callback and ``SAMTrainer`` give; elsewhere set
-            ``engine.planned_steps``, or ``start=0``.
-        decay: the average's decay per step, in [0, 1) (default 0.9998, the authors'
-            ImageNet value; a run of a few thousand steps wants about 0.99-0.999).
+            [0, 1) (default 0.05). Needs the run's length (Lightning and ``SAMTrainer`` give
+            it; else ``engine.planned_steps``, or ``start=0``).
+        decay: the average's decay per step, in [0, 1) (default 0.9998; a run of a few
+            thousand steps wants about 0.99-0.999).
     """
 
     weight: float = option(0.8, number(0))
@@ -173,8 +156,7 @@ class MESAOptions(MethodOptions):
 
 @dataclass(kw_only=True, eq=False)
 class MESASpec(MESAOptions, MethodSpec):
-    """MESA: one training pass per step plus a forward at the averaged weights, whose
-    logits the consistency term pulls the model's towards."""
+    """MESA: one training pass per step plus a forward at the averaged weights."""
 
     name: ClassVar[str] = "mesa"
     label: ClassVar[str] = "MESA"

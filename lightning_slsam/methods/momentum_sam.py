@@ -1,22 +1,9 @@
 """Momentum-SAM (Becker, Altrock and Risse, 2024, "Momentum-SAM: Sharpness Aware
-Minimization without Computational Overhead"): SAM's second gradient at the price of one.
-
-Each step computes the gradient once, at the weights moved *against* the optimizer's
-momentum, ``w - rho * m / ||m||`` (one norm over every tensor, as the authors' code), and
-the optimizer updates the true weights with it. ``m`` is what the optimizer keeps: AdamW's
-first moment ``exp_avg`` (neither bias-corrected nor divided by the second moment: the
-normalisation makes both irrelevant), SGD's ``momentum_buffer``. One pass per step (Active
-Ratio 1.0x); the first step, with no momentum yet, is a plain step.
-
-The authors' optimizers keep the weights at the moved point between steps and move back
-for evaluation; here the move is undone, bit for bit, before the update, as SAM's ascent
-is: validation, checkpoints and a resumed run see the true weights. The gradient and the
-update are the authors' (``adamW_msam.py``, ``msam.py``), but for weight decay: their
-AdamW decays after the Adam step and their SGD on the moved weights, where the base
-optimizer here does as it always does (torch's AdamW decays before the step).
-
-Radius: their code runs ``rho = 3`` on CIFAR and ViTs (``rho = 1`` is their AdamW default),
-where SAM runs 0.05-0.2: the default here is 1.
+Minimization without Computational Overhead"): one pass per step, at the weights moved
+against the optimizer's momentum, ``w - rho * m / ||m||`` (one norm over every tensor; ``m``
+AdamW's ``exp_avg`` as stored, or SGD's ``momentum_buffer``), undone bit for bit before the
+update; the first step, with no momentum yet, is plain. Where it departs from the authors'
+code: docs/methods.md#what-each-method-does-in-one-step.
 
 >>> import torch
 >>> net = torch.nn.Linear(4, 2)
@@ -42,14 +29,8 @@ from lightning_slsam.core.step import MethodParts, StepContext, StepKind
 from lightning_slsam.methods.options import number
 from lightning_slsam.methods.spec import MethodOptions, MethodSpec, option
 
-__all__ = [
-    "MOMENTUM_KEYS",
-    "MomentumParts",
-    "MomentumSAMOptions",
-    "MomentumSAMSpec",
-    "base_optimizer",
-    "check_momentum",
-]  # fmt: skip
+__all__ = ["MOMENTUM_KEYS", "MomentumParts", "MomentumSAMOptions", "MomentumSAMSpec",
+           "base_optimizer", "check_momentum"]  # fmt: skip
 
 #: The optimizer state entries that hold a momentum: Adam's family (AdamW, Adam, NAdam,
 #: Adamax, Lion-style optimizers), SGD with ``momentum > 0``.
@@ -134,8 +115,8 @@ class MomentumSAMOptions(MethodOptions):
     """Momentum-SAM's options.
 
     Args:
-        rho: the distance moved against the momentum (> 0; default 1, the authors' AdamW
-            default; their runs use 3 where SAM uses 0.05-0.2).
+        rho: the distance moved against the normalised momentum (> 0; default 1, the
+            authors' AdamW default).
     """
 
     rho: float = option(1.0, number(0, low_open=True, note=" (the distance against the momentum)"))
@@ -143,9 +124,7 @@ class MomentumSAMOptions(MethodOptions):
 
 @dataclass(kw_only=True, eq=False)
 class MomentumSAMSpec(MomentumSAMOptions, MethodSpec):
-    """Momentum-SAM: one pass per step, at the weights moved by ``rho`` against the
-    optimizer's normalised momentum.
-    """
+    """Momentum-SAM: one pass per step, ``rho`` against the optimizer's normalised momentum."""
 
     name: ClassVar[str] = "momentum_sam"
     label: ClassVar[str] = "MomentumSAM"

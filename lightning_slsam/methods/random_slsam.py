@@ -1,7 +1,5 @@
-"""Random-SL-SAM, the SL-SAM paper's ablation: layers drawn uniformly, each with probability
-``layer_ratio`` every step, no bandit (then SAM on them, as SL-SAM). ``preset="default"``
-adds the default SL-SAM's remedies that do not depend on the bandit: the fresh task head
-trained every step and each drawn layer's update scaled by ``1 / layer_ratio`` up to 3.
+"""Random-SL-SAM, the SL-SAM paper's ablation: SL-SAM with each layer drawn uniformly with
+probability ``layer_ratio`` every step, no bandit.
 
 >>> RandomSLSAMSpec().preset, RandomSLSAMSpec(preset="default").update_scale
 ('paper', 3.0)
@@ -40,8 +38,7 @@ class RandomSLSAMOptions(LayerSubsetOptions):
 
     Args:
         preset: ``"paper"`` (default: the paper's ablation) or ``"default"`` (the fresh
-            task head trained every step, each drawn layer's update scaled by
-            ``1 / layer_ratio`` up to 3, as ``SparseLayerSAM()``).
+            task head trained every step, updates scaled by ``1 / layer_ratio`` up to 3).
     """
 
     preset: Preset = option("paper", one_of(tuple(PRESETS)))

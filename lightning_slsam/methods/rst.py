@@ -1,6 +1,5 @@
 """RST (Zhao et al., 2022, "Randomized Sharpness-Aware Training"): each step is a SAM step
-with probability ``probability``, otherwise a plain step, drawn from the method's own
-seeded generator (Active Ratio ``1 + probability``: 1.5x at the paper's 0.5).
+with probability ``probability``, else a plain step, drawn from the method's own generator.
 
 >>> import torch
 >>> coin = Coin(0.5, torch.Generator().manual_seed(0))
@@ -25,8 +24,7 @@ __all__ = ["Coin", "RSTOptions", "RSTSpec"]
 
 
 class Coin(MethodParts):
-    """RST's coin: each step a SAM step with chance ``probability``, else a plain one; the
-    generator's state is saved with the engine's (so a resumed run flips the same coins)."""
+    """RST's coin (its generator's state is saved, so a resumed run flips the same coins)."""
 
     def __init__(self, probability: float, generator: torch.Generator) -> None:
         self.probability = float(probability)

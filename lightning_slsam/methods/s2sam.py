@@ -1,7 +1,5 @@
-"""S2-SAM (Ji et al., 2024, "Single-step SAM"; Algorithm 3 of the SL-SAM paper): each step
-perturbs every layer along the gradient of the previous step and runs one forward/backward
-there; that gradient updates the weights and is kept for the next step. One pass per step
-(Active Ratio 1.0x); the first step, with no previous gradient, is a plain step.
+"""S2-SAM (Ji et al., 2024, "Single-step SAM"; the SL-SAM paper's Algorithm 3): one pass per
+step at every layer perturbed along the previous step's gradient; the first step is plain.
 
 >>> [SingleStepParts().kind(t) for t in range(3)]
 ['single', 'single', 'single']

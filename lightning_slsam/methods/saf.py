@@ -1,25 +1,9 @@
 """SAF (Du et al., 2022, "Sharpness-Aware Training for Free", NeurIPS): SAM's flatness at
-one gradient per step, from a consistency term with the model's own past predictions.
-
-Each step adds to the loss ``weight * tau^2 * KL(softmax(z_past / tau) || softmax(z / tau))``
-for every sample of the batch, where ``z`` are the logits the training step returns and
-``z_past`` the same sample's logits recorded ``delay`` visits earlier (``delay`` epochs, when
-every sample is seen once an epoch): a store keeps each training sample's last ``delay + 1``
-logits, found by the sample's position in the training set. A sample gets the term from its
-visit ``start_epoch + 1`` on (the authors' ``epoch > kl_start_epoch``); the term is the
-batch's mean, a sample without a recorded past counting 0. One gradient per step: AdamW's
-price, and the store (``(delay + 1)`` logits per training sample, on the CPU, in
-checkpoints).
-
-Under DDP and FSDP2 the processes see other samples each epoch: every process records what
-every process saw (one all-gather of the batch's indices and logits a step), so each
-sample's past is the same wherever it is next drawn. A sample's logits of more than
-:data:`MAX_LOGITS` numbers (a language model's, a vocabulary per token) are refused at the
-first step: MESA needs no store.
-
-The training step returns ``{"loss": loss, "logits": logits, "index": index}``. The authors'
-code is ``AngusDujw/SAF`` (``SAF_train.py``: ``--reinforce 0.3 --temperature 5
---kl_start_epoch 5 --minus_epoch 3``), the defaults here.
+one gradient per step, the loss plus ``weight`` times the consistency term between each
+sample's logits and its logits ``delay`` visits (epochs) earlier (0 without them), kept in a
+CPU store of every training sample's last ``delay + 1`` (found by ``index``: the training
+step returns ``{"loss": loss, "logits": logits, "index": index}``; every process records
+every batch).
 
 >>> import torch
 >>> net = torch.nn.Linear(4, 3)
@@ -60,8 +44,7 @@ MAX_LOGITS = 16384
 
 
 class PastLogits(MethodParts):
-    """SAF's step: the consistency term against each sample's logits ``delay`` visits ago,
-    the store of every sample's recent logits."""
+    """SAF's parts: the term against each sample's logits ``delay`` visits ago, the store."""
 
     keeps_last_grads = False
     needs_outputs = ("logits", "index")
@@ -163,13 +146,12 @@ class SAFOptions(MethodOptions):
     """SAF's options.
 
     Args:
-        weight: the consistency term's weight (>= 0; default 0.3, the authors' ImageNet
-            value; 0: plain training).
-        tau: the softmax temperature (> 0; default 5, the authors').
+        weight: the consistency term's weight (>= 0; default 0.3; 0: plain training).
+        tau: the softmax temperature (> 0; default 5).
         delay: how many visits (epochs) back a sample's reference logits are, >= 1
-            (default 3, the authors' ``minus_epoch``).
+            (default 3).
         start_epoch: the visits (epochs) after which a sample gets the term, >= 0 (default
-            5, the authors' ``kl_start_epoch``).
+            5: the term from visit 6 on).
     """
 
     weight: float = option(0.3, number(0))
@@ -180,8 +162,7 @@ class SAFOptions(MethodOptions):
 
 @dataclass(kw_only=True, eq=False)
 class SAFSpec(SAFOptions, MethodSpec):
-    """SAF: one training pass per step, its loss plus the consistency term with each
-    sample's logits ``delay`` epochs ago."""
+    """SAF: one training pass per step, plus the term against each sample's past logits."""
 
     name: ClassVar[str] = "saf"
     label: ClassVar[str] = "SAF"

@@ -1,6 +1,5 @@
 """SAM (Foret et al., 2021, "Sharpness-Aware Minimization for Efficiently Improving
-Generalization") on every layer: with AdamW as the optimizer, the SL-SAM paper's "AdaSAM"
-baseline. Two passes on every layer (Active Ratio 2.0x). ``adaptive=True`` is ASAM.
+Generalization"): two passes on every layer (AdaSAM with AdamW); ``adaptive=True`` is ASAM.
 
 >>> import torch
 >>> engine = SAMSpec(rho=0.05).build_engine(torch.nn.Linear(4, 2), seed=0)

@@ -1,7 +1,5 @@
-"""SL-S2-SAM (Algorithm 4 of the SL-SAM paper): single-step SAM on bandit-sampled layers.
-Each active layer perturbs along its own last computed gradient; the bandit learns from the
-norms of the step's (perturbed) gradients. The first step is a plain step on every layer,
-which records every layer's first gradient. It keeps the paper's method by default.
+"""SL-S2-SAM (the SL-SAM paper's Algorithm 4): single-step SAM on bandit-sampled layers, each
+perturbed along its own last computed gradient; the first step is plain, on every layer.
 
 >>> SLS2SAMSpec().preset, SLS2SAMSpec(layer_ratio=0.3).layer_ratio
 ('paper', 0.3)

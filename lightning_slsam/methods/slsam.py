@@ -1,19 +1,7 @@
-"""SL-SAM: SAM on a bandit-sampled subset of layers each step (the SL-SAM paper's
-Algorithms 1 and 2), ``SparseLayerSAM``.
-
-Each step the bandit (:class:`~lightning_slsam.selection.bandit.LayerBandit`) draws the
-active layers, SAM's two passes run on them alone, and the first pass's per-layer gradient
-norms update the bandit's distribution.
-
-Two presets, one argument apart:
-
-* ``"default"`` (``SparseLayerSAM()``, beyond the paper, chosen on the multi-seed
-  comparisons of ``docs/results.md``): the bandit's budget counts parameters rather than
-  layers (a vocabulary embedding costs its size, a LayerNorm bias almost nothing), with a
-  scale-free rank loss (step size 0.03), the fresh task head trained every step and each
-  drawn layer's update scaled by ``1 / q`` up to 3;
-* ``"paper"`` (``slsam_paper``): the paper's exact method -- a budget of layers, the
-  released code's loss (step size 1e-3), every layer sampled, no update scaling.
+"""SL-SAM (the SL-SAM paper's Algorithms 1 and 2): SAM on the layers a bandit
+(:class:`~lightning_slsam.selection.bandit.LayerBandit`) draws each step, learning from the
+first pass's per-layer gradient norms; ``preset="paper"`` is the paper's exact method,
+``preset="default"`` adds remedies beyond it (:data:`PRESETS`; docs/methods.md#the-presets).
 
 >>> spec = SLSAMSpec()
 >>> spec.preset, spec.setting("budget"), spec.setting("bandit_loss"), spec.update_scale
@@ -54,11 +42,9 @@ from lightning_slsam.selection.rules import LayerSelection
 
 __all__ = ["PRESETS", "PRESET_WORDS", "SLSAMOptions", "SLSAMSpec"]
 
-#: What each SL-SAM preset sets. ``budget``: what the bandit's budget counts, drawn layers
-#: (``"count"``, the paper's) or their parameters (``"compute"``); ``bandit_loss`` and
-#: ``alpha_p``: the bandit's loss and step size; ``head_always_active``: the fresh task
-#: head trained every step; ``max_update_scale``: the cap on each drawn layer's update
-#: factor ``1 / q`` (1: no scaling).
+#: What each SL-SAM preset sets: ``budget`` (the bandit counts drawn layers, ``"count"``, or
+#: their parameters, ``"compute"``), the bandit's loss and step size, ``head_always_active``
+#: (the fresh task head trained every step) and ``max_update_scale`` (cap on ``1 / q``).
 PRESETS: dict[Preset, dict[Setting, Any]] = {
     "default": {
         "budget": "compute",
@@ -94,17 +80,13 @@ class SLSAMOptions(LayerSubsetOptions):
     """SL-SAM's options.
 
     Args:
-        layer_ratio: the bandit's budget per step, in (0, 1]. Under ``preset="default"``
-            the expected fraction of the model's *parameters* drawn (a layer counts by its
-            size); under ``preset="paper"`` the expected fraction of *layers* drawn (the
-            paper's ``s/N``; Paper: 0.2). 1.0 is SAM on every layer.
+        layer_ratio: the bandit's budget per step, in (0, 1] (default 0.2): the expected
+            fraction of the *parameters* drawn (``preset="default"``) or of the *layers*
+            (``"paper"``, the paper's ``s/N``). 1.0 is SAM on every layer.
         p_min: lower bound of every layer's probability, in (0, 1), at most
             ``layer_ratio``. Paper: 1e-3.
-        preset: ``"default"`` (beyond the paper: the bandit budgets parameters, with the
-            scale-free rank loss, the fresh task head trained every step and each drawn
-            layer's update scaled by ``1 / q`` up to 3) or ``"paper"`` (the paper's exact
-            method: a budget of layers, the released code's loss, no head rule, no
-            scaling); see :data:`PRESETS`.
+        preset: ``"default"`` (beyond the paper) or ``"paper"`` (the paper's exact method);
+            what each sets: :data:`PRESETS`.
     """
 
     p_min: float = option(1e-3, number(0, 1, low_open=True, high_open=True, note=", e.g. 1e-3"))
@@ -142,13 +124,9 @@ class SLSAMSpec(SLSAMOptions, LayerSubsetSpec):
 
     def adopt_selection_state(self, saved: dict[str, Any], current: dict[str, Any],
                               warn: Warn) -> dict[str, Any]:  # fmt: skip
-        """The current bandit options win over the checkpoint's.
-
-        The learned distribution carries over; when ``layer_ratio``, ``p_min`` or the
-        budget changed it is KL-projected onto the new constraint set, exactly as an update
-        would be. A wrapper added or removed since the checkpoint (a depth cut, an earlier
-        version's dense warm-up) starts afresh.
-        """
+        """The current bandit options win over the checkpoint's: the learned distribution
+        carries over, KL-projected onto the new budget when ``layer_ratio``, ``p_min`` or the
+        budget changed; a wrapper added or removed since the checkpoint starts afresh."""
         bandit = _innermost(saved)
         costs = _innermost(current).get("costs")  # the running bandit's, from the model's layers
         wanted = {

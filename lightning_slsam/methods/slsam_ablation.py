@@ -1,7 +1,5 @@
-"""SL-SAM with each setting of its presets given alone: the ablation specification that the
-results scripts use (``--variant x=slsam_ablation --option x.budget=count``) to measure
-what each part of the default is worth, and that reruns a configuration saved by an earlier
-version. Users choose between the presets (``SparseLayerSAM(preset=...)``).
+"""SL-SAM with each setting of its presets given alone, for ablations and the results scripts
+(``--option x.budget=count``); for training, choose a preset.
 
 >>> spec = SLSAMAblationSpec(preset="paper", bandit_loss="rank", max_update_scale=5.0)
 >>> spec.setting("budget"), spec.setting("bandit_loss"), spec.setting("alpha_p")
@@ -32,10 +30,8 @@ class SLSAMAblationOptions(SLSAMOptions):
     """SLSAMAblation's options.
 
     Args:
-        budget: ``"count"`` (expected drawn layers, the paper's) or ``"compute"`` (their
-            parameters).
-        bandit_loss: ``"shifted"`` (the released code's), ``"paper"`` (Algorithm 2
-            literally) or ``"rank"`` (scale-free).
+        budget: ``"count"`` (drawn layers, the paper's) or ``"compute"`` (their parameters).
+        bandit_loss: ``"shifted"`` (released code), ``"paper"`` (Algorithm 2) or ``"rank"``.
         alpha_p: the bandit's step size (>= 0); ``None`` with a loss given: that loss's
             own (1e-3 for ``"shifted"`` and ``"paper"``, 0.03 for ``"rank"``).
         head_always_active: train the fresh task head every step.

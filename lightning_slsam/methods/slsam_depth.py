@@ -1,10 +1,6 @@
 """Cost-aware SL-SAM (beyond the paper): SL-SAM whose draw is cut at a random depth each step
 (:class:`DepthCut`), so that back-propagation stops at the cut.
 
-With independent per-layer sampling some layer near the input is almost always active, so
-back-propagation runs through the whole network even when few layers are trained. Freezing
-every layer below a random cut saves the activation-gradient work below it.
-
 >>> spec = CostAwareSLSAMSpec()
 >>> spec.depth, spec.preset
 (0.5, 'default')
@@ -33,21 +29,10 @@ __all__ = ["CostAwareSLSAMOptions", "CostAwareSLSAMSpec", "DepthCut"]
 
 
 class DepthCut(WrappedSelection, Seeded):
-    """Freeze every layer below a random cut, then let ``inner`` sample above it.
-
-    With independent per-layer sampling some layer near the input is almost always
-    active, so back-propagation runs through the whole network even when few layers are
-    trained. Each step this rule draws a cut along the layer order (the model's parameter
-    order: input to output for Transformers and timm models) and samples only above it, so
-    the activation-gradient pass stops at the cut. The cut is uniform on an interval
-    chosen so that, on average, a ``depth`` fraction of the layers lies above it:
-    ``[0, 2(1 - depth) N]`` for ``depth >= 0.5``, ``[(1 - 2 depth) N, N]`` below.
-
-    ``inner`` learns only from the layers it sampled above the cut; its ``probs`` are the
-    probabilities of a layer that the cut leaves eligible. A layer's true inclusion
-    probability is that times the probability that the cut lies at or below it, divided by
-    the probability that a draw is kept (a draw with nothing above the cut is redrawn), and
-    the inner rule's importance weights use it.
+    """Freeze every layer below a random cut along the parameter order, then let ``inner``
+    sample above it. The cut is uniform on ``[0, 2(1 - depth) N]`` for ``depth >= 0.5``, on
+    ``[(1 - 2 depth) N, N]`` below; a draw with nothing above it is redrawn. ``inner`` learns
+    with the true inclusion probabilities (:meth:`inclusion`).
 
     Args:
         inner: the rule sampling above the cut (the bandit, for cost-aware SL-SAM).
@@ -78,8 +63,8 @@ class DepthCut(WrappedSelection, Seeded):
             self._low, self._high = (1.0 - 2.0 * self.depth) * n, float(n)
         self._index = torch.arange(n)
         self.last_cut = 0
-        # The cut is floor(low + u * (high - low)) with u uniform (high <= n): P(cut = c) is
-        # the overlap of [c, c + 1) with [low, high), and P(cut <= l) its running sum.
+        # cut = floor(low + u * (high - low)): P(cut = c) is the overlap of [c, c + 1) with
+        # [low, high), P(cut <= l) its running sum.
         span = max(self._high - self._low, 1e-12)
         edges = torch.arange(n + 1, dtype=torch.float64)
         top = edges[1:].clamp(self._low, self._high)
@@ -89,9 +74,9 @@ class DepthCut(WrappedSelection, Seeded):
         self.eligible = torch.cumsum(self.cut_probs, 0).clamp(0.0, 1.0)
 
     def inclusion(self) -> Tensor:
+        """``inner``'s probability times ``P(cut <= l)``, over the probability a draw is kept."""
         q = self.inner.inclusion()
-        # A draw is kept when something above the cut was drawn: P = sum_c P(cut = c) *
-        # (1 - prod_{j >= c} (1 - q_j)).
+        # kept = sum_c P(cut = c) * (1 - prod_{j >= c} (1 - q_j))
         none_above = torch.cumprod((1.0 - q).flip(0), 0).flip(0)
         kept = float((self.cut_probs * (1.0 - none_above)).sum())
         return (q * self.eligible / max(kept, 1e-300)).clamp(max=1.0)
@@ -135,9 +120,7 @@ class CostAwareSLSAMOptions(SLSAMOptions):
 
 @dataclass(kw_only=True, eq=False)
 class CostAwareSLSAMSpec(CostAwareSLSAMOptions, SLSAMSpec):
-    """Cost-aware SL-SAM: the bandit samples above a random cut, so back-propagation reaches
-    a ``depth`` fraction of the layers on average.
-    """
+    """Cost-aware SL-SAM: the bandit samples above a random cut at mean ``depth``."""
 
     name: ClassVar[str] = "slsam_depth"
     label: ClassVar[str] = "CostAwareSLSAM"

@@ -1,7 +1,5 @@
-"""SL-SAM on LookSAM's interval: sparse along both axes -- a bandit-drawn subset of layers,
-SAM's two passes every ``interval`` steps, and in between one pass that reuses the stored
-orthogonal component of the SAM gradient. SL-SAM's options and LookSAM's ``interval`` and
-``alpha``.
+"""SL-SAM on LookSAM's interval (beyond the paper): SL-SAM's options and LookSAM's
+``interval`` and ``alpha``.
 
 >>> spec = SLSAMLookSAMSpec(interval=3)
 >>> spec.interval, spec.alpha, spec.preset
@@ -21,8 +19,7 @@ __all__ = ["SLSAMLookSAMSpec"]
 
 @dataclass(kw_only=True, eq=False)
 class SLSAMLookSAMSpec(SLSAMSpec, LookSAMSpec):
-    """SL-SAM with a SAM step every ``interval`` steps and LookSAM's reuse in between
-    (:class:`~lightning_slsam.methods.looksam.Lookahead`)."""
+    """SL-SAM with a SAM step every ``interval`` steps and LookSAM's reuse in between."""
 
     name: ClassVar[str] = "slsam_looksam"
     label: ClassVar[str] = "SLSAMLookSAM"

@@ -1,6 +1,4 @@
-"""SL-SAM on RST's coin: sparse along both axes -- a bandit-drawn subset of layers, and SAM's
-two passes on a random share of the steps (a plain pass on the others). SL-SAM's options
-and RST's ``probability``.
+"""SL-SAM on RST's coin (beyond the paper): SL-SAM's options and RST's ``probability``.
 
 >>> spec = SLSAMRSTSpec(probability=0.3)
 >>> spec.probability, spec.preset, spec.renamed
@@ -20,8 +18,7 @@ __all__ = ["SLSAMRSTSpec"]
 
 @dataclass(kw_only=True, eq=False)
 class SLSAMRSTSpec(SLSAMSpec, RSTSpec):
-    """SL-SAM whose steps are SAM steps with probability ``probability``, else plain ones
-    (RST's coin: :class:`~lightning_slsam.methods.rst.Coin`)."""
+    """SL-SAM whose steps are SAM steps with probability ``probability``, else plain ones."""
 
     name: ClassVar[str] = "slsam_rst"
     label: ClassVar[str] = "SLSAMRST"

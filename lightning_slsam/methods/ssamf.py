@@ -1,16 +1,7 @@
 """SSAM-F (Mi et al., 2022, "Make Sharpness-Aware Minimization Stronger: A Sparsified
-Perturbation Approach"): SAM whose ascent is zeroed outside a mask of the coordinates with
-the largest empirical Fisher information (squared per-sample gradients), keeping
-``1 - sparsity`` of all coordinates. The mask is recomputed every ``mask_interval`` steps
-from ``fisher_samples`` samples of the current batch (one backward each). Both passes are
-dense: Active Ratio 2.0x.
-
-The official code starts from an all-zero mask and refreshes it after the first step of
-every ``update_freq``-th epoch (5 by default, training from scratch) from ``num_samples``
-training samples of its own (1024 by default). After its first, plain step its run is that
-of ``SSAMF(fisher_samples=num_samples, mask_interval=update_freq * steps_per_epoch)`` when
-those samples are the batch's (docs/paper-and-code.md). For fine-tuning runs of a few
-epochs the defaults refresh more often, from fewer samples.
+Perturbation Approach"): SAM whose ascent is zeroed outside the ``1 - sparsity`` of the
+coordinates with the largest empirical Fisher information (:class:`FisherMask`). The
+official code's flags in these options: docs/paper-and-code.md#ssam-f-and-its-official-code.
 """
 
 from __future__ import annotations
@@ -35,19 +26,10 @@ __all__ = ["FisherMask", "SSAMFOptions", "SSAMFSpec"]
 
 
 class FisherMask(MethodParts):
-    """SSAM-F's sparse perturbation mask, refreshed before a step when it is due.
-
-    The mask keeps the ``1 - sparsity`` fraction of all coordinates with the largest
-    empirical Fisher information, the sum of squared per-sample gradients over
-    ``fisher_samples`` training samples (at most the batch's); it is recomputed every
-    ``mask_interval`` optimizer steps (the first step included).
-
-    Under FSDP2 every backward pass is averaged across the processes, so a sample's own
-    gradient is taken one process at a time: every process runs its sample ``i``, and all
-    but the current source scale their loss by 0 (``forward_backward(loss_scale=...)``).
-    The averaged shard is then the source's gradient divided by the number of processes.
-    That is ``world`` backward passes per sample; the Fisher equals the DDP one (the
-    processes' sums averaged), and the mask is the top of the whole tensors.
+    """SSAM-F's mask: the top ``1 - sparsity`` of all coordinates by the sum of squared
+    per-sample gradients over ``fisher_samples`` samples of the batch, recomputed every
+    ``mask_interval`` optimizer steps (the first included). Under FSDP2, which averages every
+    backward, each process's samples are taken in turn, the others scaling their loss by 0.
 
     Example:
         >>> import torch
@@ -86,8 +68,7 @@ class FisherMask(MethodParts):
         if group is not None:
             count, sources = _sample_sources(fb, group, count, local[0].device)
         empty = torch.zeros(0, dtype=torch.long)
-        # One sample per pass: normalisation layers use their running statistics (which
-        # also keeps these passes from changing them).
+        # One sample per pass: normalisation layers use (and keep) their running statistics.
         backward = sent = 0
         isolation = ctx.isolation
         with isolation.evaluating() if isolation is not None else nullcontext():
@@ -116,9 +97,8 @@ class FisherMask(MethodParts):
     def set_fisher(
         self, params: list[Tensor], fisher: list[Tensor], shards: Shards = WHOLE
     ) -> None:
-        """Keep the top ``1 - sparsity`` coordinates of ``fisher`` over all ``params``
-        (ties by position). Under FSDP2 ``fisher`` holds each process's local shards and
-        the top coordinates are those of the whole tensors."""
+        """Keep the top ``1 - sparsity`` coordinates of ``fisher`` over all ``params`` (ties by
+        position; under FSDP2 ``fisher`` is local shards, the top that of whole tensors)."""
         keep = round(sum(p.numel() for p in params) * (1.0 - self.sparsity))
         chosen = shards.top(fisher, keep, params)
         self.masks = {id(p): c.to(p.dtype) for p, c in zip(params, chosen)}
@@ -169,8 +149,8 @@ class SSAMFOptions(MethodOptions):
 
     Args:
         sparsity: fraction of coordinates not perturbed, in [0, 1). Paper: 0.5.
-        fisher_samples: per-sample gradients per refresh (capped at the batch size).
-        mask_interval: optimizer steps between refreshes (the first step included).
+        fisher_samples: per-sample gradients per refresh, capped at the batch size. Default 16.
+        mask_interval: optimizer steps between refreshes (the first included). Default 100.
     """
 
     sparsity: float = option(0.5, number(0, 1, high_open=True))
@@ -180,9 +160,7 @@ class SSAMFOptions(MethodOptions):
 
 @dataclass(kw_only=True, eq=False)
 class SSAMFSpec(SSAMFOptions, MethodSpec):
-    """SSAM-F: SAM whose ascent is zeroed outside the coordinates of largest empirical
-    Fisher information, keeping ``1 - sparsity`` of them.
-    """
+    """SSAM-F: SAM's ascent on the ``1 - sparsity`` coordinates of largest Fisher information."""
 
     name: ClassVar[str] = "ssamf"
     label: ClassVar[str] = "SSAMF"

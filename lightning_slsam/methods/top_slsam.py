@@ -1,7 +1,5 @@
-"""Top-SL-SAM, the SL-SAM paper's greedy ablation: the first pass computes every layer's
-gradient, then SAM's ascent and second pass run on the ``k`` layers with the largest
-gradient norms (``k = round(layer_ratio * N)``, at least 1), which alone are updated. No
-exploration: the paper reports it stalls with most layers never selected.
+"""Top-SL-SAM, the SL-SAM paper's greedy ablation: SAM's ascent, second pass and update on
+the ``k = max(1, round(layer_ratio * N))`` layers with the largest first-pass gradient norms.
 """
 
 from __future__ import annotations
@@ -20,11 +18,8 @@ __all__ = ["TopKSelection", "TopSLSAMOptions", "TopSLSAMSpec"]
 
 
 class TopKSelection(LayerSelection):
-    """Greedy: the first pass computes every layer, then the ``k`` largest norms are kept.
-
-    It has no exploration: a layer whose gradient is small for a while is never trained
-    again, which the paper reports stalls training (137 of 200 DeiT-Small layers never
-    selected in an epoch).
+    """Greedy: the first pass computes every layer, then the ``k`` largest norms are kept
+    (no exploration: a layer whose gradient stays small is never trained again).
 
     Args:
         num_layers: number of layers.
@@ -70,9 +65,7 @@ class TopSLSAMOptions(LayerSubsetOptions):
 
 @dataclass(kw_only=True, eq=False)
 class TopSLSAMSpec(TopSLSAMOptions, LayerSubsetSpec):
-    """Top-SL-SAM: SAM on the ``round(layer_ratio * N)`` layers with the largest first-pass
-    gradient norms.
-    """
+    """Top-SL-SAM: SAM on the ``k`` layers with the largest first-pass gradient norms."""
 
     name: ClassVar[str] = "top_slsam"
     label: ClassVar[str] = "TopSLSAM"

@@ -113,6 +113,7 @@ def test_the_message_says_the_alpha_that_stays_under_the_limit():
     assert amplification_message(0.7, 0.0) is None  # SAM's gradient parallel: nothing added
     text = amplification_message(0.7, 0.0403)
     assert text is not None and "alpha=0.7 of the gradient's norm" in text
+    assert "docs/methods.md#looksam-on-a-pretrained-transformer-the-reuse-check" in text
     suggested = float(text.split("Options: alpha=")[1].split(" ")[0])
     assert suggested == pytest.approx(AMPLIFICATION_LIMIT * 0.0403, rel=0.1)
     assert suggested <= AMPLIFICATION_LIMIT * 0.0403
