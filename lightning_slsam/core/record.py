@@ -1,12 +1,7 @@
-"""The record of a fit: the per-layer activation record written at the end of fit (the
-SL-SAM paper's Figure 3), the line printed then, and the run's summary.
-
-For each layer, the fraction of training steps in which it was active, its final
-probability and mean first-pass gradient norm are written as CSV (one row per layer) and
-as a PNG chart, in the logger's folder (without a logger, in
-``<default_root_dir>/slsam_records/version_N``), never overwriting an earlier run's.
-Tensors taken out of sampling (``always_active``, the detected head, ``always_frozen``)
-are in both too, after the sampled layers and marked with their role.
+"""The record of a fit: the per-layer CSV and chart written at its end (the SL-SAM paper's
+Figure 3: each layer's activation frequency, final probability and mean first-pass
+gradient norm, tensors out of sampling after the sampled layers), the line printed then,
+and the run's summary. A record never overwrites an earlier run's.
 """
 
 from __future__ import annotations
@@ -60,11 +55,8 @@ FixedTensor = tuple[str, int, str]
 
 
 def rank_correlation(x: Tensor, y: Tensor) -> float:
-    """Spearman's rank correlation of two equal-length vectors (ties get their mean rank).
-
-    Entries where either value is NaN are left out; NaN if fewer than two remain or one
-    side is constant.
-    """
+    """Spearman's rank correlation of two equal-length vectors (ties get their mean rank),
+    NaN entries left out; NaN if fewer than two remain or one side is constant."""
     x, y = x.double().flatten(), y.double().flatten()
     keep = ~(torch.isnan(x) | torch.isnan(y))
     x, y = x[keep], y[keep]
@@ -93,16 +85,10 @@ def write_layer_frequency_csv(
     fixed: Sequence[FixedTensor] = (),
     layer_steps: Tensor | None = None,
 ) -> str:
-    """Write one row per layer: index, name, role, parameters, activations, frequency,
-    final p and (when given) the layer's mean first-pass gradient norm.
-
-    A layer's frequency is over the ``steps``, or over its own ``layer_steps[i]`` when
-    given (a layer that joined mid-run could be drawn in fewer).
-
-    The sampled layers come first (role ``sampled``), then the ``fixed`` tensors: an
-    always-active one was trained in every step (frequency 1), an always-frozen one in
-    none; neither has a probability or a measured norm (empty cells).
-    """
+    """Write one row per layer: index, name, role, parameters, activations, frequency (over
+    ``steps``, or the layer's own ``layer_steps``), final p and the mean first-pass gradient
+    norm (when given). The ``fixed`` tensors follow the sampled layers, with empty
+    probability and norm cells."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
@@ -133,8 +119,7 @@ _COLOURS = {"sampled": "#4C72B0", "always_active": "#2E8540", "always_frozen": "
 
 
 def _units(name: str) -> list[str]:
-    """A name's dotted parts, a number joined to the part before it (``layer.3``,
-    ``blocks.11``), so that an index never loses the word it counts."""
+    """A name's dotted parts, a number joined to the part before it (``layer.3``)."""
     units: list[str] = []
     for part in name.split("."):
         if part.isdigit() and units:
@@ -145,8 +130,7 @@ def _units(name: str) -> list[str]:
 
 
 def common_affixes(names: Sequence[str]) -> tuple[str, str]:
-    """The dotted prefix and suffix all ``names`` share, each name keeping a part at least:
-    what :func:`short_labels` leaves out of the labels.
+    """The dotted prefix and suffix all ``names`` share, each name keeping a part at least.
 
     Example:
         >>> common_affixes(["base_model.model.layer.0.lora_A.default.weight",
@@ -173,16 +157,10 @@ def short_labels(
 ) -> list[str]:
     """Distinct labels of at most ``width`` characters (at least 10) for layer ``names``.
 
-    The dotted prefix and suffix common to the ``shared`` names (:func:`common_affixes`;
-    default: all ``names``) are left out of their labels, the other names are shortened
-    whole: the chart passes the sampled layers, so that a tensor taken out of sampling
-    does not set what the sampled layers' labels keep.
-    A name still too long loses its commonest parts first, never its last one (``…``
-    marks the gap), so the rare parts that tell layers apart stay: the block's index,
-    ``query``, ``lora_A``, ``weight``, ``bias``. Parts that tell two otherwise equal
-    labels apart are kept; a label still too long is cut in its middle. Two different
-    names never get the same label: where shortening alone would merge them, the labels
-    start with the layer's position in ``names``.
+    The :func:`common_affixes` of the ``shared`` names (default: all ``names``) are left out
+    of theirs. A name still too long loses its commonest parts first, never its last one
+    (``…`` marks the gap), and is cut in its middle last. Two different names never get
+    the same label: where they would, the labels start with the layer's position.
 
     Example:
         >>> names = [f"base_model.model.bert.encoder.layer.{i}.attention.self.{m}"
@@ -209,7 +187,7 @@ def short_labels(
     prefix, suffix = common_affixes(shared)
     inner = set(shared)
     units = [_units(_strip(n, prefix, suffix) if n in inner else n) for n in names]
-    # How many names hold each part: the commoner a part, the less it tells layers apart.
+    # How many names hold each part.
     holders: dict[str, int] = {}
     for name in names:
         for part in set(_units(name)):
@@ -282,11 +260,8 @@ def _cut(text: str, width: int) -> str:
 
 
 def ratio_label(probs: Tensor, layer_ratio: float | None, numel: Sequence[int] = ()) -> str:
-    """The legend of the chart's dashed line, drawn at the mean final draw probability.
-
-    That mean is ``layer_ratio`` under a budget of layers (``preset="paper"``). Under a
-    budget of parameters (``preset="default"``) ``layer_ratio`` is the parameter-weighted
-    mean and the plain mean differs: the label says which it is.
+    """The legend of the chart's dashed line at the mean final draw probability, saying
+    whether ``layer_ratio`` is that mean or the parameter-weighted one.
 
     Example:
         >>> import torch
@@ -322,16 +297,10 @@ def layer_frequency_figure(
     numel: Sequence[int] = (),
     layer_steps: Tensor | None = None,
 ) -> Figure:
-    """The activation-frequency chart: a bar per layer next to their histogram.
-
-    The ``fixed`` tensors follow the sampled layers: an always-active one as a bar of
-    another colour at 1, an always-frozen one as a cross at 0; the histogram counts the
-    sampled layers only. The dashed line marks the mean final draw probability, labelled
-    against the user's ``layer_ratio`` by :func:`ratio_label` (with the sampled layers'
-    parameter counts ``numel``). The figure widens with the number of layers up to a cap;
-    the tick labels are :func:`short_labels`, every layer's while they fit, else every
-    k-th. The legend sits below the panels.
-    """
+    """The activation-frequency chart: a bar per layer (the ``fixed`` tensors after them, an
+    always-active one as a bar at 1, an always-frozen one as a cross at 0) next to the
+    sampled layers' histogram, with the final probabilities and their mean
+    (:func:`ratio_label`)."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
@@ -348,14 +317,12 @@ def layer_frequency_figure(
     every = math.ceil(total * _LABEL_PITCH / bar_width)
     ticks = list(range(0, total, every))
     label_height = 0.065 * max(len(labels[i]) for i in ticks) + 0.2
-    # Wider charts get taller bars too, so that their shape reads at a glance.
     fig = Figure(
         figsize=(bar_width + 4.6, 4.4 + 0.12 * (bar_width - 6.0) + label_height),
         layout="constrained",
     )
     ax_bar, ax_hist = fig.subplots(1, 2, width_ratios=[bar_width, 3.2])
-    # Up to 200 layers a bar each with a gap; past that touching bars, drawn as one
-    # outline (a patch each would take seconds to draw).
+    # Past 200 layers, touching bars drawn as one outline (a patch each is slow).
     width, blue = (0.8 if total <= 200 else 1.0), _COLOURS["sampled"]
     if total <= 200:
         bars = ax_bar.bar(range(n), freq, width=width, color=blue, label="activation frequency")
@@ -394,7 +361,6 @@ def layer_frequency_figure(
     ax_hist.set_ylim(bottom=0)
     ax_hist.set_title(f"{n} sampled layers" if fixed else f"{n} layers")
     ax_bar.set_title(title)
-    # Below the panels and their labels: it hides no bar and no name.
     texts = [str(handle.get_label()) for handle in legend]
     fig.legend(handles=legend, loc="outside lower center", frameon=False, fontsize=9,
                ncol=_legend_columns(texts, fig.get_figwidth()))  # fmt: skip
@@ -413,8 +379,7 @@ def _legend_columns(texts: list[str], width: float) -> int:
 
 
 def _axis_label(sampled: Sequence[str], every: int, width: float) -> str:
-    """The layer axis' title: which layers are labelled and what the labels leave out,
-    wrapped to ``width`` inches (a 10-point character is about 0.08 inch)."""
+    """The layer axis' title, saying what the labels leave out, wrapped to ``width`` inches."""
     notes = [f"one label per {every} layers"] if every > 1 else []
     prefix, suffix = common_affixes(sampled)
     dropped = " and ".join(f"'{_cut(part, 40)}'" for part in (prefix, suffix) if part)
@@ -451,16 +416,15 @@ RATIO_METRIC = "slsam/mean_active_ratio"
 
 
 def record_dir(trainer: Any) -> str:
-    """Where the end-of-fit record goes: the logger's folder, or without a logger
-    ``<default_root_dir>/slsam_records`` (one ``version_N`` folder per run)."""
+    """Where the record goes: the logger's folder, else ``<default_root_dir>/slsam_records``."""
     if trainer.loggers:
         return trainer.log_dir or trainer.default_root_dir
     return os.path.join(trainer.default_root_dir, "slsam_records")
 
 
 def fresh_stem(directory: str, versioned: bool) -> str:
-    """A path stem for the record that overwrites no earlier run's: a new ``version_N``
-    folder, or a ``_N`` suffix when the folder holds a record already."""
+    """A path stem overwriting no earlier record: a new ``version_N`` folder, or a ``_N``
+    suffix."""
     if versioned:
         taken = glob.glob(os.path.join(directory, "version_*"))
         numbers = [int(m.group(1)) for p in taken if (m := re.search(r"version_(\d+)$", p))]
@@ -485,9 +449,8 @@ def fit_message(name: str, engine: SAMEngine, chart: str | None) -> str:
 
 
 def layers_line(engine: SAMEngine) -> str:
-    """The layers' part of the end-of-fit line: how many were sampled and never selected
-    (where the layers were sampled, :meth:`~lightning_slsam.core.engine.SAMEngine.sampled`),
-    and the skipped steps."""
+    """The layers' part of the end-of-fit line: the sampled and never selected layers (where
+    they were sampled) and the skipped steps."""
     skipped = f"{engine.num_skipped} skipped steps"
     if not engine.sampled():
         return skipped
@@ -518,9 +481,8 @@ def out_of_sampling(partition: LayerPartition, shown: int = 6) -> str:
 
 
 def fit_summary(trainer: Any, ratio: float, chart: str | None) -> dict[str, Any]:
-    """The run's mean active ratio and chart; where the process that called ``fit`` did
-    not train (``ddp_spawn``), the ratio from ``trainer.callback_metrics`` and the newest
-    chart in the run's record folder."""
+    """The run's mean active ratio and chart, found from the trainer where this process
+    did not train (``ddp_spawn``)."""
     if math.isnan(ratio) and RATIO_METRIC in trainer.callback_metrics:
         ratio = float(trainer.callback_metrics[RATIO_METRIC])
     if chart is None and not math.isnan(ratio):
@@ -552,10 +514,8 @@ def write_record(
     title: str,
     layer_ratio: float | None,
 ) -> tuple[str, str | None]:
-    """Write ``stem.csv`` (and ``stem.png`` if ``plot``): each layer's activation count,
-    frequency, probability and mean gradient norm. ``layer_ratio`` is the method's option
-    (``None`` for a method without one), named in the chart's legend. Returns both
-    paths."""
+    """Write ``stem.csv`` (and ``stem.png`` if ``plot``; ``layer_ratio``: the method's
+    option, or ``None``); returns both paths."""
     steps = engine.num_steps - engine.num_skipped
     probs = engine.selection.probs
     fixed = fixed_tensors(partition)
