@@ -98,19 +98,11 @@ class SAMEngine:
         last_result: the latest :class:`~lightning_slsam.core.step.StepResult`.
     """
 
-    def __init__(
-        self,
-        partition: LayerPartition,
-        selection: LayerSelection,
-        perturbation: SAMPerturbation,
-        parts: MethodParts | None = None,
-        module: torch.nn.Module | None = None,
-        bn_stats: str = "first",
-        replay_dropout: bool = False,
-        sync_first_pass: bool = True,
-        check_masks: bool = False,
-        update_scale: float | None = None,
-    ) -> None:
+    def __init__(self, partition: LayerPartition, selection: LayerSelection,
+                 perturbation: SAMPerturbation, parts: MethodParts | None = None,
+                 module: torch.nn.Module | None = None, bn_stats: str = "first",
+                 replay_dropout: bool = False, sync_first_pass: bool = True,
+                 check_masks: bool = False, update_scale: float | None = None) -> None:  # fmt: skip
         #: The seam to the parameters' shards (FSDP2), or whole tensors.
         self.shards = shards_of(partition.flat_params, module)
         if self.shards.sharded and not sync_first_pass:
@@ -228,14 +220,9 @@ class SAMEngine:
         self.count(result, passed.update_mask, outcome.norms)
         return result
 
-    def train_step(
-        self,
-        compute_loss: Callable[..., Tensor],
-        optimizer: torch.optim.Optimizer,
-        batch_size: int | None = None,
-        *,
-        ddp: torch.nn.Module | None = None,
-    ) -> StepResult:
+    def train_step(self, compute_loss: Callable[..., Tensor], optimizer: torch.optim.Optimizer,
+                   batch_size: int | None = None, *,
+                   ddp: torch.nn.Module | None = None) -> StepResult:  # fmt: skip
         """One step in a plain PyTorch loop.
 
         Args:

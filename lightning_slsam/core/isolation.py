@@ -13,14 +13,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
-__all__ = [
-    "BN_STATS",
-    "PassIsolation",
-    "RandomState",
-    "RunningStats",
-    "StepIsolation",
-    "evaluating",
-]
+__all__ = ["BN_STATS", "PassIsolation", "RandomState", "RunningStats", "StepIsolation",
+           "evaluating"]  # fmt: skip
 
 #: Which pass's running statistics a SAM step keeps.
 BN_STATS = ("first", "second", "both")

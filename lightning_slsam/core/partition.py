@@ -21,14 +21,8 @@ from lightning_slsam.parallel.shards import fsdp_modules, reshard
 GroupingFn = Callable[[str, nn.Parameter], Hashable | None]
 LayerSpec = str | Sequence[str] | GroupingFn
 
-__all__ = [
-    "LayerFreezer",
-    "LayerPartition",
-    "build_partition",
-    "by_position",
-    "describe_change",
-    "find_new_head",
-]
+__all__ = ["LayerFreezer", "LayerPartition", "build_partition", "by_position", "describe_change",
+           "find_new_head"]  # fmt: skip
 
 
 @dataclass
@@ -122,13 +116,9 @@ def _compile(patterns: Sequence[str], parameter: str) -> list[re.Pattern[str]]:
     return compiled
 
 
-def build_partition(
-    model: nn.Module,
-    layers: LayerSpec = "tensor",
-    always_active: Sequence[str] = (),
-    always_frozen: Sequence[str] = (),
-    regions: Sequence[str] = (),
-) -> LayerPartition:
+def build_partition(model: nn.Module, layers: LayerSpec = "tensor",
+                    always_active: Sequence[str] = (), always_frozen: Sequence[str] = (),
+                    regions: Sequence[str] = ()) -> LayerPartition:  # fmt: skip
     """Partition ``model``'s trainable parameters into sampled layers.
 
     Args:

@@ -23,20 +23,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = [
-    "OUTPUT_KEYS",
-    "PER_SAMPLE_NEEDED",
-    "LossOutput",
-    "PassOutput",
-    "PassRunner",
-    "batch_size",
-    "batch_subset",
-    "first_tensor",
-    "loss_scale_reader",
-    "skip_with_scaler",
-    "split_per_sample",
-    "subset_batch",
-]
+__all__ = ["OUTPUT_KEYS", "PER_SAMPLE_NEEDED", "LossOutput", "PassOutput", "PassRunner",
+           "batch_size", "batch_subset", "first_tensor", "loss_scale_reader", "skip_with_scaler",
+           "split_per_sample", "subset_batch"]  # fmt: skip
 
 
 #: The error for a loss without the per-sample losses ESAM needs (raised before any backward).
@@ -157,19 +146,12 @@ class PassRunner:
     term added to micro-batch ``i``'s loss).
     """
 
-    def __init__(
-        self,
-        micro_batches: Sequence[Any],
-        loss: Callable[[Any], tuple[Tensor, Tensor | None]],
-        backward: Callable[[Tensor], Any],
-        *,
-        scale: float = 1.0,
-        size: Callable[[Any], int] | None = None,
-        subset: Callable[[Any, Tensor], Any] | None = None,
-        needs_per_sample: bool = False,
-        error: type[Exception] = ValueError,
-        term_scale: float = 1.0,
-    ) -> None:
+    def __init__(self, micro_batches: Sequence[Any],
+                 loss: Callable[[Any], tuple[Tensor, Tensor | None]],
+                 backward: Callable[[Tensor], Any], *, scale: float = 1.0,
+                 size: Callable[[Any], int] | None = None,
+                 subset: Callable[[Any, Tensor], Any] | None = None, needs_per_sample: bool = False,
+                 error: type[Exception] = ValueError, term_scale: float = 1.0) -> None:  # fmt: skip
         self.micro_batches = list(micro_batches)
         self.loss, self.backward, self.scale = loss, backward, float(scale)
         self.size = size if size is not None else batch_size
@@ -186,13 +168,8 @@ class PassRunner:
         """Samples in each micro-batch."""
         return [self.size(batch) for batch in self.micro_batches]
 
-    def __call__(
-        self,
-        subsets: list[Tensor] | None = None,
-        backward: bool = True,
-        loss_scale: float = 1.0,
-        keep_logits: bool = False,
-    ) -> PassOutput:
+    def __call__(self, subsets: list[Tensor] | None = None, backward: bool = True,
+                 loss_scale: float = 1.0, keep_logits: bool = False) -> PassOutput:  # fmt: skip
         full = subsets is None and backward
         self.number = 1 if full and self._full_passes == 0 else 2
         self._full_passes += full

@@ -105,14 +105,8 @@ class SAMPerturbation:
         (tensor([0., 0., 0.]), tensor([1., 1.]))
     """
 
-    def __init__(
-        self,
-        rho: float,
-        norm: str = "global",
-        adaptive: bool = False,
-        eps: float = 1e-12,
-        eta: float = ASAM_ETA,
-    ) -> None:
+    def __init__(self, rho: float, norm: str = "global", adaptive: bool = False, eps: float = 1e-12,
+                 eta: float = ASAM_ETA) -> None:  # fmt: skip
         self.rho = float(rho)
         self.norm = norm
         self.adaptive = adaptive
@@ -121,18 +115,10 @@ class SAMPerturbation:
         self.pool = BackupPool()
 
     @torch.no_grad()
-    def perturb_(
-        self,
-        params: list[Tensor],
-        grads: list[Tensor],
-        norms: Tensor,
-        slots: Tensor | None = None,
-        num_groups: int | None = None,
-        inplace: bool = True,
-        masks: list[Tensor] | None = None,
-        scaled: list[bool] | None = None,
-        shards: Shards = WHOLE,
-    ) -> list[Tensor]:
+    def perturb_(self, params: list[Tensor], grads: list[Tensor], norms: Tensor,
+                 slots: Tensor | None = None, num_groups: int | None = None, inplace: bool = True,
+                 masks: list[Tensor] | None = None, scaled: list[bool] | None = None,
+                 shards: Shards = WHOLE) -> list[Tensor]:  # fmt: skip
         """Move ``params`` along ``grads`` in place; return the backup for :meth:`restore_`.
 
         Args:

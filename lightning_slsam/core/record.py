@@ -24,28 +24,11 @@ if TYPE_CHECKING:
     from lightning_slsam.core.engine import SAMEngine
     from lightning_slsam.core.partition import LayerPartition
 
-__all__ = [
-    "RATIO_METRIC",
-    "RECORD_STEM",
-    "ROLES",
-    "FixedTensor",
-    "common_affixes",
-    "fit_message",
-    "fit_summary",
-    "fixed_tensors",
-    "fresh_stem",
-    "layer_frequency_figure",
-    "layers_line",
-    "newest_chart",
-    "out_of_sampling",
-    "plot_layer_frequency",
-    "rank_correlation",
-    "ratio_label",
-    "record_dir",
-    "short_labels",
-    "write_layer_frequency_csv",
-    "write_record",
-]
+__all__ = ["RATIO_METRIC", "RECORD_STEM", "ROLES", "FixedTensor", "common_affixes", "fit_message",
+           "fit_summary", "fixed_tensors", "fresh_stem", "layer_frequency_figure", "layers_line",
+           "newest_chart", "out_of_sampling", "plot_layer_frequency", "rank_correlation",
+           "ratio_label", "record_dir", "short_labels", "write_layer_frequency_csv",
+           "write_record"]  # fmt: skip
 
 #: A layer's role in the record: drawn by the selection, or taken out of sampling.
 ROLES = ("sampled", "always_active", "always_frozen")
@@ -55,8 +38,8 @@ FixedTensor = tuple[str, int, str]
 
 
 def rank_correlation(x: Tensor, y: Tensor) -> float:
-    """Spearman's rank correlation of two equal-length vectors (ties get their mean rank),
-    NaN entries left out; NaN if fewer than two remain or one side is constant."""
+    """Spearman's rank correlation (ties get their mean rank), NaN entries left out; NaN if
+    fewer than two remain or one side is constant."""
     x, y = x.double().flatten(), y.double().flatten()
     keep = ~(torch.isnan(x) | torch.isnan(y))
     x, y = x[keep], y[keep]
@@ -74,17 +57,10 @@ def _ranks(values: Tensor) -> Tensor:
     return below[inverse] + (counts[inverse].double() - 1.0) / 2.0
 
 
-def write_layer_frequency_csv(
-    path: str,
-    names: Sequence[str],
-    numel: Sequence[int],
-    counts: Tensor,
-    steps: int,
-    probs: Tensor,
-    mean_norms: Tensor | None = None,
-    fixed: Sequence[FixedTensor] = (),
-    layer_steps: Tensor | None = None,
-) -> str:
+def write_layer_frequency_csv(path: str, names: Sequence[str], numel: Sequence[int],
+                              counts: Tensor, steps: int, probs: Tensor,
+                              mean_norms: Tensor | None = None, fixed: Sequence[FixedTensor] = (),
+                              layer_steps: Tensor | None = None) -> str:  # fmt: skip
     """Write one row per layer: index, name, role, parameters, activations, frequency (over
     ``steps``, or the layer's own ``layer_steps``), final p and the mean first-pass gradient
     norm (when given). The ``fixed`` tensors follow the sampled layers, with empty
@@ -109,12 +85,10 @@ def write_layer_frequency_csv(
     return path
 
 
-#: The longest tick label of the per-layer chart, in characters (see :func:`short_labels`).
+#: The longest tick label of the per-layer chart, in characters.
 LABEL_WIDTH = 36
 _ELLIPSIS = "\u2026"
-#: Inches a rotated tick label of the per-layer chart needs beside the next one.
-_LABEL_PITCH = 0.15
-#: The chart's colours by role (``ROLES``): the tick labels of fixed tensors take theirs.
+_LABEL_PITCH = 0.15  # inches between two rotated tick labels
 _COLOURS = {"sampled": "#4C72B0", "always_active": "#2E8540", "always_frozen": "#C44E52"}
 
 
@@ -170,14 +144,6 @@ def short_labels(
         ['layer.0.attention.self.query.lora_A', 'layer.0.attention.self.query.lora_B']
         >>> short_labels(names, width=20)[:2]
         ['layer.0…query.lora_A', 'layer.0…query.lora_B']
-        >>> short_labels(["0.weight", "0.bias", "2.weight"])
-        ['0.weight', '0.bias', '2.weight']
-        >>> head = "base_model.model.classifier.modules_to_save.default.weight"
-        >>> short_labels([*names[:2], head], shared=names)
-        ['layer.0.attention.self.query.lora_A', 'layer.0.attention.self.query.lora_B',
-         '…classifier.modules_to_save…weight']
-        >>> short_labels(["a" * 40 + "x", "a" * 40 + "y"], width=12)
-        ['aaa…aaaaaaax', 'aaa…aaaaaaay']
         >>> short_labels(["x" * 20 + "1" + "y" * 20, "x" * 20 + "2" + "y" * 20], width=12)
         ['0:xxx…yyyyyy', '1:xxx…yyyyyy']
     """
@@ -212,7 +178,6 @@ def short_labels(
 
 
 def _strip(name: str, prefix: str, suffix: str) -> str:
-    """``name`` without ``prefix`` and ``suffix``, the affixes of a group it belongs to."""
     return name[len(prefix) : len(name) - len(suffix)]
 
 
@@ -286,17 +251,11 @@ def ratio_label(probs: Tensor, layer_ratio: float | None, numel: Sequence[int] =
     return text + ")"
 
 
-def layer_frequency_figure(
-    names: Sequence[str],
-    counts: Tensor,
-    steps: int,
-    probs: Tensor,
-    layer_ratio: float | None,
-    title: str = "SL-SAM: how often each layer was trained",
-    fixed: Sequence[FixedTensor] = (),
-    numel: Sequence[int] = (),
-    layer_steps: Tensor | None = None,
-) -> Figure:
+def layer_frequency_figure(names: Sequence[str], counts: Tensor, steps: int, probs: Tensor,
+                           layer_ratio: float | None,
+                           title: str = "SL-SAM: how often each layer was trained",
+                           fixed: Sequence[FixedTensor] = (), numel: Sequence[int] = (),
+                           layer_steps: Tensor | None = None) -> Figure:  # fmt: skip
     """The activation-frequency chart: a bar per layer (the ``fixed`` tensors after them, an
     always-active one as a bar at 1, an always-frozen one as a cross at 0) next to the
     sampled layers' histogram, with the final probabilities and their mean
@@ -304,7 +263,6 @@ def layer_frequency_figure(
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    # A layer that joined mid-run: the fraction of the steps it could be drawn in.
     own = torch.full((len(names),), steps) if layer_steps is None else layer_steps
     freq = (counts.double() / own.double().clamp(min=1)).numpy()
     n = len(names)
@@ -312,15 +270,12 @@ def layer_frequency_figure(
     roles = ["sampled"] * n + [role for _, _, role in fixed]
     all_names = [str(s) for s in names] + [name for name, _, _ in fixed]
     labels = short_labels(all_names, shared=[str(s) for s in names])
-    # Sizes in inches: a tick label needs _LABEL_PITCH; past the cap, every k-th is shown.
     bar_width = min(max(total * _LABEL_PITCH, 6.0), 16.0)
     every = math.ceil(total * _LABEL_PITCH / bar_width)
     ticks = list(range(0, total, every))
     label_height = 0.065 * max(len(labels[i]) for i in ticks) + 0.2
-    fig = Figure(
-        figsize=(bar_width + 4.6, 4.4 + 0.12 * (bar_width - 6.0) + label_height),
-        layout="constrained",
-    )
+    fig = Figure(figsize=(bar_width + 4.6, 4.4 + 0.12 * (bar_width - 6.0) + label_height),
+                 layout="constrained")  # fmt: skip
     ax_bar, ax_hist = fig.subplots(1, 2, width_ratios=[bar_width, 3.2])
     # Past 200 layers, touching bars drawn as one outline (a patch each is slow).
     width, blue = (0.8 if total <= 200 else 1.0), _COLOURS["sampled"]
@@ -334,14 +289,12 @@ def layer_frequency_figure(
     frozen = [i for i, role in enumerate(roles) if role == "always_frozen"]
     if active:
         green, label = _COLOURS["always_active"], "always active (not sampled)"
-        legend.append(
-            ax_bar.bar(active, [1.0] * len(active), width=width, color=green, label=label)
-        )
+        legend.append(ax_bar.bar(active, [1.0] * len(active), width=width, color=green,
+                                 label=label))  # fmt: skip
     if frozen:
         red, label = _COLOURS["always_frozen"], "always frozen (not sampled)"
-        legend += ax_bar.plot(
-            frozen, [0.0] * len(frozen), "x", color=red, clip_on=False, label=label
-        )
+        legend += ax_bar.plot(frozen, [0.0] * len(frozen), "x", color=red, clip_on=False,
+                              label=label)  # fmt: skip
     dot = 5 if total <= 60 else 3 if total <= 200 else 2
     legend += ax_bar.plot(range(n), probs.numpy(), "o", color="#DD8452", ms=dot,
                           label="final draw probability")  # fmt: skip
@@ -368,8 +321,7 @@ def layer_frequency_figure(
 
 
 def _legend_columns(texts: list[str], width: float) -> int:
-    """The most columns in which a 9-point legend of ``texts`` fits ``width`` inches
-    (matplotlib fills the columns top to bottom)."""
+    """The most columns in which a 9-point legend of ``texts`` fits ``width`` inches."""
     for columns in range(len(texts), 1, -1):
         rows = math.ceil(len(texts) / columns)
         chunks = [texts[k : k + rows] for k in range(0, len(texts), rows)]
@@ -390,22 +342,14 @@ def _axis_label(sampled: Sequence[str], every: int, width: float) -> str:
     return "layer in model order\n" + textwrap.fill(f"({'; '.join(notes)})", int(width / 0.08))
 
 
-def plot_layer_frequency(
-    path: str,
-    names: Sequence[str],
-    counts: Tensor,
-    steps: int,
-    probs: Tensor,
-    layer_ratio: float | None,
-    title: str = "SL-SAM: how often each layer was trained",
-    fixed: Sequence[FixedTensor] = (),
-    numel: Sequence[int] = (),
-    layer_steps: Tensor | None = None,
-) -> str:
+def plot_layer_frequency(path: str, names: Sequence[str], counts: Tensor, steps: int,
+                         probs: Tensor, layer_ratio: float | None,
+                         title: str = "SL-SAM: how often each layer was trained",
+                         fixed: Sequence[FixedTensor] = (), numel: Sequence[int] = (),
+                         layer_steps: Tensor | None = None) -> str:  # fmt: skip
     """Save :func:`layer_frequency_figure` as a PNG at ``path``; returns ``path``."""
-    fig = layer_frequency_figure(
-        names, counts, steps, probs, layer_ratio, title, fixed, numel, layer_steps
-    )
+    fig = layer_frequency_figure(names, counts, steps, probs, layer_ratio, title, fixed, numel,
+                                 layer_steps)  # fmt: skip
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=120)
     return path
@@ -507,41 +451,22 @@ def fixed_tensors(partition: LayerPartition) -> list[FixedTensor]:
 
 
 def write_record(
-    stem: str,
-    engine: SAMEngine,
-    partition: LayerPartition,
-    plot: bool,
-    title: str,
+    stem: str, engine: SAMEngine, partition: LayerPartition, plot: bool, title: str,
     layer_ratio: float | None,
-) -> tuple[str, str | None]:
+) -> tuple[str, str | None]:  # fmt: skip
     """Write ``stem.csv`` (and ``stem.png`` if ``plot``; ``layer_ratio``: the method's
     option, or ``None``); returns both paths."""
     steps = engine.num_steps - engine.num_skipped
     probs = engine.selection.probs
     fixed = fixed_tensors(partition)
     csv_path = write_layer_frequency_csv(
-        stem + ".csv",
-        partition.names,
-        partition.numel,
-        engine.counts,
-        steps,
-        probs,
-        engine.mean_norms(),
-        fixed=fixed,
-        layer_steps=engine.layer_steps(),
-    )
+        stem + ".csv", partition.names, partition.numel, engine.counts, steps, probs,
+        engine.mean_norms(), fixed=fixed, layer_steps=engine.layer_steps(),
+    )  # fmt: skip
     png_path = None
     if plot:
         png_path = plot_layer_frequency(
-            stem + ".png",
-            partition.names,
-            engine.counts,
-            steps,
-            probs,
-            layer_ratio,
-            title=title,
-            fixed=fixed,
-            numel=partition.numel,
-            layer_steps=engine.layer_steps(),
-        )
+            stem + ".png", partition.names, engine.counts, steps, probs, layer_ratio,
+            title=title, fixed=fixed, numel=partition.numel, layer_steps=engine.layer_steps(),
+        )  # fmt: skip
     return csv_path, png_path

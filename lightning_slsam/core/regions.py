@@ -13,15 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = [
-    "MIN_TORCH",
-    "compile_blocks",
-    "compile_blocks_instead",
-    "compiled_regions",
-    "compiled_whole",
-    "repeated_blocks",
-    "torch_guards_requires_grad",
-]
+__all__ = ["MIN_TORCH", "compile_blocks", "compile_blocks_instead", "compiled_regions",
+           "compiled_whole", "repeated_blocks", "torch_guards_requires_grad"]  # fmt: skip
 
 #: The first torch whose compiled graphs are re-guarded when a ``requires_grad`` changes.
 MIN_TORCH = (2, 12)

@@ -11,13 +11,8 @@ from typing import Any
 from lightning_slsam.core.engine import SAMEngine
 from lightning_slsam.core.partition import LayerPartition
 
-__all__ = [
-    "CheckpointMismatch",
-    "apply_method_state",
-    "check_saved_layers",
-    "differs_by_trainable",
-    "method_state",
-]
+__all__ = ["CheckpointMismatch", "apply_method_state", "check_saved_layers", "differs_by_trainable",
+           "method_state"]  # fmt: skip
 
 
 class CheckpointMismatch(ValueError):

@@ -32,23 +32,9 @@ from lightning_slsam.parallel.ddp import GradientAverager, average_grads
 from lightning_slsam.parallel.shards import Shards
 from lightning_slsam.selection.rules import LayerSelection
 
-__all__ = [
-    "STEP_KINDS",
-    "ExtraWork",
-    "LoopHooks",
-    "MethodParts",
-    "Outcome",
-    "Passed",
-    "StepContext",
-    "StepKind",
-    "StepResult",
-    "commit",
-    "gradient_pass",
-    "plain_step",
-    "sam_step",
-    "scale_update",
-    "single_step",
-]
+__all__ = ["STEP_KINDS", "ExtraWork", "LoopHooks", "MethodParts", "Outcome", "Passed",
+           "StepContext", "StepKind", "StepResult", "commit", "gradient_pass", "plain_step",
+           "sam_step", "scale_update", "single_step"]  # fmt: skip
 
 #: The kinds a step can be: SAM's two passes, one plain pass, LookSAM's reuse, single-step SAM.
 StepKind = Literal["sam", "plain", "reuse", "single"]
@@ -296,13 +282,8 @@ class Outcome(NamedTuple):
     norms: Tensor | None = None
 
 
-def gradient_pass(
-    ctx: StepContext,
-    active: list[Tensor],
-    mask: Tensor,
-    subsets: list[Tensor] | None = None,
-    sync: bool = True,
-) -> _Pass:
+def gradient_pass(ctx: StepContext, active: list[Tensor], mask: Tensor,
+                  subsets: list[Tensor] | None = None, sync: bool = True) -> _Pass:  # fmt: skip
     """One forward/backward on the ``active`` tensors, gradients and norms on the device;
     under DDP the gradients are averaged (``sync``), else only the per-layer norms."""
     loop, layers, shards = ctx.loop, ctx.layers, ctx.shards
@@ -324,15 +305,9 @@ def gradient_pass(
                  layers.numel(mask), sent)  # fmt: skip
 
 
-def sam_step(
-    ctx: StepContext,
-    mask: Tensor,
-    *,
-    selection: LayerSelection,
-    perturbation: SAMPerturbation,
-    parts: MethodParts,
-    sync_first_pass: bool,
-) -> Passed:
+def sam_step(ctx: StepContext, mask: Tensor, *, selection: LayerSelection,
+             perturbation: SAMPerturbation, parts: MethodParts,
+             sync_first_pass: bool) -> Passed:  # fmt: skip
     """SAM's two passes on the layers in ``mask``."""
     layers, shards = ctx.layers, ctx.shards
     iso = ctx.isolation.begin() if ctx.isolation is not None else None
@@ -395,15 +370,9 @@ def plain_step(
     return _one_pass(out, mask, keep)
 
 
-def single_step(
-    ctx: StepContext,
-    mask: Tensor,
-    *,
-    perturbation: SAMPerturbation,
-    directions: dict[int, Tensor],
-    keep: bool = False,
-    fresh: bool = False,
-) -> Passed:
+def single_step(ctx: StepContext, mask: Tensor, *, perturbation: SAMPerturbation,
+                directions: dict[int, Tensor], keep: bool = False,
+                fresh: bool = False) -> Passed:  # fmt: skip
     """One pass at weights perturbed along each active tensor's direction (``directions``,
     by ``id``), restored exactly before the update. ``keep``: return the step's tensors and
     gradients; ``fresh``: the directions are this step's own, scaled in place."""
@@ -433,14 +402,8 @@ def _one_pass(out: _Pass, mask: Tensor, keep: bool) -> Passed:
                   [out.numel], out.allreduce_bytes, kept)  # fmt: skip
 
 
-def commit(
-    ctx: StepContext,
-    passed: Passed,
-    inclusion: Tensor | None,
-    *,
-    update_scale: float | None,
-    pool: BackupPool,
-) -> Outcome:
+def commit(ctx: StepContext, passed: Passed, inclusion: Tensor | None, *,
+           update_scale: float | None, pool: BackupPool) -> Outcome:  # fmt: skip
     """End the step: one host transfer, then the optimizer's update and the update scaling
     (``inclusion``: each layer's probability of being drawn; ``None``: no scaling), or a
     skip. Every process decides alike: the scalars are averaged before the check.

@@ -104,16 +104,10 @@ class LayerBandit(LayerSelection, Seeded):
         (3.0, True)
     """
 
-    def __init__(
-        self,
-        num_layers: int,
-        layer_ratio: float = 0.2,
-        p_min: float = 1e-3,
-        alpha_p: float | None = None,
-        loss: str = "shifted",
-        generator: torch.Generator | None = None,
-        costs: torch.Tensor | None = None,
-    ) -> None:
+    def __init__(self, num_layers: int, layer_ratio: float = 0.2, p_min: float = 1e-3,
+                 alpha_p: float | None = None, loss: str = "shifted",
+                 generator: torch.Generator | None = None,
+                 costs: torch.Tensor | None = None) -> None:  # fmt: skip
         self._n, self._ratio, self._p_min = int(num_layers), float(layer_ratio), float(p_min)
         self._alpha = float(DEFAULT_ALPHA[loss] if alpha_p is None else alpha_p)
         self._loss = loss
@@ -480,13 +474,8 @@ def kl_projection(
     return torch.empty_like(q).scatter_(0, order, q)
 
 
-def weighted_kl_projection(
-    log_u: torch.Tensor,
-    costs: torch.Tensor,
-    budget: float,
-    lower: float,
-    upper: float = 1.0,
-) -> torch.Tensor:
+def weighted_kl_projection(log_u: torch.Tensor, costs: torch.Tensor, budget: float, lower: float,
+                           upper: float = 1.0) -> torch.Tensor:  # fmt: skip
     """Exact projection of ``u = exp(log_u)`` onto a cost-weighted capped simplex: the
     minimiser of ``sum(costs * KL(q_l || u_l))`` over ``{q : sum(costs * q) = budget,
     lower <= q_l <= upper}`` (a compute budget), which is ``q_l = clip(t * u_l, lower,

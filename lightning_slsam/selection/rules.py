@@ -16,14 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = [
-    "AllLayers",
-    "LayerSelection",
-    "Seeded",
-    "UniformSelection",
-    "WrappedSelection",
-    "seeded_generator",
-]
+__all__ = ["AllLayers", "LayerSelection", "Seeded", "UniformSelection", "WrappedSelection",
+           "seeded_generator"]  # fmt: skip
 
 
 def seeded_generator(generator: torch.Generator | None, offset: int = 0) -> torch.Generator:
