@@ -62,13 +62,11 @@ __all__ = ["SAMEngine", "normalized_entropy"]
 
 
 class SAMEngine:
-    """Runs the steps of a method over a :class:`~lightning_slsam.core.partition.LayerPartition`
-    (pure PyTorch).
+    """Runs the steps of a method over a :class:`~lightning_slsam.core.partition.LayerPartition`.
 
     Args:
         partition: the layers, from :func:`~lightning_slsam.core.partition.build_partition`.
-        selection: the layer-selection rule (a
-            :class:`~lightning_slsam.selection.bandit.LayerBandit` for SL-SAM).
+        selection: the layer-selection rule (SL-SAM's bandit, ...).
         perturbation: the ascent applied to the perturbed tensors.
         parts: what the method adds to the steps (:class:`~lightning_slsam.core.step.
             MethodParts`; default: SAM on every step).
@@ -90,8 +88,7 @@ class SAMEngine:
 
     Attributes:
         counts: steps in which each layer was updated (int64, CPU).
-        norm_sums, norm_counts: sum and number of the first-pass gradient norms measured
-            for each layer (the selection's input; :meth:`mean_norms`).
+        norm_sums, norm_counts: sum and number of each layer's first-pass gradient norms.
         num_steps: steps run, skipped ones included; ``num_skipped``: skipped ones.
         kind_counts: steps of each kind (skipped ones excluded).
         active_ratio_sum: sum over non-skipped steps of :attr:`StepResult.active_ratio`.

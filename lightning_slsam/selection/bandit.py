@@ -67,28 +67,22 @@ class LayerBandit(LayerSelection, Seeded):
     """EXP3 sampler of active layers with a KL-projected, floor-bounded distribution.
 
     Args:
-        num_layers: Number of layers ``N`` (int, ``>= 1``).
-        layer_ratio: Expected fraction of active layers, in ``(0, 1]``; the budget is
-            ``s = layer_ratio * N`` expected active layers. Default 0.2 (the paper's ``s/N``).
-        p_min: Floor of every probability, in ``(0, 1)`` with ``p_min <= s / N``. Default
-            1e-3 (the paper's value).
-        alpha_p: Step size of the exponential update, ``>= 0`` (0 freezes the distribution);
-            under ``"shifted"`` and ``"paper"`` its effect scales with the squared gradient
-            norms. ``None`` (default): 1e-3 (the paper's) for ``"shifted"`` and ``"paper"``,
-            0.03 for ``"rank"``.
+        num_layers: number of layers ``N`` (``>= 1``).
+        layer_ratio: the budget ``s = layer_ratio * N`` expected active layers, in ``(0, 1]``
+            (default 0.2, the paper's).
+        p_min: floor of every probability, in ``(0, s / N]`` (default 1e-3, the paper's).
+        alpha_p: step size, ``>= 0`` (0 freezes the distribution); ``None`` (default): 1e-3
+            (the paper's) for ``"shifted"`` and ``"paper"``, 0.03 for ``"rank"``.
         loss: ``"shifted"`` (default), ``"paper"`` or ``"rank"`` (the module docstring).
-        generator: CPU ``torch.Generator`` used only by :meth:`sample`; default: a private one
-            seeded with ``torch.initial_seed()`` (reproducible under a global seed, without
-            consuming the global stream).
-        costs: ``[N]`` positive cost of drawing each layer. ``None`` (default): the count
-            budget ``sum(p) = s``. Given: the compute budget ``sum(costs * p) = layer_ratio *
-            sum(costs)`` (:func:`weighted_kl_projection`), and the losses compare
-            ``r / sqrt(cost)`` instead of ``r`` (docs/methods.md, "the compute budget").
+        generator: the CPU generator of :meth:`sample` (default: a private one seeded with
+            ``torch.initial_seed()``).
+        costs: ``[N]`` positive cost of each layer, for the compute budget ``sum(costs * p)
+            = layer_ratio * sum(costs)``, under which the losses compare ``r / sqrt(cost)``
+            (docs/methods.md, "the compute budget"); ``None`` (default): ``sum(p) = s``.
 
     Attributes:
-        num_samples: Masks returned by :meth:`sample`.
-        num_redraws: Empty draws that were discarded and redrawn.
-        num_updates: Updates applied. ``num_skipped``: updates skipped for bad norms.
+        num_samples, num_redraws: draws returned, and empty ones redrawn.
+        num_updates, num_skipped: updates applied, and skipped for bad norms.
 
     Example:
         >>> import torch
@@ -152,7 +146,7 @@ class LayerBandit(LayerSelection, Seeded):
 
     def sample(self) -> torch.Tensor:
         """Draw the active set: bool ``[N]``, independent Bernoulli trials with probabilities
-        ``p``; an empty draw is redrawn (``num_redraws``)."""
+        ``p``; an empty draw is redrawn (``num_redraws``; see docs/algorithm.md)."""
         mask = torch.rand(self._n, generator=self._gen, dtype=torch.float64) < self._probs
         while not bool(mask.any()):
             self.num_redraws += 1
@@ -401,11 +395,9 @@ def kl_projection(
     ``q_l = clip(c * u_l, lower, upper)`` for the scalar ``c > 0`` meeting the budget.
 
     Args:
-        log_u: ``[N]`` log-weights, any float dtype/device. NaN and ``+inf`` raise; very
-            negative values and ``-inf`` mean "(almost) zero weight".
-        budget: Required sum, in ``[N * lower, N * upper]`` (else ValueError).
-        lower: Lower bound of every entry, ``> 0``.
-        upper: Upper bound of every entry, ``>= lower``; default 1.0.
+        log_u: ``[N]`` log-weights (``-inf``: zero weight; NaN and ``+inf`` raise).
+        budget: required sum, in ``[N * lower, N * upper]`` (else ValueError).
+        lower, upper: the bounds of every entry, ``0 < lower <= upper`` (default 1.0).
 
     Returns:
         ``[N]`` float64 tensor on ``log_u``'s device. ``c`` is found exactly, in
@@ -486,8 +478,7 @@ def weighted_kl_projection(log_u: torch.Tensor, costs: torch.Tensor, budget: flo
         log_u: ``[N]`` log-weights (as :func:`kl_projection`).
         costs: ``[N]`` positive, finite costs; only their ratios matter.
         budget: required ``sum(costs * q)``, in ``[lower * sum(costs), upper * sum(costs)]``.
-        lower: lower bound of every entry, ``> 0``.
-        upper: upper bound of every entry, ``>= lower``; default 1.0.
+        lower, upper: the bounds of every entry, ``0 < lower <= upper`` (default 1.0).
 
     Returns:
         ``[N]`` float64 tensor on ``log_u``'s device. ``t`` is exact: a binary search over
