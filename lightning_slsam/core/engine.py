@@ -1,19 +1,11 @@
-"""The stateful shell around the step functions: :class:`SAMEngine`.
+"""The stateful shell around the step functions (:mod:`lightning_slsam.core.step`):
+:class:`SAMEngine` picks each step's kind, draws the layers, runs the step, counts, and saves
+and loads its state. A training loop calls ``engine.step(loop)`` with a
+:class:`~lightning_slsam.core.step.LoopHooks`; a plain PyTorch loop calls
+:meth:`SAMEngine.train_step`.
 
-Each step, the engine asks the method which kind of step it is, draws the layers from the
-selection, runs the step function of that kind (:mod:`lightning_slsam.core.step`) and
-counts what happened; it saves and loads everything needed to continue identically. It
-knows nothing of Lightning: a training loop hands it a
-:class:`~lightning_slsam.core.step.LoopHooks` (``engine.step(loop)``), or a plain PyTorch loop
-calls :meth:`SAMEngine.train_step`.
-
-Layers outside the active set are frozen for the step. Every step synchronises with the
-host once, at its end: losses, a finiteness probe and the per-layer norms travel together;
-a non-finite value skips the step with the weights restored exactly and nothing else
-changed.
-
-SL-SAM assembled from its parts in a plain loop (:func:`~lightning_slsam.make_engine`
-does the same from a method's name and options):
+SL-SAM assembled from its parts (:func:`~lightning_slsam.make_engine` does it from a method's
+name):
 
 >>> import torch
 >>> from lightning_slsam.core.partition import build_partition
@@ -70,62 +62,44 @@ __all__ = ["SAMEngine", "normalized_entropy"]
 
 
 class SAMEngine:
-    """Runs the steps of a method over a :class:`~lightning_slsam.core.partition.LayerPartition`
-    (pure PyTorch).
+    """Runs the steps of a method over a :class:`~lightning_slsam.core.partition.LayerPartition`.
 
     Args:
         partition: the layers, from :func:`~lightning_slsam.core.partition.build_partition`.
-        selection: the layer-selection rule (a
-            :class:`~lightning_slsam.selection.bandit.LayerBandit` for SL-SAM).
+        selection: the layer-selection rule (SL-SAM's bandit, ...).
         perturbation: the ascent applied to the perturbed tensors.
-        parts: what the method adds to the steps -- the kind of each step, ESAM's sample
-            choice, SSAM-F's mask, LookSAM's store (default: SAM on every step).
+        parts: what the method adds to the steps (:class:`~lightning_slsam.core.step.
+            MethodParts`; default: SAM on every step).
         module: the model, whose normalisation layers' running statistics are managed.
         bn_stats: which pass's running statistics a two-pass step keeps: ``"first"``
-            (default: the unperturbed pass, as official SAM implementations do),
-            ``"second"`` (the perturbed pass) or ``"both"`` (updated twice, as the SL-SAM
-            reference code does). Extra forwards (ESAM's selection, SSAM-F's Fisher) never
-            count.
-        replay_dropout: replay the first pass's random state in the second pass, so both
-            see the same dropout masks (default ``False``: fresh masks, as official SAM).
+            (default, the unperturbed pass), ``"second"`` or ``"both"``; extra forwards
+            never count.
+        replay_dropout: the second pass replays the first pass's dropout masks (default
+            ``False``).
         sync_first_pass: under multi-process training, average the first pass's gradients
-            before the ascent (default). ``False`` perturbs every process with its own
-            gradient (SAM's m-sharpness): no first-pass gradient traffic, only the
-            per-layer norm vector is averaged.
-        check_masks: under DDP, check on every step that all processes drew the same layers.
-        update_scale: inverse-inclusion update scaling (beyond the paper; ``None``, the
-            default, disables it). On a step whose layers the selection drew, each active
-            layer's update -- the change the optimizer made to its weights -- is multiplied
-            by ``min(1 / q, update_scale)``, with ``q`` the probability that the layer was
-            drawn (:meth:`~lightning_slsam.selection.rules.LayerSelection.inclusion`). A layer
-            active in a fraction ``q`` of the steps then moves, in expectation, as far as
-            it would if it were trained every step.
+            before the ascent (default); ``False``: each process perturbs with its own
+            (m-sharpness), only the per-layer norms are averaged.
+        check_masks: under DDP, check every step that all processes drew the same layers.
+        update_scale: cap of the update scaling (``None``, default: none): each drawn layer's
+            update is multiplied by ``min(1 / q, update_scale)``, ``q`` its probability of
+            being drawn (:meth:`~lightning_slsam.selection.rules.LayerSelection.inclusion`).
 
-    The arguments are not checked here: a method's specification checks its options once.
+    The arguments are not checked here: a method's specification checks its options.
 
     Attributes:
         counts: steps in which each layer was updated (int64, CPU).
-        norm_sums, norm_counts: sum and number of the first-pass gradient norms measured
-            for each layer (the selection's input; :meth:`mean_norms`).
+        norm_sums, norm_counts: sum and number of each layer's first-pass gradient norms.
         num_steps: steps run, skipped ones included; ``num_skipped``: skipped ones.
         kind_counts: steps of each kind (skipped ones excluded).
         active_ratio_sum: sum over non-skipped steps of :attr:`StepResult.active_ratio`.
         last_result: the latest :class:`~lightning_slsam.core.step.StepResult`.
     """
 
-    def __init__(
-        self,
-        partition: LayerPartition,
-        selection: LayerSelection,
-        perturbation: SAMPerturbation,
-        parts: MethodParts | None = None,
-        module: torch.nn.Module | None = None,
-        bn_stats: str = "first",
-        replay_dropout: bool = False,
-        sync_first_pass: bool = True,
-        check_masks: bool = False,
-        update_scale: float | None = None,
-    ) -> None:
+    def __init__(self, partition: LayerPartition, selection: LayerSelection,
+                 perturbation: SAMPerturbation, parts: MethodParts | None = None,
+                 module: torch.nn.Module | None = None, bn_stats: str = "first",
+                 replay_dropout: bool = False, sync_first_pass: bool = True,
+                 check_masks: bool = False, update_scale: float | None = None) -> None:  # fmt: skip
         #: The seam to the parameters' shards (FSDP2), or whole tensors.
         self.shards = shards_of(partition.flat_params, module)
         if self.shards.sharded and not sync_first_pass:
@@ -149,9 +123,7 @@ class SAMEngine:
         )
         #: Single-step SAM's gradients of the last step each tensor was trained in.
         self.last_grad: dict[int, Tensor] = {}
-        #: The run's planned optimizer steps, where the training loop knows them (the
-        #: Lightning callback and ``SAMTrainer`` set it at train start; ``math.inf``: not
-        #: known), for a method whose schedule spans the run (ARWP's growing noise).
+        #: The run's planned optimizer steps (``math.inf``: not known), set by the front-end.
         self.planned_steps: float = math.inf
         self._ddp = DDPAverager()
         self.reset_counters(partition.num_layers)
@@ -191,9 +163,7 @@ class SAMEngine:
         if parts.needs_outputs:  # the training step's outputs, read by the method's term
             loop.forward_backward.needs = (parts.label, parts.needs_outputs)
             loop.forward_backward.extra_loss = functools.partial(parts.extra_loss, ctx)
-        # A single-step method's directions (S2-SAM: the last step's gradients;
-        # Momentum-SAM: the optimizer's momentum). Without any (the first step), a plain
-        # step on every layer, not a draw (the selection neither draws nor learns).
+        # A single-step method without directions yet: a plain step on every layer, not a draw.
         directions = (
             parts.directions(ctx, self.partition.flat_params, self.last_grad)
             if kind == "single" else {}
@@ -201,8 +171,6 @@ class SAMEngine:
         drawn = not (kind == "single" and not directions)
         if not drawn:
             kind = "plain"
-        # S2-SAM keeps the gradients of its steps, the first plain one included; ARWP and
-        # MESA read those of each one-pass step.
         single = kind == "single" or not drawn
         keep = (single and parts.keeps_last_grads) or (kind != "sam" and parts.reads_update_grads)
         mask = self.selection.sample() if drawn else self.freezer.all.clone()
@@ -227,11 +195,9 @@ class SAMEngine:
             if outcome.norms is not None:  # the update was made
                 if drawn:
                     self.selection.update(passed.update_mask, outcome.norms)
-                if passed.kept is not None:
-                    # The gradient tensors themselves (after the optimizer's unscaling and
-                    # clipping): zero_grad(set_to_none=True) detaches them from .grad.
+                if passed.kept is not None:  # the gradients as the optimizer used them
                     params, grads = passed.kept
-                    if parts.reads_update_grads:  # as the optimizer used them
+                    if parts.reads_update_grads:
                         read = functools.partial(parts.after_update, ctx, params, grads)
                         loop.after_update(read) if loop.after_update is not None else read()
                     if single and parts.keeps_last_grads:
@@ -251,30 +217,21 @@ class SAMEngine:
         self.count(result, passed.update_mask, outcome.norms)
         return result
 
-    def train_step(
-        self,
-        compute_loss: Callable[..., Tensor],
-        optimizer: torch.optim.Optimizer,
-        batch_size: int | None = None,
-        *,
-        ddp: torch.nn.Module | None = None,
-    ) -> StepResult:
+    def train_step(self, compute_loss: Callable[..., Tensor], optimizer: torch.optim.Optimizer,
+                   batch_size: int | None = None, *,
+                   ddp: torch.nn.Module | None = None) -> StepResult:  # fmt: skip
         """One step in a plain PyTorch loop.
 
         Args:
-            compute_loss: runs the forward pass on the current batch and returns the loss
-                (called once per pass; back-propagation is done here). Methods that
-                address single samples (ESAM's data selection, SSAM-F) call it as
-                ``compute_loss(index)`` with a tensor of sample indices, and ESAM needs it
-                to return per-sample losses (a 1-D tensor; it is averaged for the update).
-            optimizer: the base optimizer; not stepped at all when the step is skipped.
+            compute_loss: runs the forward pass on the batch and returns the loss, once per
+                pass. ESAM and SSAM-F call it as ``compute_loss(index)`` with sample
+                indices; ESAM needs per-sample losses (a 1-D tensor, averaged for the update).
+            optimizer: the base optimizer; not stepped when the step is skipped.
             batch_size: samples in the batch (needed by ESAM and SSAM-F).
-            ddp: when several processes train with DDP, the ``DistributedDataParallel``
-                wrapper that ``compute_loss`` runs. Build the engine on the wrapped module
-                (``make_engine(method, ddp.module, seed=...)``), with the same ``seed`` on
-                every process. The step runs inside ``ddp.no_sync()``; the engine averages
-                the active layers' gradients itself, and its first step checks that every
-                process drew the same layers. (FSDP2 needs nothing: its parameters average.)
+            ddp: under DDP, the ``DistributedDataParallel`` wrapper ``compute_loss`` runs;
+                build the engine on ``ddp.module`` with the same ``seed`` on every process.
+                The step runs inside ``ddp.no_sync()`` and averages the active gradients
+                itself. (FSDP2 needs nothing.)
         """
 
         def loss(index: Tensor | None) -> LossOutput:
@@ -313,8 +270,7 @@ class SAMEngine:
         self.counts = torch.zeros(num_layers, dtype=torch.int64)
         self.norm_sums = torch.zeros(num_layers, dtype=torch.float64)
         self.norm_counts = torch.zeros(num_layers, dtype=torch.int64)
-        #: Steps (skipped ones excluded) each layer was not yet sampled in: a tensor that
-        #: became trainable mid-run joined the layers after that many steps.
+        #: Non-skipped steps run before each layer joined (0 unless it became trainable later).
         self.joined = torch.zeros(num_layers, dtype=torch.int64)
         self.num_steps = 0
         self.num_skipped = 0
@@ -362,14 +318,13 @@ class SAMEngine:
         return int((self.counts == 0).sum())
 
     def sampled(self) -> bool:
-        """Whether the updates were a drawn subset of the layers: some layer missed a step it
-        could be drawn in (``False`` for SAM and the methods updating every layer each step,
-        whose per-layer record would hold nothing but ones)."""
+        """Whether some layer missed a step it could be drawn in (``False`` for the methods
+        that update every layer each step)."""
         return bool((self.counts < self.layer_steps()).any())
 
     def step_metrics(self, result: StepResult, distributed: bool) -> dict[str, float]:
-        """The metrics every front-end logs after the optimizer step that made ``result``
-        (``distributed``: several processes, whose all-reduced bytes are logged too)."""
+        """The metrics every front-end logs after ``result``'s optimizer step
+        (``distributed``: the all-reduced bytes too)."""
         total = max(result.trainable_numel, 1)
         per_pass = [n / total for n in result.pass_numel] + [0.0, 0.0]
         metrics = {
@@ -389,9 +344,8 @@ class SAMEngine:
 
     # -- state --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue identically: the selection's and the method's
-        state, the counters, and single-step SAM's last gradients (per-tensor stores are
-        indexed by the tensor's position in the partition, and whole under FSDP2)."""
+        """Everything needed to continue identically; per-tensor stores are keyed by the
+        tensor's position in the partition (whole tensors under FSDP2)."""
         index = self.freezer.tensor_index()
         state = {
             "selection": self.selection.state_dict(),
@@ -436,15 +390,10 @@ class SAMEngine:
     def carry_state(
         self, state: dict[str, Any], layer_names: list[str], tensor_names: list[str]
     ) -> dict[str, Any]:
-        """:meth:`state_dict`'s output saved for other layers -- ``layer_names``, whose
-        tensors were ``tensor_names`` (:meth:`LayerPartition.tensor_names`) -- mapped onto
-        this engine's partition by name, for :meth:`load_state_dict`.
-
-        A layer on both sides keeps its counts, norms, probability and per-tensor state
-        (under its tensors' names); a new layer starts as every layer does at the start of
-        a run, and counts as joined after the steps already run; a layer that left is
-        dropped. The selection keeps its budget (:meth:`LayerSelection.carry_state`).
-        """
+        """:meth:`state_dict`'s output saved for the layers ``layer_names`` (tensors
+        ``tensor_names``), mapped by name onto this partition for :meth:`load_state_dict`:
+        a layer on both sides keeps its state, a new one starts afresh (joined after the
+        steps already run), a layer that left is dropped."""
         old_layer = {name: i for i, name in enumerate(layer_names)}
         index = [old_layer.get(name, -1) for name in self.partition.names]
         done = int(state["num_steps"]) - int(state["num_skipped"])
@@ -483,10 +432,8 @@ class SAMEngine:
 
 
 def normalized_entropy(probs: Tensor) -> float:
-    """Entropy of ``probs / probs.sum()`` divided by ``log(N)``: 1.0 is uniform.
-
-    Falls toward 0 as the bandit concentrates on few layers; 1.0 for a single layer.
-    """
+    """Entropy of ``probs / probs.sum()`` divided by ``log(N)``: 1.0 is uniform (and a
+    single layer), toward 0 as the bandit concentrates."""
     n = probs.numel()
     if n <= 1:
         return 1.0

@@ -1,12 +1,6 @@
-"""What one pass of a SAM step may leave behind besides gradients: which pass's BatchNorm
-statistics count, and dropout replay between the passes (:class:`PassIsolation`).
-
-SAM runs the model forward twice per step, and ESAM and SSAM-F add forwards of their own.
-A BatchNorm layer in training mode updates its running mean and variance on every
-forward, so by default only one of them must count; :class:`RunningStats` snapshots those
-buffers and puts them back. Dropout draws a new mask on every forward;
-:class:`RandomState` captures the random streams so a later pass can replay the first
-pass's masks.
+"""What one pass of a SAM step may leave behind besides gradients (:class:`PassIsolation`):
+which forward's running statistics count (:class:`RunningStats` snapshots and restores
+them), and the first pass's dropout masks replayed (:class:`RandomState`).
 """
 
 from __future__ import annotations
@@ -19,26 +13,16 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
-__all__ = [
-    "BN_STATS",
-    "PassIsolation",
-    "RandomState",
-    "RunningStats",
-    "StepIsolation",
-    "evaluating",
-]
+__all__ = ["BN_STATS", "PassIsolation", "RandomState", "RunningStats", "StepIsolation",
+           "evaluating"]  # fmt: skip
 
 #: Which pass's running statistics a SAM step keeps.
 BN_STATS = ("first", "second", "both")
 
 
 class RunningStats:
-    """The running-statistics buffers of every normalisation layer that tracks them.
-
-    Covers BatchNorm (1d/2d/3d, SyncBatchNorm, lazy ones) and InstanceNorm with
-    ``track_running_stats=True``: ``running_mean``, ``running_var`` and
-    ``num_batches_tracked``.
-    """
+    """The running-statistics buffers of every normalisation layer that tracks them
+    (BatchNorm, SyncBatchNorm, InstanceNorm with ``track_running_stats=True``)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.buffers: list[Tensor] = []
@@ -67,8 +51,8 @@ class RunningStats:
 
     @contextmanager
     def evaluating(self) -> Iterator[None]:
-        """Normalise with the running statistics, leaving them untouched (any batch size,
-        one sample included); the layers' training flags are restored afterwards."""
+        """Normalise with the running statistics, leaving them untouched; the layers'
+        training flags are restored afterwards."""
         modes = [layer.training for layer in self.layers]
         for layer in self.layers:
             layer.train(False)
@@ -115,11 +99,9 @@ class PassIsolation:
 
     Args:
         stats: the model's running statistics (``None`` or empty: nothing to manage).
-        bn_stats: which pass's BatchNorm statistics the step keeps: ``"first"``,
-            ``"second"`` or ``"both"``. Extra forwards (ESAM's selection, SSAM-F's Fisher)
-            never count.
-        replay_dropout: the second pass replays the first pass's random streams (the same
-            dropout masks).
+        bn_stats: which pass's statistics the step keeps: ``"first"``, ``"second"`` or
+            ``"both"``; extra forwards never count.
+        replay_dropout: the second pass replays the first pass's random streams.
     """
 
     def __init__(self, stats: RunningStats | None, bn_stats: str, replay_dropout: bool) -> None:

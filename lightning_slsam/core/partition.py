@@ -1,30 +1,9 @@
-"""Layer partition: which parameter tensors form each sampled "layer", and per-step freezing
-over it (:class:`LayerFreezer`).
+"""Which parameter tensors form each sampled layer (:func:`build_partition`), and the
+per-step freezing over them (:class:`LayerFreezer`).
 
-SL-SAM samples *layers*, and what a layer is matters: the paper and its reference
-implementation treat every parameter tensor as its own layer (every weight, bias,
-LayerNorm tensor, embedding and head: DeiT-Small has 200). That is the default here.
-Coarser groupings shorten the bandit and make the active set follow the network's
-structure; they are opt-in:
-
-* ``"tensor"`` -- one parameter tensor per layer (default, paper);
-* ``"module"`` -- all parameters directly owned by one module (``fc.weight`` and
-  ``fc.bias`` form layer ``fc``);
-* a sequence of regular expressions -- a parameter whose name matches a pattern
-  (``re.search``) joins the group named by the matched text (or by the first capture
-  group when the pattern has one), so ``r"encoder\\.layer\\.\\d+"`` groups each
-  transformer block; parameters matching no pattern stay one layer per tensor;
-* a callable ``(name, parameter) -> key | None`` -- parameters with equal keys form a
-  layer, ``None`` keeps the tensor on its own.
-
-Parameters can also be taken out of sampling: ``always_active`` ones are trained (and
-perturbed) every step, ``always_frozen`` ones never are. Only parameters that require
-grad when the partition is built take part at all; the user's own frozen parameters
-stay frozen. Tied parameters are counted once (``named_parameters`` de-duplicates).
-
-Each step, layers outside the active set get ``requires_grad=False`` before the forward, so
+Each step, layers outside the active set get ``requires_grad=False`` before the forward:
 autograd builds no weight-gradient work for them, their ``.grad`` stays ``None`` and the
-optimizer leaves them (and their state) untouched.
+optimizer leaves them and their state untouched.
 """
 
 from __future__ import annotations
@@ -42,14 +21,8 @@ from lightning_slsam.parallel.shards import fsdp_modules, reshard
 GroupingFn = Callable[[str, nn.Parameter], Hashable | None]
 LayerSpec = str | Sequence[str] | GroupingFn
 
-__all__ = [
-    "LayerFreezer",
-    "LayerPartition",
-    "build_partition",
-    "by_position",
-    "describe_change",
-    "find_new_head",
-]
+__all__ = ["LayerFreezer", "LayerPartition", "build_partition", "by_position", "describe_change",
+           "find_new_head"]  # fmt: skip
 
 
 @dataclass
@@ -143,35 +116,32 @@ def _compile(patterns: Sequence[str], parameter: str) -> list[re.Pattern[str]]:
     return compiled
 
 
-def build_partition(
-    model: nn.Module,
-    layers: LayerSpec = "tensor",
-    always_active: Sequence[str] = (),
-    always_frozen: Sequence[str] = (),
-    regions: Sequence[str] = (),
-) -> LayerPartition:
+def build_partition(model: nn.Module, layers: LayerSpec = "tensor",
+                    always_active: Sequence[str] = (), always_frozen: Sequence[str] = (),
+                    regions: Sequence[str] = ()) -> LayerPartition:  # fmt: skip
     """Partition ``model``'s trainable parameters into sampled layers.
 
     Args:
-        model: the module whose parameters are partitioned. Only parameters with
-            ``requires_grad=True`` now take part.
-        layers: how tensors group into layers: ``"tensor"`` (default), ``"module"``,
-            a list of regular expressions, or a callable ``(name, param) -> key | None``.
+        model: the module whose parameters are partitioned; only those with
+            ``requires_grad=True`` now take part (tied ones once).
+        layers: how tensors group into layers: ``"tensor"`` (default, the paper's: one
+            layer per tensor), ``"module"`` (the tensors a module owns directly), a list of
+            regular expressions (a matching name joins the group named by the match, or its
+            first capture group; the others stay alone) or a callable
+            ``(name, param) -> key | None`` (equal keys form a layer; ``None``: alone).
         always_active: regular expressions (``re.search`` on the parameter name) of
             tensors trained every step instead of being sampled.
         always_frozen: regular expressions of tensors never trained while SL-SAM runs.
         regions: qualified names of submodules whose tensors form one layer each, whatever
-            ``layers`` says (the compiled regions of :mod:`lightning_slsam.core.regions`:
-            a compiled graph is frozen whole or not at all).
+            ``layers`` says (compiled regions: :mod:`lightning_slsam.core.regions`).
 
     Returns:
         The :class:`LayerPartition`, layers in the order their first tensor appears in
         ``model.named_parameters()``.
 
     Raises:
-        ValueError: for an invalid regular expression, a pattern that matches no trainable tensor,
-            a tensor matched by both ``always_active`` and ``always_frozen``, or a
-            model with no trainable parameter left to sample.
+        ValueError: for an invalid or unmatched pattern, a tensor matched by both
+            ``always_active`` and ``always_frozen``, or no trainable parameter left to sample.
 
     Example:
         >>> import torch
@@ -307,22 +277,11 @@ def describe_change(old: LayerPartition, new: LayerPartition, shown: int = 4) ->
 
 
 def find_new_head(model: nn.Module) -> list[str]:
-    """Names of the parameters of ``model``'s freshly initialised task head.
-
-    A fine-tune usually starts from a pretrained backbone with a new classification head,
-    which a sparse method would otherwise train in only a fraction of the steps. Found, in
-    this order:
-
-    * the module's own ``sam_head_parameters()`` method, if it has one, returning
-      parameter names (relative to ``model``);
-    * timm models (a submodule with ``get_classifier()`` and ``pretrained_cfg``) whose
-      ``num_classes`` differs from their pretrained configuration's: the classifier;
-    * Transformers models (a submodule with ``base_model`` and ``config``): every parameter
-      outside the base model, except the output embeddings (a language model's pretrained
-      ``lm_head``).
-
-    Returns the names in ``model.named_parameters()`` order (trainable ones only); empty
-    when no head is found.
+    """Names of the trainable parameters of ``model``'s freshly initialised task head, in
+    ``model.named_parameters()`` order (empty when none is found): those named by the
+    model's own ``sam_head_parameters()``, else a timm classifier whose ``num_classes``
+    differs from its pretrained configuration's, and a Transformers model's parameters
+    outside its base model except the output embeddings.
 
     Example:
         >>> import timm, torch
@@ -372,10 +331,8 @@ def find_new_head(model: nn.Module) -> list[str]:
 
 
 class LayerFreezer:
-    """Freezes and unfreezes the layers of ``partition``, and maps tensors to their layer.
-
-    Normalisation groups (the perturbation's ``"layer"`` norm, the per-layer gradient
-    norms): one per layer, then one per always-active tensor.
+    """Freezes and unfreezes the layers of ``partition``, and maps tensors to their
+    normalisation group: one per layer, then one per always-active tensor.
 
     Example:
         >>> import torch
@@ -407,10 +364,8 @@ class LayerFreezer:
         self._tracked = {id(p) for p in (*self.tensors(), *partition.always_frozen)}
 
     def activate(self, mask: Tensor) -> list[Tensor]:
-        """Make exactly the layers in ``mask`` (plus always-active tensors) trainable.
-
-        Returns the active tensors, always-active ones first.
-        """
+        """Make exactly the layers in ``mask`` and the always-active tensors trainable;
+        returns the active tensors, always-active ones first."""
         partition = self.partition
         active: list[Tensor] = list(partition.always_active)
         for param in partition.always_active:
@@ -434,16 +389,13 @@ class LayerFreezer:
             param.requires_grad_(True)
 
     def trainable_changed(self, module: torch.nn.Module) -> bool:
-        """Whether ``module``'s trainable set differs from the partition's, checked between
-        steps (when every partition tensor is trainable): a tensor outside the partition
-        has ``requires_grad=True`` (unfrozen by the model or a callback such as Lightning's
-        ``BackboneFinetuning``), or a partition tensor has ``requires_grad=False``."""
+        """Whether ``module``'s trainable set differs from the partition's (checked between
+        steps, when every partition tensor is trainable)."""
         tracked = self._tracked
         return any(p.requires_grad != (id(p) in tracked) for p in module.parameters())
 
     def check_owned(self, module: torch.nn.Module) -> None:
-        """Raise if ``module`` no longer owns the partition's tensors: its parameters were
-        replaced after the partition was built (``fully_shard`` applied afterwards)."""
+        """Raise if ``module``'s parameters were replaced after the partition was built."""
         owned = {id(p) for p in module.parameters()}
         if any(id(p) not in owned for p in self.partition.flat_params):
             raise RuntimeError(

@@ -1,15 +1,7 @@
 """The one pass loop: a forward/backward pass over a step's micro-batches (:class:`PassRunner`).
 
-Every front-end -- the Lightning mixin, :class:`~lightning_slsam.FabricSAM`, the plain loop
-of :meth:`~lightning_slsam.core.engine.SAMEngine.train_step` -- runs its passes
-through this loop and differs only in what it hands over: how one micro-batch's loss is
-computed, how a loss is back-propagated, and how a batch is cut to some of its samples.
-
-A pass computes each micro-batch's loss (restricted to some sample indices when a method
-addresses single samples: ESAM's second pass, SSAM-F's Fisher), scales it by the
-accumulation factor, back-propagates it when the pass asks for gradients and anything
-trainable reached it, and returns the summed loss with the per-sample losses
-(:class:`PassOutput`).
+Every front-end runs its passes through this loop, handing over how one micro-batch's loss
+is computed, how a loss is back-propagated and how a batch is cut to some of its samples.
 
 >>> import torch
 >>> w = torch.nn.Parameter(torch.tensor(2.0))
@@ -31,25 +23,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = [
-    "OUTPUT_KEYS",
-    "PER_SAMPLE_NEEDED",
-    "LossOutput",
-    "PassOutput",
-    "PassRunner",
-    "batch_size",
-    "batch_subset",
-    "first_tensor",
-    "loss_scale_reader",
-    "skip_with_scaler",
-    "split_per_sample",
-    "subset_batch",
-]
+__all__ = ["OUTPUT_KEYS", "PER_SAMPLE_NEEDED", "LossOutput", "PassOutput", "PassRunner",
+           "batch_size", "batch_subset", "first_tensor", "loss_scale_reader", "skip_with_scaler",
+           "split_per_sample", "subset_batch"]  # fmt: skip
 
 
-#: The error for a loss without per-sample losses where ESAM's data selection needs them,
-#: raised at the first pass of the first step, before its backward pass: nothing has
-#: changed yet.
+#: The error for a loss without the per-sample losses ESAM needs (raised before any backward).
 PER_SAMPLE_NEEDED = (
     "ESAM's data selection (data_ratio < 1) needs per-sample losses, but the loss is a"
     " scalar: return them from training_step (or compute_loss) as a 1-D tensor, e.g."
@@ -58,9 +37,8 @@ PER_SAMPLE_NEEDED = (
 )
 
 
-#: What a training step may return besides its loss, for the methods that read it: each
-#: sample's loss (ESAM), the model's output logits (SAF, MESA), each sample's position in
-#: the training set (SAF).
+#: What a training step may return besides its loss: per-sample losses (ESAM), the logits
+#: (SAF, MESA), each sample's position in the training set (SAF).
 OUTPUT_KEYS = ("per_sample_loss", "logits", "index")
 
 
@@ -82,9 +60,9 @@ class LossOutput(NamedTuple):
 
 
 def read_output(output: Any, error: type[Exception] = ValueError) -> LossOutput:
-    """The one rule for what a training step (or a loss function) returns, in every loop: a
-    tensor is the loss (a 1-D tensor holds per-sample losses, whose mean is the loss); a
-    mapping holds ``"loss"`` and may hold the :data:`OUTPUT_KEYS`.
+    """What a training step (or a loss function) returns, in every loop: a tensor is the
+    loss (a 1-D one holds per-sample losses, whose mean is the loss); a mapping holds
+    ``"loss"`` and may hold the :data:`OUTPUT_KEYS`.
 
     >>> read_output(torch.tensor([1.0, 3.0])).loss
     tensor(2.)
@@ -116,10 +94,8 @@ def read_output(output: Any, error: type[Exception] = ValueError) -> LossOutput:
 
 
 def split_per_sample(loss: Tensor) -> tuple[Tensor, Tensor | None]:
-    """The one rule for a loss tensor, in every loop: a 1-D tensor holds per-sample losses,
-    whose mean is the loss of the update; any other tensor is the loss itself.
-
-    Returns the loss and the detached per-sample losses (``None`` when not given).
+    """The loss and the detached per-sample losses of a loss tensor: a 1-D tensor holds
+    per-sample losses, whose mean is the loss; any other is the loss itself (``None``).
 
     >>> split_per_sample(torch.tensor([1.0, 3.0]))
     (tensor(2.), tensor([1., 3.]))
@@ -136,12 +112,9 @@ class PassOutput:
     """What one pass returns.
 
     Attributes:
-        loss: the detached loss of the pass, summed over the micro-batches (each scaled by
-            the accumulation factor).
-        per_sample: detached per-sample losses, one tensor per micro-batch (``None`` for a
-            micro-batch that gave none or was skipped).
-        logits: the detached logits of each micro-batch, when the pass was asked to keep
-            them (MESA's forward at the averaged weights); else empty.
+        loss: the detached loss, summed over the scaled micro-batch losses.
+        per_sample: detached per-sample losses per micro-batch (``None``: none, or skipped).
+        logits: the detached logits per micro-batch, with ``keep_logits``; else empty.
     """
 
     loss: Tensor
@@ -154,48 +127,31 @@ class PassRunner:
 
     Args:
         micro_batches: the step's micro-batches (one without accumulation).
-        loss: ``loss(batch)`` runs the model on one micro-batch and returns its
-            :class:`LossOutput` (:func:`read_output` of what the training step returned).
-        backward: back-propagates a loss (``Tensor.backward``, Lightning's
-            ``manual_backward``, ``fabric.backward``).
-        scale: each micro-batch's loss is multiplied by it (``1 / k`` for ``k``
-            accumulated micro-batches).
-        size: samples in a micro-batch (needed by methods that address single samples;
-            default :func:`batch_size`).
-        subset: ``subset(batch, index)``: the micro-batch cut to the samples ``index``
+        loss: ``loss(batch)`` returns one micro-batch's :class:`LossOutput`.
+        backward: back-propagates a loss (``Tensor.backward``, ``manual_backward``, ...).
+        scale: multiplies each micro-batch's loss (``1 / k`` for ``k`` accumulated ones).
+        size: samples in a micro-batch (default :func:`batch_size`).
+        subset: ``subset(batch, index)``, the micro-batch cut to the samples ``index``
             (default :func:`batch_subset`).
         needs_per_sample: a loss without per-sample losses raises ``error`` (ESAM).
         error: the exception class of that error.
-        term_scale: a method's added term (:attr:`extra_loss`) is multiplied by it before
-            ``scale``: ``1 / k`` where ``loss`` gives each micro-batch's share of the step
-            already (the Hugging Face Trainer's).
+        term_scale: multiplies a method's :attr:`extra_loss` term before ``scale``.
 
-    Calling it runs one pass: ``subsets[i]`` restricts micro-batch ``i`` to those sample
-    indices (an empty index skips it), ``backward=False`` runs the forwards only,
-    ``loss_scale`` multiplies every loss before its backward pass (SSAM-F under FSDP2) and
-    ``keep_logits`` keeps each micro-batch's logits. :attr:`number` is the pass running: 1
-    for the first pass with gradients over the whole batch, 2 for any other (at perturbed
-    weights, or an extra forward), 0 between passes.
-
-    A method that reads the training step's outputs sets :attr:`needs` (its name and the
-    :data:`OUTPUT_KEYS` it reads: a step without them stops before its first backward
-    pass, naming them) and :attr:`extra_loss` (``extra_loss(i, output)``: a term added to
-    micro-batch ``i``'s loss before its backward, SAF's and MESA's consistency term).
+    Calling it runs one pass: ``subsets[i]`` restricts micro-batch ``i`` to those samples
+    (an empty index skips it), ``backward=False`` runs the forwards only, ``loss_scale``
+    multiplies every loss and ``keep_logits`` keeps the logits. :attr:`number` is the pass
+    running: 1 for the first full pass with gradients, 2 for any other, 0 between passes.
+    A method reading the step's outputs sets :attr:`needs` (its name and the
+    :data:`OUTPUT_KEYS` it reads) and :attr:`extra_loss` (``extra_loss(i, output)``: a
+    term added to micro-batch ``i``'s loss).
     """
 
-    def __init__(
-        self,
-        micro_batches: Sequence[Any],
-        loss: Callable[[Any], tuple[Tensor, Tensor | None]],
-        backward: Callable[[Tensor], Any],
-        *,
-        scale: float = 1.0,
-        size: Callable[[Any], int] | None = None,
-        subset: Callable[[Any, Tensor], Any] | None = None,
-        needs_per_sample: bool = False,
-        error: type[Exception] = ValueError,
-        term_scale: float = 1.0,
-    ) -> None:
+    def __init__(self, micro_batches: Sequence[Any],
+                 loss: Callable[[Any], tuple[Tensor, Tensor | None]],
+                 backward: Callable[[Tensor], Any], *, scale: float = 1.0,
+                 size: Callable[[Any], int] | None = None,
+                 subset: Callable[[Any, Tensor], Any] | None = None, needs_per_sample: bool = False,
+                 error: type[Exception] = ValueError, term_scale: float = 1.0) -> None:  # fmt: skip
         self.micro_batches = list(micro_batches)
         self.loss, self.backward, self.scale = loss, backward, float(scale)
         self.size = size if size is not None else batch_size
@@ -212,13 +168,8 @@ class PassRunner:
         """Samples in each micro-batch."""
         return [self.size(batch) for batch in self.micro_batches]
 
-    def __call__(
-        self,
-        subsets: list[Tensor] | None = None,
-        backward: bool = True,
-        loss_scale: float = 1.0,
-        keep_logits: bool = False,
-    ) -> PassOutput:
+    def __call__(self, subsets: list[Tensor] | None = None, backward: bool = True,
+                 loss_scale: float = 1.0, keep_logits: bool = False) -> PassOutput:  # fmt: skip
         full = subsets is None and backward
         self.number = 1 if full and self._full_passes == 0 else 2
         self._full_passes += full
@@ -275,18 +226,15 @@ class PassRunner:
 
 
 def skip_with_scaler(optimizer: Any) -> None:
-    """Make a gradient scaler back off on a skipped step: hand it an infinite gradient, so
-    that the optimizer step it wraps skips the update and lowers the scale."""
+    """Make a gradient scaler back off on a skipped step: an infinite gradient makes it skip
+    the update and lower the scale."""
     param = next(p for g in optimizer.param_groups for p in g["params"])
     param.grad = torch.full_like(param, float("inf"))
 
 
 def loss_scale_reader(scaler: Any) -> Callable[[], Tensor] | None:
-    """A function returning the scaler's current loss scale as a device tensor, without a
-    host synchronisation (``None`` for ``scaler=None``).
-
-    torch 2.14.1: ``GradScaler._get_scale_async()``; the public ``get_scale()`` syncs.
-    """
+    """A function returning the scaler's loss scale as a device tensor without a host sync
+    (``GradScaler._get_scale_async``); ``None`` for ``scaler=None``."""
     return scaler._get_scale_async if scaler is not None else None
 
 
@@ -318,8 +266,7 @@ def first_tensor(batch: Any) -> Tensor | None:
 
 def subset_batch(batch: Any, index: Tensor, size: int) -> Any:
     """``batch`` restricted to the samples ``index``: every tensor whose first dimension is
-    ``size`` is indexed along it, inside dicts, lists, tuples and namedtuples; everything
-    else is kept as is.
+    ``size``, inside dicts, lists, tuples and namedtuples, is indexed along it.
 
     >>> subset_batch({"x": torch.arange(6).view(3, 2), "n": 7}, torch.tensor([2, 0]), 3)
     {'x': tensor([[4, 5],

@@ -1,26 +1,14 @@
-"""SAM's ascent step and its exact undo, on the active tensors only.
+"""SAM's ascent ``e = rho * g / ||g||`` on the active tensors, and its exact undo.
 
-The ascent is ``e = rho * g / ||g||`` (Foret et al., 2021). By default ``||g||`` is
-one norm over every perturbed tensor together, as SAM and the SL-SAM reference code
-compute it; ``norm="layer"`` normalises each layer separately, as Algorithm 1 of the
-SL-SAM paper is written (then the total perturbation has norm ``rho * sqrt(#layers)``).
-``adaptive=True`` is ASAM (Kwon et al., 2021), as its reference implementation computes
-it: weight tensors are scaled by ``T_w = |w| + eta``, every other tensor (biases) by 1,
-and ``e = rho * T_w^2 g / ||T_w g||`` with one norm over all of them. ``eta`` (default
-0.01) keeps zero-valued weights perturbable. The radius is relative to the weights: ASAM
-is run with ``rho`` around ten times SAM's (0.5 in its reference, where SAM uses 0.05).
-A coordinate mask (SSAM-F) zeroes the ascent outside the mask after normalisation, as the
-SSAM reference does.
+``norm="global"`` (default) takes one norm over every perturbed tensor, ``"layer"`` one per
+layer (Algorithm 1 as written); ``adaptive=True`` is ASAM, ``e = rho * T_w^2 g / ||T_w g||``
+with ``T_w = |w| + eta`` for weights and 1 for biases (docs/methods.md, "ASAM"). A
+coordinate mask (SSAM-F) zeroes the ascent outside it after normalisation.
 
-Restoring uses a copy of the perturbed tensors taken before the ascent: subtracting ``e``
-again is not exact in floating point, and the base optimizer must step from exactly
-the weights it would have seen without SAM. Only perturbed tensors are copied, into a
-reused pool (:class:`BackupPool`).
-
-Everything stays on the tensors' device (``torch._foreach_*`` kernels, no ``.item()``).
-Under FSDP2 each process moves its own shards (``shards``, the
-:mod:`~lightning_slsam.parallel.shards` seam). The arguments are not checked here: a
-method's specification checks its options once, when it is built.
+The restore copies back a backup taken before the ascent (subtracting ``e`` is not exact
+in floating point), so the optimizer steps from exactly the unperturbed weights. Everything
+stays on the device; under FSDP2 each process moves its own shards. The arguments are not
+checked here: a method's specification checks its options.
 """
 
 from __future__ import annotations
@@ -40,8 +28,7 @@ ASAM_ETA = 0.01
 
 def is_weight_name(name: str) -> bool:
     """Whether ASAM scales the parameter called ``name``: its attribute name (after the last
-    dot) contains ``weight``, as in ASAM's reference (``"weight" in name``), which leaves
-    biases and other tensors unscaled."""
+    dot) contains ``weight``."""
     return "weight" in name.rsplit(".", 1)[-1]
 
 
@@ -54,13 +41,8 @@ def group_norms(norms: Tensor, slots: Tensor, num_groups: int) -> Tensor:
 
 
 class BackupPool:
-    """Flat buffers that hold the pre-ascent copies of the perturbed tensors.
-
-    A fresh copy per step would allocate (and, on a CPU, fault in) an active-sized block
-    every step. One buffer per dtype and device, grown to the largest active set seen and
-    reused, costs the same peak memory (the backup exists during every step anyway) and
-    no per-step allocation.
-    """
+    """Flat buffers, one per dtype and device, grown to the largest set seen and reused, that
+    hold the pre-ascent copies of the perturbed tensors (no allocation per step)."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[torch.dtype, torch.device], Tensor] = {}
@@ -87,8 +69,7 @@ class BackupPool:
 
 
 def copy_values(dst: list[Tensor], src: list[Tensor]) -> None:
-    """``dst[i].copy_(src[i])``: one foreach kernel on accelerators, a plain loop on the
-    CPU (where the foreach path is a slower loop of its own)."""
+    """``dst[i].copy_(src[i])``: one foreach kernel on accelerators, a loop on the CPU."""
     if not dst:
         return
     if dst[0].device.type == "cpu":
@@ -102,13 +83,11 @@ class SAMPerturbation:
     """SAM's ascent ``w <- w + e`` with an exact restore.
 
     Args:
-        rho: perturbation radius (> 0). The SL-SAM paper uses 0.01 for every SAM method.
-        norm: ``"global"`` (default; one norm over all perturbed tensors, as SAM) or
-            ``"layer"`` (one norm per layer, as Algorithm 1 of the SL-SAM paper reads);
-            ``"none"`` moves by the directions as given (``rho`` ignored): a method that
-            draws its move itself (ARWP).
-        adaptive: ASAM's weight-scaled perturbation (default ``False``); which tensors
-            are weights is given to :meth:`perturb_` (``scaled``).
+        rho: perturbation radius (> 0).
+        norm: ``"global"`` (default: one norm over all perturbed tensors), ``"layer"`` (one
+            per layer) or ``"none"`` (move by the directions as given, ``rho`` ignored).
+        adaptive: ASAM's weight-scaled perturbation (default ``False``; the weights are
+            :meth:`perturb_`'s ``scaled``).
         eta: ASAM's offset in ``T_w = |w| + eta`` (>= 0; default :data:`ASAM_ETA`).
         eps: added to the norm so a zero gradient gives a zero perturbation.
 
@@ -126,14 +105,8 @@ class SAMPerturbation:
         (tensor([0., 0., 0.]), tensor([1., 1.]))
     """
 
-    def __init__(
-        self,
-        rho: float,
-        norm: str = "global",
-        adaptive: bool = False,
-        eps: float = 1e-12,
-        eta: float = ASAM_ETA,
-    ) -> None:
+    def __init__(self, rho: float, norm: str = "global", adaptive: bool = False, eps: float = 1e-12,
+                 eta: float = ASAM_ETA) -> None:  # fmt: skip
         self.rho = float(rho)
         self.norm = norm
         self.adaptive = adaptive
@@ -142,32 +115,22 @@ class SAMPerturbation:
         self.pool = BackupPool()
 
     @torch.no_grad()
-    def perturb_(
-        self,
-        params: list[Tensor],
-        grads: list[Tensor],
-        norms: Tensor,
-        slots: Tensor | None = None,
-        num_groups: int | None = None,
-        inplace: bool = True,
-        masks: list[Tensor] | None = None,
-        scaled: list[bool] | None = None,
-        shards: Shards = WHOLE,
-    ) -> list[Tensor]:
+    def perturb_(self, params: list[Tensor], grads: list[Tensor], norms: Tensor,
+                 slots: Tensor | None = None, num_groups: int | None = None, inplace: bool = True,
+                 masks: list[Tensor] | None = None, scaled: list[bool] | None = None,
+                 shards: Shards = WHOLE) -> list[Tensor]:  # fmt: skip
         """Move ``params`` along ``grads`` in place; return the backup for :meth:`restore_`.
 
         Args:
             params: the tensors to perturb.
             grads: their ascent directions (same order).
             norms: per-tensor norms of ``grads`` (``shards.norms(grads)``).
-            slots: each tensor's layer (group) index, for ``norm="layer"`` (default: every
-                tensor its own group).
+            slots: each tensor's group, for ``norm="layer"`` (default: one per tensor).
             num_groups: number of groups ``slots`` indexes into.
-            inplace: scale ``grads`` into the ascent step (they are discarded by the
-                caller); ``False`` leaves them intact.
+            inplace: scale ``grads`` into the ascent step; ``False`` leaves them intact.
             masks: per-tensor coordinate masks (SSAM-F), applied after normalisation.
-            scaled: with ``adaptive``, which tensors are weights scaled by ``|w| + eta``
-                (default: all); the others (biases) are not scaled.
+            scaled: with ``adaptive``, which tensors are scaled by ``|w| + eta`` (default:
+                all).
             shards: where the tensors' elements live (FSDP2: each process moves its own).
         """
         if not params:

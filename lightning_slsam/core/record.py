@@ -1,12 +1,7 @@
-"""The record of a fit: the per-layer activation record written at the end of fit (the
-SL-SAM paper's Figure 3), the line printed then, and the run's summary.
-
-For each layer, the fraction of training steps in which it was active, its final
-probability and mean first-pass gradient norm are written as CSV (one row per layer) and
-as a PNG chart, in the logger's folder (without a logger, in
-``<default_root_dir>/slsam_records/version_N``), never overwriting an earlier run's.
-Tensors taken out of sampling (``always_active``, the detected head, ``always_frozen``)
-are in both too, after the sampled layers and marked with their role.
+"""The record of a fit: the per-layer CSV and chart written at its end (the SL-SAM paper's
+Figure 3: each layer's activation frequency, final probability and mean first-pass
+gradient norm, tensors out of sampling after the sampled layers), the line printed then,
+and the run's summary. A record never overwrites an earlier run's.
 """
 
 from __future__ import annotations
@@ -29,28 +24,11 @@ if TYPE_CHECKING:
     from lightning_slsam.core.engine import SAMEngine
     from lightning_slsam.core.partition import LayerPartition
 
-__all__ = [
-    "RATIO_METRIC",
-    "RECORD_STEM",
-    "ROLES",
-    "FixedTensor",
-    "common_affixes",
-    "fit_message",
-    "fit_summary",
-    "fixed_tensors",
-    "fresh_stem",
-    "layer_frequency_figure",
-    "layers_line",
-    "newest_chart",
-    "out_of_sampling",
-    "plot_layer_frequency",
-    "rank_correlation",
-    "ratio_label",
-    "record_dir",
-    "short_labels",
-    "write_layer_frequency_csv",
-    "write_record",
-]
+__all__ = ["RATIO_METRIC", "RECORD_STEM", "ROLES", "FixedTensor", "common_affixes", "fit_message",
+           "fit_summary", "fixed_tensors", "fresh_stem", "layer_frequency_figure", "layers_line",
+           "newest_chart", "out_of_sampling", "plot_layer_frequency", "rank_correlation",
+           "ratio_label", "record_dir", "short_labels", "write_layer_frequency_csv",
+           "write_record"]  # fmt: skip
 
 #: A layer's role in the record: drawn by the selection, or taken out of sampling.
 ROLES = ("sampled", "always_active", "always_frozen")
@@ -60,11 +38,8 @@ FixedTensor = tuple[str, int, str]
 
 
 def rank_correlation(x: Tensor, y: Tensor) -> float:
-    """Spearman's rank correlation of two equal-length vectors (ties get their mean rank).
-
-    Entries where either value is NaN are left out; NaN if fewer than two remain or one
-    side is constant.
-    """
+    """Spearman's rank correlation (ties get their mean rank), NaN entries left out; NaN if
+    fewer than two remain or one side is constant."""
     x, y = x.double().flatten(), y.double().flatten()
     keep = ~(torch.isnan(x) | torch.isnan(y))
     x, y = x[keep], y[keep]
@@ -82,27 +57,14 @@ def _ranks(values: Tensor) -> Tensor:
     return below[inverse] + (counts[inverse].double() - 1.0) / 2.0
 
 
-def write_layer_frequency_csv(
-    path: str,
-    names: Sequence[str],
-    numel: Sequence[int],
-    counts: Tensor,
-    steps: int,
-    probs: Tensor,
-    mean_norms: Tensor | None = None,
-    fixed: Sequence[FixedTensor] = (),
-    layer_steps: Tensor | None = None,
-) -> str:
-    """Write one row per layer: index, name, role, parameters, activations, frequency,
-    final p and (when given) the layer's mean first-pass gradient norm.
-
-    A layer's frequency is over the ``steps``, or over its own ``layer_steps[i]`` when
-    given (a layer that joined mid-run could be drawn in fewer).
-
-    The sampled layers come first (role ``sampled``), then the ``fixed`` tensors: an
-    always-active one was trained in every step (frequency 1), an always-frozen one in
-    none; neither has a probability or a measured norm (empty cells).
-    """
+def write_layer_frequency_csv(path: str, names: Sequence[str], numel: Sequence[int],
+                              counts: Tensor, steps: int, probs: Tensor,
+                              mean_norms: Tensor | None = None, fixed: Sequence[FixedTensor] = (),
+                              layer_steps: Tensor | None = None) -> str:  # fmt: skip
+    """Write one row per layer: index, name, role, parameters, activations, frequency (over
+    ``steps``, or the layer's own ``layer_steps``), final p and the mean first-pass gradient
+    norm (when given). The ``fixed`` tensors follow the sampled layers, with empty
+    probability and norm cells."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
@@ -123,18 +85,15 @@ def write_layer_frequency_csv(
     return path
 
 
-#: The longest tick label of the per-layer chart, in characters (see :func:`short_labels`).
+#: The longest tick label of the per-layer chart, in characters.
 LABEL_WIDTH = 36
 _ELLIPSIS = "\u2026"
-#: Inches a rotated tick label of the per-layer chart needs beside the next one.
-_LABEL_PITCH = 0.15
-#: The chart's colours by role (``ROLES``): the tick labels of fixed tensors take theirs.
+_LABEL_PITCH = 0.15  # inches between two rotated tick labels
 _COLOURS = {"sampled": "#4C72B0", "always_active": "#2E8540", "always_frozen": "#C44E52"}
 
 
 def _units(name: str) -> list[str]:
-    """A name's dotted parts, a number joined to the part before it (``layer.3``,
-    ``blocks.11``), so that an index never loses the word it counts."""
+    """A name's dotted parts, a number joined to the part before it (``layer.3``)."""
     units: list[str] = []
     for part in name.split("."):
         if part.isdigit() and units:
@@ -145,8 +104,7 @@ def _units(name: str) -> list[str]:
 
 
 def common_affixes(names: Sequence[str]) -> tuple[str, str]:
-    """The dotted prefix and suffix all ``names`` share, each name keeping a part at least:
-    what :func:`short_labels` leaves out of the labels.
+    """The dotted prefix and suffix all ``names`` share, each name keeping a part at least.
 
     Example:
         >>> common_affixes(["base_model.model.layer.0.lora_A.default.weight",
@@ -173,16 +131,10 @@ def short_labels(
 ) -> list[str]:
     """Distinct labels of at most ``width`` characters (at least 10) for layer ``names``.
 
-    The dotted prefix and suffix common to the ``shared`` names (:func:`common_affixes`;
-    default: all ``names``) are left out of their labels, the other names are shortened
-    whole: the chart passes the sampled layers, so that a tensor taken out of sampling
-    does not set what the sampled layers' labels keep.
-    A name still too long loses its commonest parts first, never its last one (``…``
-    marks the gap), so the rare parts that tell layers apart stay: the block's index,
-    ``query``, ``lora_A``, ``weight``, ``bias``. Parts that tell two otherwise equal
-    labels apart are kept; a label still too long is cut in its middle. Two different
-    names never get the same label: where shortening alone would merge them, the labels
-    start with the layer's position in ``names``.
+    The :func:`common_affixes` of the ``shared`` names (default: all ``names``) are left out
+    of theirs. A name still too long loses its commonest parts first, never its last one
+    (``…`` marks the gap), and is cut in its middle last. Two different names never get
+    the same label: where they would, the labels start with the layer's position.
 
     Example:
         >>> names = [f"base_model.model.bert.encoder.layer.{i}.attention.self.{m}"
@@ -192,14 +144,6 @@ def short_labels(
         ['layer.0.attention.self.query.lora_A', 'layer.0.attention.self.query.lora_B']
         >>> short_labels(names, width=20)[:2]
         ['layer.0…query.lora_A', 'layer.0…query.lora_B']
-        >>> short_labels(["0.weight", "0.bias", "2.weight"])
-        ['0.weight', '0.bias', '2.weight']
-        >>> head = "base_model.model.classifier.modules_to_save.default.weight"
-        >>> short_labels([*names[:2], head], shared=names)
-        ['layer.0.attention.self.query.lora_A', 'layer.0.attention.self.query.lora_B',
-         '…classifier.modules_to_save…weight']
-        >>> short_labels(["a" * 40 + "x", "a" * 40 + "y"], width=12)
-        ['aaa…aaaaaaax', 'aaa…aaaaaaay']
         >>> short_labels(["x" * 20 + "1" + "y" * 20, "x" * 20 + "2" + "y" * 20], width=12)
         ['0:xxx…yyyyyy', '1:xxx…yyyyyy']
     """
@@ -209,7 +153,7 @@ def short_labels(
     prefix, suffix = common_affixes(shared)
     inner = set(shared)
     units = [_units(_strip(n, prefix, suffix) if n in inner else n) for n in names]
-    # How many names hold each part: the commoner a part, the less it tells layers apart.
+    # How many names hold each part.
     holders: dict[str, int] = {}
     for name in names:
         for part in set(_units(name)):
@@ -234,7 +178,6 @@ def short_labels(
 
 
 def _strip(name: str, prefix: str, suffix: str) -> str:
-    """``name`` without ``prefix`` and ``suffix``, the affixes of a group it belongs to."""
     return name[len(prefix) : len(name) - len(suffix)]
 
 
@@ -282,11 +225,8 @@ def _cut(text: str, width: int) -> str:
 
 
 def ratio_label(probs: Tensor, layer_ratio: float | None, numel: Sequence[int] = ()) -> str:
-    """The legend of the chart's dashed line, drawn at the mean final draw probability.
-
-    That mean is ``layer_ratio`` under a budget of layers (``preset="paper"``). Under a
-    budget of parameters (``preset="default"``) ``layer_ratio`` is the parameter-weighted
-    mean and the plain mean differs: the label says which it is.
+    """The legend of the chart's dashed line at the mean final draw probability, saying
+    whether ``layer_ratio`` is that mean or the parameter-weighted one.
 
     Example:
         >>> import torch
@@ -311,31 +251,18 @@ def ratio_label(probs: Tensor, layer_ratio: float | None, numel: Sequence[int] =
     return text + ")"
 
 
-def layer_frequency_figure(
-    names: Sequence[str],
-    counts: Tensor,
-    steps: int,
-    probs: Tensor,
-    layer_ratio: float | None,
-    title: str = "SL-SAM: how often each layer was trained",
-    fixed: Sequence[FixedTensor] = (),
-    numel: Sequence[int] = (),
-    layer_steps: Tensor | None = None,
-) -> Figure:
-    """The activation-frequency chart: a bar per layer next to their histogram.
-
-    The ``fixed`` tensors follow the sampled layers: an always-active one as a bar of
-    another colour at 1, an always-frozen one as a cross at 0; the histogram counts the
-    sampled layers only. The dashed line marks the mean final draw probability, labelled
-    against the user's ``layer_ratio`` by :func:`ratio_label` (with the sampled layers'
-    parameter counts ``numel``). The figure widens with the number of layers up to a cap;
-    the tick labels are :func:`short_labels`, every layer's while they fit, else every
-    k-th. The legend sits below the panels.
-    """
+def layer_frequency_figure(names: Sequence[str], counts: Tensor, steps: int, probs: Tensor,
+                           layer_ratio: float | None,
+                           title: str = "SL-SAM: how often each layer was trained",
+                           fixed: Sequence[FixedTensor] = (), numel: Sequence[int] = (),
+                           layer_steps: Tensor | None = None) -> Figure:  # fmt: skip
+    """The activation-frequency chart: a bar per layer (the ``fixed`` tensors after them, an
+    always-active one as a bar at 1, an always-frozen one as a cross at 0) next to the
+    sampled layers' histogram, with the final probabilities and their mean
+    (:func:`ratio_label`)."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    # A layer that joined mid-run: the fraction of the steps it could be drawn in.
     own = torch.full((len(names),), steps) if layer_steps is None else layer_steps
     freq = (counts.double() / own.double().clamp(min=1)).numpy()
     n = len(names)
@@ -343,19 +270,14 @@ def layer_frequency_figure(
     roles = ["sampled"] * n + [role for _, _, role in fixed]
     all_names = [str(s) for s in names] + [name for name, _, _ in fixed]
     labels = short_labels(all_names, shared=[str(s) for s in names])
-    # Sizes in inches: a tick label needs _LABEL_PITCH; past the cap, every k-th is shown.
     bar_width = min(max(total * _LABEL_PITCH, 6.0), 16.0)
     every = math.ceil(total * _LABEL_PITCH / bar_width)
     ticks = list(range(0, total, every))
     label_height = 0.065 * max(len(labels[i]) for i in ticks) + 0.2
-    # Wider charts get taller bars too, so that their shape reads at a glance.
-    fig = Figure(
-        figsize=(bar_width + 4.6, 4.4 + 0.12 * (bar_width - 6.0) + label_height),
-        layout="constrained",
-    )
+    fig = Figure(figsize=(bar_width + 4.6, 4.4 + 0.12 * (bar_width - 6.0) + label_height),
+                 layout="constrained")  # fmt: skip
     ax_bar, ax_hist = fig.subplots(1, 2, width_ratios=[bar_width, 3.2])
-    # Up to 200 layers a bar each with a gap; past that touching bars, drawn as one
-    # outline (a patch each would take seconds to draw).
+    # Past 200 layers, touching bars drawn as one outline (a patch each is slow).
     width, blue = (0.8 if total <= 200 else 1.0), _COLOURS["sampled"]
     if total <= 200:
         bars = ax_bar.bar(range(n), freq, width=width, color=blue, label="activation frequency")
@@ -367,14 +289,12 @@ def layer_frequency_figure(
     frozen = [i for i, role in enumerate(roles) if role == "always_frozen"]
     if active:
         green, label = _COLOURS["always_active"], "always active (not sampled)"
-        legend.append(
-            ax_bar.bar(active, [1.0] * len(active), width=width, color=green, label=label)
-        )
+        legend.append(ax_bar.bar(active, [1.0] * len(active), width=width, color=green,
+                                 label=label))  # fmt: skip
     if frozen:
         red, label = _COLOURS["always_frozen"], "always frozen (not sampled)"
-        legend += ax_bar.plot(
-            frozen, [0.0] * len(frozen), "x", color=red, clip_on=False, label=label
-        )
+        legend += ax_bar.plot(frozen, [0.0] * len(frozen), "x", color=red, clip_on=False,
+                              label=label)  # fmt: skip
     dot = 5 if total <= 60 else 3 if total <= 200 else 2
     legend += ax_bar.plot(range(n), probs.numpy(), "o", color="#DD8452", ms=dot,
                           label="final draw probability")  # fmt: skip
@@ -394,7 +314,6 @@ def layer_frequency_figure(
     ax_hist.set_ylim(bottom=0)
     ax_hist.set_title(f"{n} sampled layers" if fixed else f"{n} layers")
     ax_bar.set_title(title)
-    # Below the panels and their labels: it hides no bar and no name.
     texts = [str(handle.get_label()) for handle in legend]
     fig.legend(handles=legend, loc="outside lower center", frameon=False, fontsize=9,
                ncol=_legend_columns(texts, fig.get_figwidth()))  # fmt: skip
@@ -402,8 +321,7 @@ def layer_frequency_figure(
 
 
 def _legend_columns(texts: list[str], width: float) -> int:
-    """The most columns in which a 9-point legend of ``texts`` fits ``width`` inches
-    (matplotlib fills the columns top to bottom)."""
+    """The most columns in which a 9-point legend of ``texts`` fits ``width`` inches."""
     for columns in range(len(texts), 1, -1):
         rows = math.ceil(len(texts) / columns)
         chunks = [texts[k : k + rows] for k in range(0, len(texts), rows)]
@@ -413,8 +331,7 @@ def _legend_columns(texts: list[str], width: float) -> int:
 
 
 def _axis_label(sampled: Sequence[str], every: int, width: float) -> str:
-    """The layer axis' title: which layers are labelled and what the labels leave out,
-    wrapped to ``width`` inches (a 10-point character is about 0.08 inch)."""
+    """The layer axis' title, saying what the labels leave out, wrapped to ``width`` inches."""
     notes = [f"one label per {every} layers"] if every > 1 else []
     prefix, suffix = common_affixes(sampled)
     dropped = " and ".join(f"'{_cut(part, 40)}'" for part in (prefix, suffix) if part)
@@ -425,22 +342,14 @@ def _axis_label(sampled: Sequence[str], every: int, width: float) -> str:
     return "layer in model order\n" + textwrap.fill(f"({'; '.join(notes)})", int(width / 0.08))
 
 
-def plot_layer_frequency(
-    path: str,
-    names: Sequence[str],
-    counts: Tensor,
-    steps: int,
-    probs: Tensor,
-    layer_ratio: float | None,
-    title: str = "SL-SAM: how often each layer was trained",
-    fixed: Sequence[FixedTensor] = (),
-    numel: Sequence[int] = (),
-    layer_steps: Tensor | None = None,
-) -> str:
+def plot_layer_frequency(path: str, names: Sequence[str], counts: Tensor, steps: int,
+                         probs: Tensor, layer_ratio: float | None,
+                         title: str = "SL-SAM: how often each layer was trained",
+                         fixed: Sequence[FixedTensor] = (), numel: Sequence[int] = (),
+                         layer_steps: Tensor | None = None) -> str:  # fmt: skip
     """Save :func:`layer_frequency_figure` as a PNG at ``path``; returns ``path``."""
-    fig = layer_frequency_figure(
-        names, counts, steps, probs, layer_ratio, title, fixed, numel, layer_steps
-    )
+    fig = layer_frequency_figure(names, counts, steps, probs, layer_ratio, title, fixed, numel,
+                                 layer_steps)  # fmt: skip
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=120)
     return path
@@ -451,16 +360,15 @@ RATIO_METRIC = "slsam/mean_active_ratio"
 
 
 def record_dir(trainer: Any) -> str:
-    """Where the end-of-fit record goes: the logger's folder, or without a logger
-    ``<default_root_dir>/slsam_records`` (one ``version_N`` folder per run)."""
+    """Where the record goes: the logger's folder, else ``<default_root_dir>/slsam_records``."""
     if trainer.loggers:
         return trainer.log_dir or trainer.default_root_dir
     return os.path.join(trainer.default_root_dir, "slsam_records")
 
 
 def fresh_stem(directory: str, versioned: bool) -> str:
-    """A path stem for the record that overwrites no earlier run's: a new ``version_N``
-    folder, or a ``_N`` suffix when the folder holds a record already."""
+    """A path stem overwriting no earlier record: a new ``version_N`` folder, or a ``_N``
+    suffix."""
     if versioned:
         taken = glob.glob(os.path.join(directory, "version_*"))
         numbers = [int(m.group(1)) for p in taken if (m := re.search(r"version_(\d+)$", p))]
@@ -485,9 +393,8 @@ def fit_message(name: str, engine: SAMEngine, chart: str | None) -> str:
 
 
 def layers_line(engine: SAMEngine) -> str:
-    """The layers' part of the end-of-fit line: how many were sampled and never selected
-    (where the layers were sampled, :meth:`~lightning_slsam.core.engine.SAMEngine.sampled`),
-    and the skipped steps."""
+    """The layers' part of the end-of-fit line: the sampled and never selected layers (where
+    they were sampled) and the skipped steps."""
     skipped = f"{engine.num_skipped} skipped steps"
     if not engine.sampled():
         return skipped
@@ -518,9 +425,8 @@ def out_of_sampling(partition: LayerPartition, shown: int = 6) -> str:
 
 
 def fit_summary(trainer: Any, ratio: float, chart: str | None) -> dict[str, Any]:
-    """The run's mean active ratio and chart; where the process that called ``fit`` did
-    not train (``ddp_spawn``), the ratio from ``trainer.callback_metrics`` and the newest
-    chart in the run's record folder."""
+    """The run's mean active ratio and chart, found from the trainer where this process
+    did not train (``ddp_spawn``)."""
     if math.isnan(ratio) and RATIO_METRIC in trainer.callback_metrics:
         ratio = float(trainer.callback_metrics[RATIO_METRIC])
     if chart is None and not math.isnan(ratio):
@@ -545,43 +451,22 @@ def fixed_tensors(partition: LayerPartition) -> list[FixedTensor]:
 
 
 def write_record(
-    stem: str,
-    engine: SAMEngine,
-    partition: LayerPartition,
-    plot: bool,
-    title: str,
+    stem: str, engine: SAMEngine, partition: LayerPartition, plot: bool, title: str,
     layer_ratio: float | None,
-) -> tuple[str, str | None]:
-    """Write ``stem.csv`` (and ``stem.png`` if ``plot``): each layer's activation count,
-    frequency, probability and mean gradient norm. ``layer_ratio`` is the method's option
-    (``None`` for a method without one), named in the chart's legend. Returns both
-    paths."""
+) -> tuple[str, str | None]:  # fmt: skip
+    """Write ``stem.csv`` (and ``stem.png`` if ``plot``; ``layer_ratio``: the method's
+    option, or ``None``); returns both paths."""
     steps = engine.num_steps - engine.num_skipped
     probs = engine.selection.probs
     fixed = fixed_tensors(partition)
     csv_path = write_layer_frequency_csv(
-        stem + ".csv",
-        partition.names,
-        partition.numel,
-        engine.counts,
-        steps,
-        probs,
-        engine.mean_norms(),
-        fixed=fixed,
-        layer_steps=engine.layer_steps(),
-    )
+        stem + ".csv", partition.names, partition.numel, engine.counts, steps, probs,
+        engine.mean_norms(), fixed=fixed, layer_steps=engine.layer_steps(),
+    )  # fmt: skip
     png_path = None
     if plot:
         png_path = plot_layer_frequency(
-            stem + ".png",
-            partition.names,
-            engine.counts,
-            steps,
-            probs,
-            layer_ratio,
-            title=title,
-            fixed=fixed,
-            numel=partition.numel,
-            layer_steps=engine.layer_steps(),
-        )
+            stem + ".png", partition.names, engine.counts, steps, probs, layer_ratio,
+            title=title, fixed=fixed, numel=partition.numel, layer_steps=engine.layer_steps(),
+        )  # fmt: skip
     return csv_path, png_path

@@ -1,19 +1,9 @@
 """Compiled regions: the parts of a model that ``torch.compile`` traces as one graph.
 
-``torch.compile`` guards each graph on the ``requires_grad`` of the tensors it was traced
-with. Freezing a different set of tensors inside a compiled graph every step makes a new
-graph every step, until torch._dynamo's recompile limit, after which the code runs
-uncompiled. Layer sampling therefore freezes a compiled region all at once or not at all:
-every compiled submodule is one layer of the partition, so each region's graph is traced
-in a bounded number of variants (its parameters trainable or frozen, times whether its
-input needs a gradient, times grad mode) however the layers are drawn.
-
-Found here: submodules compiled in place (``block.compile()``, the regional compilation
-recipe) and compiled submodules placed in the model (``model.blocks[i] =
-torch.compile(block)``). A model compiled whole (``torch.compile(model)``, or the
-Trainer's compiled module) is one region with nothing left to sample:
-:func:`compile_blocks_instead` runs such a region eagerly and compiles its repeated blocks
-(a transformer's layers) with the region's own ``torch.compile`` settings instead.
+A compiled graph is guarded on its tensors' ``requires_grad``, so layer sampling freezes a
+compiled region whole or not at all: each compiled submodule is one layer, and its graph
+has a bounded number of variants (docs/training-features.md). A model compiled whole has
+nothing left to sample: :func:`compile_blocks_instead` compiles its repeated blocks instead.
 """
 
 from __future__ import annotations
@@ -23,24 +13,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = [
-    "MIN_TORCH",
-    "compile_blocks",
-    "compile_blocks_instead",
-    "compiled_regions",
-    "compiled_whole",
-    "repeated_blocks",
-    "torch_guards_requires_grad",
-]
+__all__ = ["MIN_TORCH", "compile_blocks", "compile_blocks_instead", "compiled_regions",
+           "compiled_whole", "repeated_blocks", "torch_guards_requires_grad"]  # fmt: skip
 
-#: The first torch whose compiled graphs are reliably re-guarded when a parameter's
-#: ``requires_grad`` changes (pytorch#139476: earlier versions may reuse a stale graph).
+#: The first torch whose compiled graphs are re-guarded when a ``requires_grad`` changes.
 MIN_TORCH = (2, 12)
 
 
 def _is_optimized(module: nn.Module) -> bool:
-    """A ``torch.compile(module)`` wrapper that still runs compiled (not handed back to
-    eager by :func:`compile_blocks_instead`)."""
+    """A ``torch.compile(module)`` wrapper still running compiled."""
     from torch._dynamo.eval_frame import OptimizedModule
 
     if not isinstance(module, OptimizedModule):
@@ -55,7 +36,7 @@ def _compiled_in_place(module: nn.Module) -> bool:
 
 def compiled_whole(model: nn.Module) -> bool:
     """Whether ``model`` itself is compiled (``torch.compile(model)``, ``model.compile()``,
-    or the Trainer's compiled module, which Lightning marks with ``_compiler_ctx``)."""
+    or Lightning's compiled module, marked with ``_compiler_ctx``)."""
     return (
         _is_optimized(model)
         or _compiled_in_place(model)
@@ -64,8 +45,8 @@ def compiled_whole(model: nn.Module) -> bool:
 
 
 def compiled_regions(model: nn.Module) -> list[str]:
-    """The qualified names of ``model``'s compiled submodules, outermost only (a region's
-    own compiled children are part of it), in model order.
+    """The qualified names of ``model``'s compiled submodules, outermost only, in model
+    order.
 
     Example:
         >>> blocks = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
@@ -97,8 +78,7 @@ def torch_guards_requires_grad(version: str | None = None) -> bool:
 
 def repeated_blocks(module: nn.Module) -> list[str]:
     """The qualified names of ``module``'s repeated blocks: the children of its largest
-    ``ModuleList``/``Sequential`` (by parameter count) whose 2+ children are all of one
-    class and hold parameters (a transformer's layers, a ResNet stage's blocks).
+    ``ModuleList``/``Sequential`` whose 2+ children are of one class and hold parameters.
 
     Example:
         >>> class Net(torch.nn.Module):
@@ -127,10 +107,8 @@ def repeated_blocks(module: nn.Module) -> list[str]:
 
 
 def compile_blocks(module: nn.Module, context: Any = None, **options: Any) -> list[str]:
-    """Compile ``module``'s :func:`repeated_blocks` in place, as ``block.compile(**options)``
-    does (``context``: an existing ``torch.compile`` context to compile them with instead,
-    e.g. a compiled module's ``dynamo_ctx``). Blocks compiled already are left as they are.
-    Returns the blocks' names."""
+    """Compile ``module``'s :func:`repeated_blocks` in place with ``block.compile(**options)``
+    (or the ``torch.compile`` ``context`` given), leaving compiled ones; returns their names."""
     blocks = repeated_blocks(module)
     for name in blocks:
         _compile(module.get_submodule(name), context, options)
@@ -147,8 +125,7 @@ def _compile(block: nn.Module, context: Any, options: dict[str, Any]) -> None:
 
 
 def _context_of(compiled_call: Any) -> Any:
-    """The ``torch.compile`` context that made ``compiled_call`` (a module's in-place
-    compiled call), or ``None`` when it cannot be recovered."""
+    """The ``torch.compile`` context that made ``compiled_call``, or ``None``."""
     from torch._dynamo.eval_frame import _TorchDynamoContext
 
     for cell in getattr(compiled_call, "__closure__", None) or ():
@@ -162,17 +139,14 @@ def _context_of(compiled_call: Any) -> Any:
 
 
 def compile_blocks_instead(model: nn.Module, context: Any = None) -> dict[str, list[str]]:
-    """Regional compilation of what was compiled whole, for methods that sample layers.
-
-    Every compiled region of ``model`` that holds repeated blocks (``model`` itself when
-    ``context`` is given or it was compiled in place, and compiled submodules) runs eagerly
-    from here on, and its blocks are compiled with the region's own ``torch.compile``
-    settings instead. A region without repeated blocks stays compiled, as one layer.
+    """Regional compilation of what was compiled whole: every compiled region of ``model``
+    holding repeated blocks runs eagerly from here on, its blocks compiled with the
+    region's own settings; a region without them stays compiled, as one layer.
 
     Args:
         model: the model.
-        context: the ``torch.compile`` context ``model`` itself was compiled with, when the
-            caller has already handed ``model`` back to eager (Lightning's compiled module).
+        context: the ``torch.compile`` context ``model`` was compiled with, when the caller
+            has already handed it back to eager (Lightning's compiled module).
 
     Returns:
         Each region handed back to eager (``""`` for ``model``) -> its blocks, now compiled.

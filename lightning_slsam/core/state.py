@@ -1,11 +1,6 @@
-"""A method's state in a checkpoint, for every front-end: what is saved
-(:func:`method_state`) and restoring it after checking it was saved for the same layers
-(:func:`apply_method_state`).
-
-The Lightning callback, :class:`~lightning_slsam.FabricSAM` and the Hugging Face
-:class:`~lightning_slsam.hf.SAMTrainer` save and restore the same record. A checkpoint of
-other layers is refused with a :class:`CheckpointMismatch` (a ``ValueError``; the Lightning
-callback raises it as Lightning's own configuration error), before anything changed.
+"""A method's state in a checkpoint, the same for every front-end: what is saved
+(:func:`method_state`), and restoring it (:func:`apply_method_state`) once checked to be
+for the same layers (else a :class:`CheckpointMismatch`, before anything changed).
 """
 
 from __future__ import annotations
@@ -16,13 +11,8 @@ from typing import Any
 from lightning_slsam.core.engine import SAMEngine
 from lightning_slsam.core.partition import LayerPartition
 
-__all__ = [
-    "CheckpointMismatch",
-    "apply_method_state",
-    "check_saved_layers",
-    "differs_by_trainable",
-    "method_state",
-]
+__all__ = ["CheckpointMismatch", "apply_method_state", "check_saved_layers", "differs_by_trainable",
+           "method_state"]  # fmt: skip
 
 
 class CheckpointMismatch(ValueError):
@@ -46,14 +36,10 @@ def method_state(method: str, spec: Any, engine: SAMEngine) -> dict[str, Any]:
 def apply_method_state(state: dict[str, Any], engine: SAMEngine, *, owner: str,
                        spec: Any, warn: Callable[[str], Any],
                        preset: str | None = None) -> None:  # fmt: skip
-    """Restore :func:`method_state`'s output into ``engine`` after checking that it was
-    saved for the same layers (a :class:`CheckpointMismatch` otherwise). ``owner`` names the
-    front-end in messages; ``spec`` is the running method's specification; a callback's
-    ``preset`` lets the message say how to resume a checkpoint of another preset.
-
-    Layers that differ only because tensors became trainable or were frozen since (the
-    same tensors in the same layers wherever both have them) are carried over by name,
-    with a warning saying what changed."""
+    """Restore :func:`method_state`'s output into ``engine`` once checked to be for the same
+    layers (a :class:`CheckpointMismatch` otherwise; ``owner`` names the front-end, a
+    callback's ``preset`` the fix). Layers that differ only because tensors became
+    trainable or were frozen since are carried over by name, with a warning."""
     partition = engine.partition
     saved, current = state.get("layer_tensors"), partition.signature()
     engine_state = dict(state["engine"])
@@ -103,12 +89,9 @@ def differs_by_trainable(state: dict[str, Any], partition: LayerPartition) -> bo
 def check_saved_layers(owner: str, saved: Any, current: list[list[str]], *,
                        preset: str | None = None,
                        saved_preset: str | None = None) -> None:  # fmt: skip
-    """A checkpoint's layers (``saved``; ``None`` in old ones) match the model's
-    (``current``), or a :class:`CheckpointMismatch` says how they differ.
-
-    ``preset``: the running callback's preset; ``saved_preset``: the one the checkpoint was
-    trained with. When they differ (a checkpoint of the paper's configuration, the default
-    before 0.2.0, say), the message says how to resume it as it was."""
+    """Raise a :class:`CheckpointMismatch` saying how a checkpoint's layers (``saved``;
+    ``None`` in old ones) differ from the model's (``current``), and which preset to resume
+    with where the checkpoint's (``saved_preset``) is not the callback's (``preset``)."""
     if saved is not None and saved != current:
         hint = ""
         if saved_preset is not None and preset is not None and saved_preset != preset:

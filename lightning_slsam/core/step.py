@@ -1,30 +1,14 @@
 """One training step of every method, as functions over explicit arguments.
 
-Three kinds of step make every method of the plugin:
+* :func:`sam_step` -- SAM's two passes: the gradient on the drawn layers, the ascent, the
+  gradient at the perturbed weights, the exact restore;
+* :func:`plain_step` -- one pass (RST's plain steps, LookSAM's reuse steps);
+* :func:`single_step` -- one pass at weights perturbed along directions known before the
+  step (S2-SAM, Momentum-SAM, ARWP).
 
-* :func:`sam_step` -- SAM's two passes (Foret et al., 2021): the gradient on the drawn
-  layers, the ascent ``w + rho * g / ||g||``, the gradient at the perturbed weights, the
-  exact restore, the update with that second gradient;
-* :func:`plain_step` -- one pass and the update (RST's plain steps; LookSAM's steps in
-  between, which add a stored component to the gradient);
-* :func:`single_step` -- single-step SAM: one pass at weights perturbed along a direction
-  known before the step (S2-SAM: each layer's gradient from the last step it was trained
-  in; Momentum-SAM: against the optimizer's momentum).
-
-Each returns what it computed (:class:`Passed`: each pass's scalars and size, the
-per-layer norms, the layers drawn and updated, the gradients a single-step method keeps);
-the engine then ends the step with :func:`commit` -- one host transfer of the losses, a
-finiteness probe of each pass and the per-layer gradient norms, then the optimizer's
-update or a skip with the weights restored exactly and nothing else changed -- and builds
-the step's record (:class:`StepResult`) once, from both.
-
-They work on explicit arguments: the step's context (:class:`StepContext`: the training
-loop's callables, a :class:`LoopHooks`; the layers, a
-:class:`~lightning_slsam.core.partition.LayerFreezer`; the pass isolation and the shards),
-the layers drawn, the selection, the perturbation, and what the method adds
-(:class:`MethodParts`, whose hooks do nothing unless the method overrides them: ESAM's
-sample choice, SSAM-F's ascent mask, LookSAM's stored component). The stateful shell
-around them -- drawing the layers, counting, saving -- is
+Each returns a :class:`Passed`; :func:`commit` then ends the step with one host transfer
+and the optimizer's update, or a skip that leaves everything as it was. What a method adds
+is its :class:`MethodParts`; the stateful shell around the steps is
 :class:`~lightning_slsam.core.engine.SAMEngine`.
 """
 
@@ -48,26 +32,11 @@ from lightning_slsam.parallel.ddp import GradientAverager, average_grads
 from lightning_slsam.parallel.shards import Shards
 from lightning_slsam.selection.rules import LayerSelection
 
-__all__ = [
-    "STEP_KINDS",
-    "ExtraWork",
-    "LoopHooks",
-    "MethodParts",
-    "Outcome",
-    "Passed",
-    "StepContext",
-    "StepKind",
-    "StepResult",
-    "commit",
-    "gradient_pass",
-    "plain_step",
-    "sam_step",
-    "scale_update",
-    "single_step",
-]
+__all__ = ["STEP_KINDS", "ExtraWork", "LoopHooks", "MethodParts", "Outcome", "Passed",
+           "StepContext", "StepKind", "StepResult", "commit", "gradient_pass", "plain_step",
+           "sam_step", "scale_update", "single_step"]  # fmt: skip
 
-#: The kinds a step can be: SAM's two passes, one plain pass, LookSAM's reuse (a plain pass
-#: plus the stored component), a single-step SAM pass.
+#: The kinds a step can be: SAM's two passes, one plain pass, LookSAM's reuse, single-step SAM.
 StepKind = Literal["sam", "plain", "reuse", "single"]
 STEP_KINDS: tuple[StepKind, ...] = ("sam", "plain", "reuse", "single")
 
@@ -80,21 +49,17 @@ class LoopHooks:
         forward_backward: runs one pass over the step's batch (:class:`~lightning_slsam.
             core.passes.PassRunner`).
         zero_grad: sets every gradient to ``None``.
-        optimizer_step: ``optimizer_step(skip)`` steps the base optimizer; ``skip=True``:
-            every gradient is ``None`` and nothing may change, but per-step counters such as
-            Lightning's ``global_step`` still advance.
-        grad_scale: returns a gradient scaler's current loss scale (a tensor on the
-            gradients' device), when one is in use: the per-layer norms the selection learns
-            from are divided by it. Everything else SAM computes is scale-free.
+        optimizer_step: ``optimizer_step(skip)`` steps the base optimizer; with
+            ``skip=True`` nothing may change but per-step counters (``global_step``).
+        grad_scale: returns a gradient scaler's loss scale (a device tensor), which the
+            per-layer norms are divided by; ``None``: no scaler.
         averager: averages gradients across processes (DDP); ``None`` on one process.
         check_draw: check on this step that every process drew the same layers.
         after_update: for a loop whose optimizer steps after the SAM step returns (the
-            Hugging Face Trainer's: it clips, steps and schedules itself), takes the work
-            due right after the optimizer's update (the update scaling, a method reading
-            the update's gradients) and runs it then;
-            ``None``: ``optimizer_step`` made the update, and that work runs at once.
-        optimizer: the optimizer ``optimizer_step`` steps (a framework's wrapper of it is
-            fine), whose state a method may read: Momentum-SAM's momentum.
+            Hugging Face Trainer's), takes the work due right after the update and runs it
+            then; ``None``: that work runs at once.
+        optimizer: the optimizer ``optimizer_step`` steps (or a wrapper), whose state a
+            method may read.
     """
 
     forward_backward: PassRunner
@@ -115,14 +80,10 @@ class StepContext:
         step: the step's 0-based count of optimizer steps (skipped ones included).
         loop: what the training loop handed the step.
         layers: the layers, frozen and unfrozen a draw at a time.
-        isolation: what one pass may leave behind (running statistics, random streams;
-            ``None`` when the model has neither).
-        shards: the :mod:`~lightning_slsam.parallel.shards` seam (whole tensors, or FSDP2
-            shards).
-        planned: the run's planned optimizer steps (``math.inf``: not known), for a method
-            whose schedule spans the run (ARWP's growing noise, MESA's start).
-        module: the model (``None`` where the engine was built without it), for a method
-            that runs it in evaluation mode (MESA's forward at the averaged weights).
+        isolation: what one pass may leave behind (``None``: nothing to isolate).
+        shards: the :mod:`~lightning_slsam.parallel.shards` seam (whole tensors or FSDP2).
+        planned: the run's planned optimizer steps (``math.inf``: not known).
+        module: the model (``None`` where the engine was built without it).
     """
 
     step: int
@@ -154,12 +115,10 @@ class StepResult:
         extra_backward: backward passes outside the training passes (SSAM-F's Fisher).
         allreduce_bytes: bytes this process all-reduced across processes this step.
         skipped: whether the update was skipped; ``skip_reason`` says why.
-        drawn: whether the selection drew the active set. A forced dense step (the plain
-            first step of single-step SAM) is not a draw, and the selection does not learn
-            from it.
+        drawn: whether the selection drew the active set (not for single-step SAM's dense
+            first step, which the selection does not learn from).
         active_ratio: the SL-SAM paper's "Active Ratio": the fraction of trainable
-            parameters with a gradient, summed over the training passes (plain AdamW 1.0,
-            SAM 2.0).
+            parameters with a gradient, summed over the training passes (AdamW 1, SAM 2).
     """
 
     loss: Tensor | None
@@ -186,54 +145,30 @@ class StepResult:
 
 
 class MethodParts:
-    """What a method adds to the shared steps (this base adds nothing: SAM on every step).
+    """What a method adds to the shared steps; this base adds nothing (SAM on every step).
 
     A method's specification builds its parts (:meth:`~lightning_slsam.methods.spec.
-    MethodSpec.parts`); the engine runs the step kind :meth:`kind` names. Every hook gets
-    the step's :class:`StepContext` first and does nothing here; a method overrides those
-    it needs:
-
-    * :meth:`check_optimizer` -- refuse an optimizer the method cannot use, before the
-      first step changes anything (Momentum-SAM: one without momentum);
-    * :meth:`before_step` -- before the step's kind runs (SSAM-F's Fisher refresh);
-    * :meth:`choose_samples` -- the second pass's samples (ESAM);
-    * :meth:`ascent_masks` -- coordinate masks on the ascent (SSAM-F);
-    * :meth:`after_sam_step` -- with the perturbed tensors and both passes' gradients
-      (LookSAM's store);
-    * :meth:`adjust_grads` -- on a ``"reuse"`` step, before the update (LookSAM);
-    * :meth:`directions` -- a ``"single"`` step's directions (S2-SAM: the last step's
-      gradients; Momentum-SAM: the optimizer's momentum; ARWP: random noise);
-    * :meth:`after_update` -- after the update of a one-pass step, with its gradients (ARWP's
-      running squared gradients, MESA's average of the weights);
-    * :meth:`extra_loss` -- a term added to each micro-batch's loss, from what the training
-      step returned (:attr:`needs_outputs`: SAF's and MESA's consistency term).
-
-    A hook reports a warning through :attr:`warn` (the engine's builder sets it:
-    Lightning's rank-zero warning under the callback).
-
-    State the parts own is saved with the engine's: :meth:`state_dict` returns plain values
-    and per-tensor stores (dicts keyed by the tensor's position in the partition, gathered
-    whole under FSDP2), :meth:`load_state_dict` gets them back with the tensors by position.
+    MethodSpec.parts`); the engine runs the step kind :meth:`kind` names. Every hook takes
+    the step's :class:`StepContext` first and does nothing here (which method uses each:
+    docs/extending.md). State the parts own is saved with the engine's: per-tensor stores
+    are dicts keyed by the tensor's position.
     """
 
     #: Whether the steps' losses must carry per-sample losses (ESAM's sample choice).
     needs_per_sample: bool = False
     #: Whether the SAM step keeps the first pass's gradients for :meth:`after_sam_step`.
     keeps_first_grads: bool = False
-    #: Whether a single-step method's directions are the gradients of the last step each
-    #: tensor was trained in (S2-SAM): the engine keeps them after each update.
+    #: Whether the engine keeps each update's gradients as the next directions (S2-SAM).
     keeps_last_grads: bool = True
-    #: Whether :meth:`directions` returns tensors made for this step alone (ARWP's noise),
-    #: which the step then moves the weights by in place, with no copy.
+    #: Whether :meth:`directions` returns tensors for this step alone, scaled in place.
     fresh_directions: bool = False
     #: Whether a one-pass step hands :meth:`after_update` its tensors and gradients.
     reads_update_grads: bool = False
-    #: What :meth:`extra_loss` reads of the training step's outputs (``"logits"``,
-    #: ``"index"``: :data:`~lightning_slsam.core.passes.OUTPUT_KEYS`); empty: no extra term.
+    #: The :data:`~lightning_slsam.core.passes.OUTPUT_KEYS` :meth:`extra_loss` reads.
     needs_outputs: tuple[str, ...] = ()
     #: The method's name in messages.
     label: str = "the method"
-    #: How a hook reports a warning.
+    #: How a hook reports a warning (set by the engine's builder).
     warn: Callable[[str], None] = warnings.warn
 
     def kind(self, step: int) -> StepKind:
@@ -241,7 +176,8 @@ class MethodParts:
         return "sam"
 
     def check_optimizer(self, optimizer: Any) -> None:
-        """Raise a ``ValueError`` naming the fix for an optimizer the method cannot use."""
+        """Raise a ``ValueError`` naming the fix for an optimizer the method cannot use,
+        before the first step."""
 
     def before_step(self, ctx: StepContext) -> ExtraWork:
         """Run before the step's kind; returns the work it did outside the training passes."""
@@ -250,40 +186,37 @@ class MethodParts:
     def choose_samples(
         self, ctx: StepContext, first: PassOutput, isolated: StepIsolation | None
     ) -> list[Tensor] | None:
-        """The second pass's samples, one index tensor per micro-batch (``None``: all of
-        them), from the first pass's output; an extra forward runs inside
-        ``isolated.extra_forward()`` (``isolated``: the step's isolation, ``None`` when there
-        is nothing to isolate). Set :attr:`needs_per_sample` to get per-sample losses."""
+        """The second pass's samples, one index tensor per micro-batch (``None``: all), from
+        the first pass's output (ESAM); an extra forward runs inside
+        ``isolated.extra_forward()``."""
         return None
 
     def ascent_masks(self, ctx: StepContext, params: list[Tensor]) -> list[Tensor] | None:
-        """A coordinate mask per perturbed tensor (``None``: the whole ascent)."""
+        """A coordinate mask per perturbed tensor (``None``: the whole ascent; SSAM-F)."""
         return None
 
     def after_sam_step(self, ctx: StepContext, params: list[Tensor], first_grads: list[Tensor],
                        params2: list[Tensor], grads2: list[Tensor]) -> None:  # fmt: skip
         """After a SAM step's second pass: the perturbed tensors, their first-pass gradients
-        (empty unless :attr:`keeps_first_grads`), the second pass's tensors and gradients."""
+        (empty unless :attr:`keeps_first_grads`), the second pass's tensors and gradients
+        (LookSAM)."""
 
     def adjust_grads(self, ctx: StepContext, params: list[Tensor], grads: list[Tensor]) -> None:
-        """On a ``"reuse"`` step, change ``grads`` in place before the update."""
+        """On a ``"reuse"`` step, change ``grads`` in place before the update (LookSAM)."""
 
     def directions(
         self, ctx: StepContext, params: Sequence[Tensor], last_grads: dict[int, Tensor]
     ) -> dict[int, Tensor]:
-        """A ``"single"`` step's direction of each of ``params`` that has one, by ``id``, as
-        the step moves them (each process's own shards under FSDP2); empty: none yet (the
-        engine runs a plain step). Here: ``last_grads``, the gradients of the last step
-        each tensor was trained in."""
+        """A ``"single"`` step's direction of each of ``params`` that has one, by ``id``
+        (local shards under FSDP2); empty: none yet. Here: ``last_grads``."""
         return last_grads
 
     def after_update(self, ctx: StepContext, params: list[Tensor], grads: list[Tensor]) -> None:
         """After a one-pass step's update (with :attr:`reads_update_grads`): its tensors and
-        their gradients, after the optimizer's unscaling and clipping."""
+        gradients, as the optimizer used them."""
 
     def extra_loss(self, ctx: StepContext, i: int, output: LossOutput) -> Tensor | None:
-        """The term added to micro-batch ``i``'s loss before its backward (``None``: none),
-        from the training step's ``output`` (with :attr:`needs_outputs`)."""
+        """The term added to micro-batch ``i``'s loss before its backward (``None``: none)."""
         return None
 
     def state_dict(self, index: dict[int, int]) -> dict[str, Any]:
@@ -314,17 +247,14 @@ class Passed:
     """What a step function computed, for :func:`commit` to end the step with.
 
     Attributes:
-        first: the first pass's scalars (its loss, a probe of its gradients' finiteness).
+        first: the first pass's scalars (its loss, a finiteness probe of its gradients).
         second: the second pass's (empty for a step of one pass).
-        layer_norms: the first pass's per-layer gradient norms, which the selection learns
-            from.
-        update_mask: the layers drawn for the first pass, those the selection learns about.
-        active_mask: the layers the update trains (the draw, or the selection's refinement
-            of it for the second pass).
+        layer_norms: the first pass's per-layer gradient norms.
+        update_mask: the layers drawn for the first pass, which the selection learns about.
+        active_mask: the layers the update trains.
         pass_numel: parameters with a gradient in each pass.
         allreduce_bytes: bytes the passes all-reduced across processes.
-        kept: a single-step method's tensors and their gradients, stored for its next step
-            once the update is made (``None``: nothing to keep).
+        kept: tensors and gradients to keep once the update is made (``None``: none).
     """
 
     first: list[Tensor]
@@ -343,8 +273,8 @@ class Outcome(NamedTuple):
     Attributes:
         skip_reason: why the update was skipped (``None``: it was made).
         allreduce_bytes: bytes all-reduced doing so.
-        norms: when the update was made, the first pass's per-layer gradient norms as the
-            selection learns them (float64, CPU; loss scale removed).
+        norms: when the update was made, the first pass's per-layer gradient norms
+            (float64, CPU; loss scale removed).
     """
 
     skip_reason: str | None
@@ -352,18 +282,10 @@ class Outcome(NamedTuple):
     norms: Tensor | None = None
 
 
-def gradient_pass(
-    ctx: StepContext,
-    active: list[Tensor],
-    mask: Tensor,
-    subsets: list[Tensor] | None = None,
-    sync: bool = True,
-) -> _Pass:
-    """One forward/backward on the ``active`` tensors; gradients and norms kept on device.
-
-    Under DDP the gradients are averaged across processes first (``sync``); otherwise the
-    per-layer norms alone are. FSDP2 has averaged its sharded gradients already.
-    """
+def gradient_pass(ctx: StepContext, active: list[Tensor], mask: Tensor,
+                  subsets: list[Tensor] | None = None, sync: bool = True) -> _Pass:  # fmt: skip
+    """One forward/backward on the ``active`` tensors, gradients and norms on the device;
+    under DDP the gradients are averaged (``sync``), else only the per-layer norms."""
     loop, layers, shards = ctx.loop, ctx.layers, ctx.shards
     loop.zero_grad()
     fb = loop.forward_backward
@@ -383,15 +305,9 @@ def gradient_pass(
                  layers.numel(mask), sent)  # fmt: skip
 
 
-def sam_step(
-    ctx: StepContext,
-    mask: Tensor,
-    *,
-    selection: LayerSelection,
-    perturbation: SAMPerturbation,
-    parts: MethodParts,
-    sync_first_pass: bool,
-) -> Passed:
+def sam_step(ctx: StepContext, mask: Tensor, *, selection: LayerSelection,
+             perturbation: SAMPerturbation, parts: MethodParts,
+             sync_first_pass: bool) -> Passed:  # fmt: skip
     """SAM's two passes on the layers in ``mask``."""
     layers, shards = ctx.layers, ctx.shards
     iso = ctx.isolation.begin() if ctx.isolation is not None else None
@@ -407,9 +323,8 @@ def sam_step(
     chosen = [i for i, p in enumerate(first.params) if id(p) in keep]
     pp = [first.params[i] for i in chosen]
     pg = [first.grads[i] for i in chosen]
-    # 3. The ascent. A non-finite first pass is only detected at the end of the step
-    # (checking here would cost a second host sync every step); the exact restore undoes
-    # whatever a NaN perturbation did.
+    # 3. The ascent. A non-finite first pass is detected at the end of the step (one host
+    # sync per step); the exact restore undoes whatever a NaN perturbation did.
     keep_first = parts.keeps_first_grads
     backup = perturbation.perturb_(
         pp, pg, first.norms[chosen], first.slots[chosen], layers.num_groups,
@@ -447,36 +362,26 @@ def plain_step(
     ctx: StepContext, mask: Tensor, *, parts: MethodParts, reuse: bool = False,
     keep: bool = False,
 ) -> Passed:  # fmt: skip
-    """One pass on the layers in ``mask``; a ``reuse`` step (LookSAM's) lets the method
-    adjust the gradients for the update. ``keep``: return the step's tensors and gradients
-    (single-step SAM's first step, which has no direction yet: S2-SAM's store)."""
+    """One pass on the layers in ``mask``; a ``reuse`` step lets the method adjust the
+    gradients. ``keep``: return the step's tensors and gradients."""
     out = gradient_pass(ctx, ctx.layers.activate(mask), mask)
     if reuse:
         parts.adjust_grads(ctx, out.params, out.grads)
     return _one_pass(out, mask, keep)
 
 
-def single_step(
-    ctx: StepContext,
-    mask: Tensor,
-    *,
-    perturbation: SAMPerturbation,
-    directions: dict[int, Tensor],
-    keep: bool = False,
-    fresh: bool = False,
-) -> Passed:
-    """Single-step SAM: one pass at weights perturbed along each active tensor's direction
-    (``directions``, by ``id`` of the tensor), restored exactly before the update (a step
-    without any is a plain one: the engine runs :func:`plain_step` then). ``keep``: return
-    the step's tensors and gradients (S2-SAM's store of the last gradients, ARWP's running
-    squares); ``fresh``: the directions are this step's own, scaled in place."""
+def single_step(ctx: StepContext, mask: Tensor, *, perturbation: SAMPerturbation,
+                directions: dict[int, Tensor], keep: bool = False,
+                fresh: bool = False) -> Passed:  # fmt: skip
+    """One pass at weights perturbed along each active tensor's direction (``directions``,
+    by ``id``), restored exactly before the update. ``keep``: return the step's tensors and
+    gradients; ``fresh``: the directions are this step's own, scaled in place."""
     layers, shards = ctx.layers, ctx.shards
     active = layers.activate(mask)
     pp = [p for p in active if id(p) in directions]
     pg = [directions[id(p)] for p in pp]
     device = pp[0].device if pp else None
-    # Stored as local shards (FSDP2): the params tell the layout. A move by the directions
-    # as they are needs no norm.
+    # Stored as local shards (FSDP2): the params tell the layout.
     unscaled = perturbation.norm == "none"
     norms = torch.zeros(0, device=device) if unscaled else shards.norms(pg, device, like=pp)
     backup = perturbation.perturb_(
@@ -497,23 +402,11 @@ def _one_pass(out: _Pass, mask: Tensor, keep: bool) -> Passed:
                   [out.numel], out.allreduce_bytes, kept)  # fmt: skip
 
 
-def commit(
-    ctx: StepContext,
-    passed: Passed,
-    inclusion: Tensor | None,
-    *,
-    update_scale: float | None,
-    pool: BackupPool,
-) -> Outcome:
-    """End the step: one host transfer, then the update -- the optimizer's step and the
-    update scaling, returning the per-layer norms for the counters and the selection -- or
-    a skip.
-
-    ``passed``: what the step function computed (each pass's scalars, the first pass's
-    per-layer norms, the layers drawn and updated); ``inclusion``: each layer's probability
-    of having been drawn, for the update scaling (``None``: no scaling this step). Every
-    process takes the same decision: one non-finite value anywhere makes the averaged
-    scalars non-finite everywhere.
+def commit(ctx: StepContext, passed: Passed, inclusion: Tensor | None, *,
+           update_scale: float | None, pool: BackupPool) -> Outcome:  # fmt: skip
+    """End the step: one host transfer, then the optimizer's update and the update scaling
+    (``inclusion``: each layer's probability of being drawn; ``None``: no scaling), or a
+    skip. Every process decides alike: the scalars are averaged before the check.
     """
     loop, layers = ctx.loop, ctx.layers
     first, second, layer_norms = passed.first, passed.second, passed.layer_norms
@@ -532,9 +425,8 @@ def commit(
     elif not bool(finite[k1:k].all()):
         reason = "non-finite loss or gradient in the second pass"
     else:
-        # Update scaling (beyond the paper): a layer drawn with probability q moves
-        # min(1/q, update_scale) times the optimizer's change. The weights before the
-        # update go to the perturbation's pool, free once its backup was restored.
+        # Update scaling: a layer drawn with probability q moves min(1/q, update_scale)
+        # times the optimizer's change; the weights before it go to the (free) backup pool.
         scaled: list[Tensor] = []
         extra: list[float] = []
         if inclusion is not None and update_scale is not None:

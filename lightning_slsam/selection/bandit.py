@@ -1,45 +1,22 @@
-"""EXP3-style layer sampler of SL-SAM (the paper's Algorithm 2, "Update Distribution").
+"""SL-SAM's layer sampler (the paper's Algorithm 2), :class:`LayerBandit`, and the exact KL
+projections it renormalises with.
 
-SL-SAM keeps one probability ``p_l`` per layer (``N`` layers), with ``sum(p) = s`` where
-``s = layer_ratio * N`` is the expected number of active layers per step. Each step:
+Each of the ``N`` layers has a probability ``p_l``, summing to ``s = layer_ratio * N``. Each
+step :meth:`LayerBandit.sample` draws the layers independently (an empty draw is redrawn);
+:meth:`LayerBandit.update` turns the drawn layers' first-pass gradient norms ``r_l`` into
+losses ``k_l`` (0 for the others), forms ``u_l = p_l * exp(-alpha_p * k_l / q_l)`` in log
+space (``q_l``: the true inclusion probability, ``p_l`` unless a wrapper changed the draw)
+and projects ``u`` onto ``{q : sum(q) = s, p_min <= q_l <= 1}`` (:func:`kl_projection`).
 
-1. :meth:`LayerBandit.sample` draws layer ``l`` independently with probability ``p_l``
-   (redrawing the whole vector if nothing was drawn, as the released code does).
-2. The optimizer runs sparse SAM on the active layers and measures ``r_l``, the L2 norm of
-   each active layer's first (unperturbed) gradient.
-3. :meth:`LayerBandit.update` turns the norms into a loss ``k_l`` (``0`` for inactive
-   layers), forms ``u_l = p_l * exp(-alpha_p * k_l / p_l)`` and sets the new ``p`` to the KL
-   projection of ``u`` onto ``{q : sum(q) = s, p_min <= q_l <= 1}`` (:func:`kl_projection`).
+The losses:
 
-Three loss forms are offered:
+* ``"shifted"`` (default, the released code's): ``max_j (r_j / p_j)**2 - (r_l / p_l)**2``;
+* ``"paper"`` (Algorithm 2 literally): ``G**2 / p_min**2 - r_l**2 / p_l**2``,
+  ``G = max_j r_j``;
+* ``"rank"`` (scale-free): layer ``l``'s rank by ``r_l / p_l`` among the drawn layers, in
+  ``[0, 1]`` (0 for the largest, 1 for the smallest; ties share their mean rank).
 
-* ``"paper"``: Algorithm 2 literally, ``k_l = G**2 / p_min**2 - r_l**2 / p_l**2`` with
-  ``G = max_{j active} r_j``.
-* ``"shifted"`` (default): ``k_l = max_{j active} (r_j / p_j)**2 - (r_l / p_l)**2``, the form
-  in the authors' released code. The literal form charges every sampled layer the constant
-  ``G**2 / p_min**2`` that unsampled layers (``k = 0``) do not pay; with the paper's constants
-  (``p_min = alpha_p = 1e-3``) and unit norms, ``alpha_p * k_l / p_l ~ 1e3 / p_l`` (5000 at
-  ``p_l = 0.2``), so one step drives every sampled layer to the floor whatever its norm. The
-  shift (best active layer has loss 0) keeps only the differences between layers.
-* ``"rank"`` (scale-free, beyond the paper): ``k_l`` is layer ``l``'s rank among the active
-  layers by ``r_l / p_l``, scaled to ``[0, 1]`` (0 for the largest, 1 for the smallest; ties
-  share their mean rank). Both forms above grow with the *square of the raw gradient norms*,
-  so the same ``alpha_p`` barely moves the distribution when norms are ~0.1 (a pretrained
-  Transformer) and sends most sampled layers to the floor in one step when one norm is ~40
-  (a CNN's stem at its first step). The rank loss is bounded and unit-free: multiplying
-  every norm by any constant leaves the trajectory unchanged. Its fixed point is the same
-  as the others' -- equal expected loss for every free layer means equal ``r_l / p_l``, i.e.
-  ``p`` proportional to the gradient norms, the distribution minimising the variance
-  ``sum(r**2 / p)`` that Algorithm 2 descends. Its step size is chosen by measurement (see
-  ``docs/results.md``): 0.03.
-
-``update`` divides each loss by the layer's *true* inclusion probability ``q_l``
-(``inclusion``), which is ``p_l`` when the bandit alone draws the active set, and more or
-less when a wrapper changes the draw (a dense warm-up, a depth cut).
-
-Unlike the released code (which only clips at 1e-8), the lower bound ``p_min`` is enforced
-exactly, so every layer keeps at least a ``p_min`` chance of being sampled. ``u`` is formed
-in log space (float64), so it never under- or overflows.
+Why the shift, the rank loss and the exactly enforced ``p_min``: docs/paper-and-code.md.
 """
 
 from __future__ import annotations
@@ -56,17 +33,15 @@ from lightning_slsam.selection.rules import LayerSelection, Seeded, seeded_gener
 __all__ = ["DEFAULT_ALPHA", "REL_TOL", "LayerBandit", "kl_projection", "weighted_kl_projection"]
 
 _LOSSES = ("shifted", "paper", "rank")
-#: Step size used when ``alpha_p`` is None: the paper's 1e-3 for its losses; for the rank
-#: loss, the value measured to track the gradient norms within a short fine-tune.
+#: The step size ``alpha_p=None`` stands for, per loss (docs/paper-and-code.md).
 DEFAULT_ALPHA = {"shifted": 1e-3, "paper": 1e-3, "rank": 0.03}
 
 
 def _validated(
     num_layers: int, layer_ratio: float, p_min: float, alpha_p: float | None, loss: str
 ) -> tuple[int, float, float, float, str]:
-    """The bandit's hyper-parameters as saved in a checkpoint, checked (a corrupt or foreign
-    state raises ValueError); ``alpha_p=None`` resolves to the loss's default
-    (:data:`DEFAULT_ALPHA`). A method's options are checked by its specification."""
+    """A checkpoint's bandit hyper-parameters, checked (ValueError for a corrupt or foreign
+    state), ``alpha_p=None`` resolved to :data:`DEFAULT_ALPHA`."""
     if loss not in _LOSSES:
         raise ValueError(f"loss={loss!r} is invalid: use one of {_LOSSES}.")
     if alpha_p is None:
@@ -92,33 +67,22 @@ class LayerBandit(LayerSelection, Seeded):
     """EXP3 sampler of active layers with a KL-projected, floor-bounded distribution.
 
     Args:
-        num_layers: Number of layers ``N`` (int, ``>= 1``).
-        layer_ratio: Expected fraction of active layers, in ``(0, 1]``; the budget is
-            ``s = layer_ratio * N`` expected active layers. Default 0.2 (the paper's ``s/N``).
-        p_min: Floor of every probability, in ``(0, 1)`` with ``p_min <= s / N``. Default
-            1e-3 (the paper's value).
-        alpha_p: Step size of the exponential update, ``>= 0`` (0 freezes the distribution).
-            With the ``"shifted"`` and ``"paper"`` losses its effect scales with the squared
-            gradient norms, which are not normalised. ``None`` (default): the loss's own
-            value, 1e-3 (the paper's) for ``"shifted"`` and ``"paper"``, 0.03 for ``"rank"``.
-        loss: ``"shifted"`` (default, the released code's loss), ``"paper"`` (Algorithm 2
-            literally) or ``"rank"`` (scale-free); see the module docstring.
-        generator: CPU ``torch.Generator`` used only by :meth:`sample`. If None, a private one
-            is seeded with ``torch.initial_seed()``, so a global seed (e.g. Lightning's
-            ``seed_everything``) makes sampling reproducible without consuming the global
-            RNG stream.
-        costs: ``[N]`` positive cost of drawing each layer (beyond the paper). ``None``
-            (default): the paper's count budget, ``sum(p) = s``. Given: a compute budget,
-            ``sum(costs * p) = layer_ratio * sum(costs)``: the expected cost of a draw is
-            ``layer_ratio`` of drawing everything, whichever layers the bandit favours
-            (:func:`weighted_kl_projection`). The losses then
-            compare ``r / sqrt(cost)`` instead of ``r``: the distribution minimising the
-            variance ``sum(r**2 / p)`` under that budget is ``p ~ r / sqrt(cost)``.
+        num_layers: number of layers ``N`` (``>= 1``).
+        layer_ratio: the budget ``s = layer_ratio * N`` expected active layers, in ``(0, 1]``
+            (default 0.2, the paper's).
+        p_min: floor of every probability, in ``(0, s / N]`` (default 1e-3, the paper's).
+        alpha_p: step size, ``>= 0`` (0 freezes the distribution); ``None`` (default): 1e-3
+            (the paper's) for ``"shifted"`` and ``"paper"``, 0.03 for ``"rank"``.
+        loss: ``"shifted"`` (default), ``"paper"`` or ``"rank"`` (the module docstring).
+        generator: the CPU generator of :meth:`sample` (default: a private one seeded with
+            ``torch.initial_seed()``).
+        costs: ``[N]`` positive cost of each layer, for the compute budget ``sum(costs * p)
+            = layer_ratio * sum(costs)``, under which the losses compare ``r / sqrt(cost)``
+            (docs/methods.md, "the compute budget"); ``None`` (default): ``sum(p) = s``.
 
     Attributes:
-        num_samples: Masks returned by :meth:`sample`.
-        num_redraws: Empty draws that were discarded and redrawn.
-        num_updates: Updates applied. ``num_skipped``: updates skipped for bad norms.
+        num_samples, num_redraws: draws returned, and empty ones redrawn.
+        num_updates, num_skipped: updates applied, and skipped for bad norms.
 
     Example:
         >>> import torch
@@ -134,16 +98,10 @@ class LayerBandit(LayerSelection, Seeded):
         (3.0, True)
     """
 
-    def __init__(
-        self,
-        num_layers: int,
-        layer_ratio: float = 0.2,
-        p_min: float = 1e-3,
-        alpha_p: float | None = None,
-        loss: str = "shifted",
-        generator: torch.Generator | None = None,
-        costs: torch.Tensor | None = None,
-    ) -> None:
+    def __init__(self, num_layers: int, layer_ratio: float = 0.2, p_min: float = 1e-3,
+                 alpha_p: float | None = None, loss: str = "shifted",
+                 generator: torch.Generator | None = None,
+                 costs: torch.Tensor | None = None) -> None:  # fmt: skip
         self._n, self._ratio, self._p_min = int(num_layers), float(layer_ratio), float(p_min)
         self._alpha = float(DEFAULT_ALPHA[loss] if alpha_p is None else alpha_p)
         self._loss = loss
@@ -187,12 +145,8 @@ class LayerBandit(LayerSelection, Seeded):
         return None if self._costs is None else self._costs.clone()
 
     def sample(self) -> torch.Tensor:
-        """Draw the active set: bool ``[N]``, layer ``l`` True with probability ``p_l``.
-
-        Draws are independent Bernoulli trials from the bandit's own generator; an all-False
-        draw is discarded and redrawn (counted in ``num_redraws``), so at least one layer is
-        always active and the marginals are ``p_l / (1 - prod(1 - p))``.
-        """
+        """Draw the active set: bool ``[N]``, independent Bernoulli trials with probabilities
+        ``p``; an empty draw is redrawn (``num_redraws``; see docs/algorithm.md)."""
         mask = torch.rand(self._n, generator=self._gen, dtype=torch.float64) < self._probs
         while not bool(mask.any()):
             self.num_redraws += 1
@@ -217,16 +171,14 @@ class LayerBandit(LayerSelection, Seeded):
 
         Args:
             active: bool ``[N]``, the mask the norms were measured on.
-            norms: ``[N]`` float L2 norms of each layer's unperturbed gradient (any device or
-                dtype); entries of inactive layers are ignored and may hold anything.
-            inclusion: ``[N]`` probability with which each layer was actually drawn into
-                ``active``, for the importance weights; ``None`` (default) means the
-                bandit's own :attr:`probs` (it drew the mask alone). Entries of inactive
-                layers are ignored; active ones must be in ``(0, 1]``.
+            norms: ``[N]`` L2 norms of each layer's unperturbed gradient (any device or
+                dtype); inactive entries are ignored.
+            inclusion: ``[N]`` probability that each layer was drawn into ``active``, in
+                ``(0, 1]`` for active layers (default: :attr:`probs`).
 
         Returns:
-            True if the distribution was updated; False if no layer was active, or (with a
-            RuntimeWarning) if an active norm was NaN, infinite or negative.
+            Whether the distribution changed: not when no layer was active, nor (with a
+            RuntimeWarning) when an active norm was NaN, infinite or negative.
         """
         active = torch.as_tensor(active).detach().to("cpu", torch.bool).reshape(-1)
         r = torch.as_tensor(norms).detach().to("cpu", torch.float64).reshape(-1)
@@ -254,10 +206,7 @@ class LayerBandit(LayerSelection, Seeded):
         p, costs = self._probs, self._costs
         q = p if inclusion is None else self._inclusion(inclusion, active)
         r = torch.where(active, r, 0.0)
-        if costs is not None:
-            # Under a compute budget the losses compare r / sqrt(cost): the variance
-            # sum(r**2 / p) is least at p ~ r / sqrt(cost) rather than p ~ r, so a large
-            # layer must earn its price.
+        if costs is not None:  # a compute budget: the losses compare r / sqrt(cost)
             r = r / (costs / costs.mean()).sqrt()
         if self._loss == "rank":
             expo = self._alpha * _rank_loss(r / p, active) / q
@@ -310,11 +259,8 @@ class LayerBandit(LayerSelection, Seeded):
 
     def carry_state(self, state: dict, index: list[int]) -> dict:
         """A bandit's state over other layers, for this bandit's layers (``index[i]``: layer
-        ``i``'s position there, -1 for a new one).
-
-        A kept layer keeps its probability; a new layer starts where every layer starts,
-        at ``layer_ratio``. When layers left (or, under a compute budget, changed their
-        cost) the probabilities are projected back onto the budget, as after an update.
+        ``i``'s position there, -1 for a new one, which starts at ``layer_ratio``); the
+        probabilities are projected back onto the budget where they no longer meet it.
 
         Example:
             >>> import torch
@@ -444,27 +390,19 @@ def _clamped(x: torch.Tensor) -> torch.Tensor:
 def kl_projection(
     log_u: torch.Tensor, budget: float, lower: float, upper: float = 1.0
 ) -> torch.Tensor:
-    """Exact KL projection of positive weights ``u = exp(log_u)`` onto a capped simplex.
-
-    Returns the minimiser of ``KL(q || u) = sum(q * log(q / u) - q + u)`` over
-    ``{q : sum(q) = budget, lower <= q_l <= upper}``, which is ``q_l = clip(c * u_l, lower,
-    upper)`` for the scalar ``c > 0`` making the sum equal ``budget``.
+    """Exact KL projection of ``u = exp(log_u)`` onto a capped simplex: the minimiser of
+    ``KL(q || u)`` over ``{q : sum(q) = budget, lower <= q_l <= upper}``, which is
+    ``q_l = clip(c * u_l, lower, upper)`` for the scalar ``c > 0`` meeting the budget.
 
     Args:
-        log_u: ``[N]`` log-weights, any float dtype/device. NaN and ``+inf`` raise; very
-            negative values and ``-inf`` mean "(almost) zero weight".
-        budget: Required sum, in ``[N * lower, N * upper]`` (else ValueError).
-        lower: Lower bound of every entry, ``> 0``.
-        upper: Upper bound of every entry, ``>= lower``; default 1.0.
+        log_u: ``[N]`` log-weights (``-inf``: zero weight; NaN and ``+inf`` raise).
+        budget: required sum, in ``[N * lower, N * upper]`` (else ValueError).
+        lower, upper: the bounds of every entry, ``0 < lower <= upper`` (default 1.0).
 
     Returns:
-        ``[N]`` float64 tensor on ``log_u``'s device.
-
-    The scalar is found exactly, not iteratively: with ``t = log(c)``, ``h(t) = sum(clip(
-    exp(t + log_u), lower, upper))`` is piecewise with breakpoints where an entry leaves
-    ``lower`` or reaches ``upper``. ``h`` is evaluated at all ``2N`` breakpoints with suffix
-    log-sum-exps (O(N log N)), and on the segment where it crosses ``budget`` the free entries
-    share the remaining budget in proportion to ``u``.
+        ``[N]`` float64 tensor on ``log_u``'s device. ``c`` is found exactly, in
+        O(N log N): the sum is evaluated at all ``2N`` breakpoints, and on the segment where
+        it crosses ``budget`` the free entries share what is left in proportion to ``u``.
 
     Example:
         >>> import torch
@@ -484,10 +422,9 @@ def kl_projection(
     xs, order = torch.sort(x - x.max(), descending=True)
     log_a, width = math.log(lower), math.log(upper) - math.log(lower)
     idx = torch.arange(n, device=x.device)
-    # A gap wider than log(upper/lower) splits the sorted weights into clusters: while any entry
-    # of a cluster is inside the box, all higher clusters sit at `upper` and all lower ones at
-    # `lower`. So only the cluster where the budget runs out is solved, in coordinates relative
-    # to its own top; this keeps the breakpoint arithmetic exact whatever the spread of log_u.
+    # A gap wider than log(upper/lower) splits the sorted weights into clusters; only the one
+    # where the budget runs out is solved, relative to its own top, so that the breakpoint
+    # arithmetic stays exact whatever the spread of log_u.
     starts = torch.cat([torch.ones(1, dtype=torch.bool, device=x.device), xs[:-1] - xs[1:] > width])
     fill = upper * idx.double() + lower * (n - idx).double()  # entries before idx at `upper`
     first = torch.where(starts & (fill <= budget), idx, 0).max()
@@ -497,15 +434,12 @@ def kl_projection(
     xs = torch.where(idx < first, width, torch.where(idx <= last, xs - top, low))
     ta = log_a - xs  # ascending: the t at which each entry rises above `lower`
     tb = log_a + width - xs  # ascending: the t at which each entry reaches `upper`
-    # Suffix log-sums: the free entries at any t are a contiguous run of the sorted order, and
-    # a suffix difference never cancels badly (the tail below the run is at most N times it).
+    # Suffix log-sums: the free entries at any t are a contiguous run of the sorted order.
     lse = torch.cat([torch.logcumsumexp(xs.flip(0), 0).flip(0), xs.new_full((1,), -math.inf)])
 
-    # Count, at every breakpoint, the entries already capped / above `lower` by merging both
-    # breakpoint lists with one sort (torch.searchsorted would spawn intra-op threads for a few
-    # hundred values, which costs milliseconds when the cores are busy). Equal breakpoints give
-    # equal h whatever the partial counts (the entries in transition sit exactly on a bound),
-    # and the last of them, which has the full counts, is the one picked below.
+    # The entries capped / above `lower` at every breakpoint, from one sort of both lists (not
+    # torch.searchsorted, which spawns intra-op threads); of equal breakpoints the last, with
+    # the full counts, is picked below.
     t, perm = torch.sort(torch.cat([ta, tb]))
     n_hi = torch.cat([torch.zeros_like(xs), torch.ones_like(xs)])[perm].cumsum(0)  # capped
     pos = torch.arange(2 * n, device=x.device)
@@ -523,8 +457,7 @@ def kl_projection(
     w = torch.where(is_free, torch.exp(xs - xs[n_hi.long().clamp_max(n - 1)]), 0.0)
     q = torch.where(is_hi, upper, torch.where(is_free, rest * w / w.sum().clamp_min(1.0), lower))
 
-    # Rounding at a near-tie may leave one entry a hair outside the box; clip and give the
-    # difference back to the free entries so the sum stays exact.
+    # Rounding may leave an entry a hair outside the box: clip, the free entries absorb it.
     q = q.clamp(lower, upper)
     free_mask = (q > lower) & (q < upper)
     free_sum = torch.where(free_mask, q, 0.0).sum()
@@ -533,44 +466,24 @@ def kl_projection(
     return torch.empty_like(q).scatter_(0, order, q)
 
 
-def weighted_kl_projection(
-    log_u: torch.Tensor,
-    costs: torch.Tensor,
-    budget: float,
-    lower: float,
-    upper: float = 1.0,
-) -> torch.Tensor:
-    """Exact projection of ``u = exp(log_u)`` onto a cost-weighted capped simplex, in the
-    cost-weighted KL divergence.
-
-    Returns the minimiser of ``sum(costs * KL(q_l || u_l))`` over ``{q : sum(costs * q) =
-    budget, lower <= q_l <= upper}``: the constraint of a compute budget, where drawing entry
-    ``l`` costs ``costs[l]``. The optimality conditions give ``q_l = clip(t * u_l, lower,
-    upper)`` for the scalar ``t > 0`` making the weighted sum equal ``budget``: one common
-    factor, as in :func:`kl_projection` (which this is with equal costs), so the budget a
-    penalised entry frees goes to the others in proportion to their weights.
-
-    Weighting the divergence by the costs is what keeps that proportion. The plain
-    ``KL(q || u)`` under the same constraint gives ``q_l = clip(u_l * exp(-lam * costs[l]))``,
-    a factor that depends on the cost: budget freed by cheap entries flows to the expensive
-    ones first, and a bandit whose costly layer keeps a large gradient starves every cheap
-    layer (measured: MiniLM's word embedding at its cap, 86 of its 102 other tensors below 0.01).
+def weighted_kl_projection(log_u: torch.Tensor, costs: torch.Tensor, budget: float, lower: float,
+                           upper: float = 1.0) -> torch.Tensor:  # fmt: skip
+    """Exact projection of ``u = exp(log_u)`` onto a cost-weighted capped simplex: the
+    minimiser of ``sum(costs * KL(q_l || u_l))`` over ``{q : sum(costs * q) = budget,
+    lower <= q_l <= upper}`` (a compute budget), which is ``q_l = clip(t * u_l, lower,
+    upper)`` for one scalar ``t > 0``; :func:`kl_projection` with equal costs. Why the
+    divergence is weighted: docs/methods.md, "the compute budget".
 
     Args:
         log_u: ``[N]`` log-weights (as :func:`kl_projection`).
         costs: ``[N]`` positive, finite costs; only their ratios matter.
         budget: required ``sum(costs * q)``, in ``[lower * sum(costs), upper * sum(costs)]``.
-        lower: lower bound of every entry, ``> 0``.
-        upper: upper bound of every entry, ``>= lower``; default 1.0.
+        lower, upper: the bounds of every entry, ``0 < lower <= upper`` (default 1.0).
 
     Returns:
-        ``[N]`` float64 tensor on ``log_u``'s device.
-
-    ``h(s) = sum(costs * clip(exp(s + log_u)))`` is non-decreasing in ``s = log(t)``, with
-    breakpoints where an entry leaves ``lower`` or reaches ``upper``. A binary search over
-    the ``2N`` sorted breakpoints (``h`` evaluated ``O(log N)`` times) finds the segment where
-    ``h`` crosses the budget; there the free entries are fixed and ``t`` is in closed form,
-    ``(budget - cost at the bounds) / sum(costs * u)`` over the free entries.
+        ``[N]`` float64 tensor on ``log_u``'s device. ``t`` is exact: a binary search over
+        the ``2N`` breakpoints finds the segment where the weighted sum crosses ``budget``,
+        where ``t`` has a closed form.
 
     Example:
         >>> import torch

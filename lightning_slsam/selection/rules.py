@@ -1,27 +1,12 @@
 """Layer-selection rules: which layers compute gradients, are perturbed and are updated.
 
-A rule answers two questions each step. :meth:`LayerSelection.sample` gives the layers
-whose gradients the first pass computes; :meth:`LayerSelection.refine` may change that set
-once the first pass's per-layer gradient norms are known, giving the layers the second
-pass computes and the optimizer updates. :meth:`LayerSelection.update` learns from the
-norms. The rules:
-
-* :class:`~lightning_slsam.LayerBandit` -- SL-SAM's EXP3 bandit (Algorithm 2);
-* :class:`UniformSelection` -- every layer independently with the same probability
-  (Random-SL-SAM; ESAM's stochastic weight perturbation);
-* :class:`AllLayers` -- every layer (SAM and the dense baselines);
-* :class:`WrappedSelection` -- the base of a rule that reshapes another's draw.
-
-A method may bring a rule of its own, in its own module: Top-SL-SAM's
-(:class:`~lightning_slsam.methods.top_slsam.TopKSelection`), ESAM's
-(:class:`~lightning_slsam.methods.esam.ExpandToAll`), cost-aware SL-SAM's
-(:class:`~lightning_slsam.methods.slsam_depth.DepthCut`).
-
-A wrapper changes how likely each layer is to be drawn. A learning rule (the bandit)
-weights what it learns by the inverse of that *true* inclusion probability
-(:meth:`LayerSelection.inclusion`), which each wrapper passes down in :meth:`update`.
-
-All draws come from the rule's own seeded ``torch.Generator``, never the global stream.
+Each step :meth:`LayerSelection.sample` draws the first pass's layers,
+:meth:`LayerSelection.refine` may change them for the second pass and the update, and
+:meth:`LayerSelection.update` learns from the first pass's per-layer norms, weighted by the
+true inclusion probabilities (:meth:`LayerSelection.inclusion`) that a wrapper passes down.
+Here: :class:`UniformSelection`, :class:`AllLayers` and :class:`WrappedSelection`; SL-SAM's
+bandit is :mod:`.bandit`, a method's own rule lives in its module. All draws come from the
+rule's own seeded ``torch.Generator``, never the global stream.
 """
 
 from __future__ import annotations
@@ -31,14 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = [
-    "AllLayers",
-    "LayerSelection",
-    "Seeded",
-    "UniformSelection",
-    "WrappedSelection",
-    "seeded_generator",
-]
+__all__ = ["AllLayers", "LayerSelection", "Seeded", "UniformSelection", "WrappedSelection",
+           "seeded_generator"]  # fmt: skip
 
 
 def seeded_generator(generator: torch.Generator | None, offset: int = 0) -> torch.Generator:
@@ -79,9 +58,7 @@ class LayerSelection:
         num_layers: number of layers ``N`` the rule chooses among.
 
     Example:
-        A rule of one's own: even layers on even steps, odd layers on odd steps (every
-        layer has probability 1/2, which the engine's update scaling and logs read from
-        :attr:`probs`).
+        A rule of one's own: even layers on even steps, odd layers on odd steps.
 
         >>> import torch
         >>> class Alternate(LayerSelection):
@@ -99,8 +76,8 @@ class LayerSelection:
     """
 
     num_layers: int
-    #: Whether :meth:`refine` may change the draw after the first pass (else it is not
-    #: called) and whether it reads the norms (then they are copied to the host mid-step).
+    #: Whether :meth:`refine` is called after the first pass, and whether it reads the norms
+    #: (copied to the host mid-step).
     refines: bool = False
     refine_uses_norms: bool = False
 
@@ -120,21 +97,17 @@ class LayerSelection:
 
     def refine(self, active: Tensor, norms: Tensor | None) -> Tensor:
         """Layers of the second pass and of the update, given the first pass's norms
-        (float64 ``[N]``, 0 for layers without gradient; ``None`` unless
-        :attr:`refine_uses_norms`). Called only when :attr:`refines`. Default: unchanged."""
+        (float64 ``[N]``; ``None`` unless :attr:`refine_uses_norms`). Default: unchanged."""
         return active
 
     def inclusion(self) -> Tensor:
-        """Probability that the last :meth:`sample` drew each layer (float64 ``[N]``): the
-        importance weights' denominators. Default: :attr:`probs`."""
+        """Probability that the last :meth:`sample` drew each layer (float64 ``[N]``).
+        Default: :attr:`probs`."""
         return self.probs
 
     def update(self, active: Tensor, norms: Tensor, inclusion: Tensor | None = None) -> bool:
-        """Learn from the norms of the active layers; returns whether anything changed.
-
-        ``inclusion``: the true probability that each layer was drawn, when a wrapper
-        changed the draw (``None``: :meth:`inclusion`).
-        """
+        """Learn from the active layers' norms (``inclusion``: the true probability that each
+        layer was drawn, default :meth:`inclusion`); returns whether anything changed."""
         return False
 
     def state_dict(self) -> dict[str, Any]:
@@ -144,9 +117,8 @@ class LayerSelection:
         pass
 
     def carry_state(self, state: dict[str, Any], index: list[int]) -> dict[str, Any]:
-        """:meth:`state_dict`'s output of this rule over other layers, for these layers:
-        ``index[i]`` is layer ``i``'s position there (-1: a new layer). Default: the state
-        holds nothing per layer, and is kept as it is."""
+        """:meth:`state_dict`'s output over other layers, for these (``index[i]``: layer
+        ``i``'s position there, -1: new). Default: kept as it is."""
         return state
 
 
@@ -209,8 +181,7 @@ class UniformSelection(LayerSelection, Seeded):
 
     Args:
         num_layers: number of layers.
-        ratio: probability of each layer, in (0, 1] (not checked here: a method's
-            specification checks its options).
+        ratio: probability of each layer, in (0, 1] (not checked here).
         generator: the rule's own CPU generator (default: seeded with
             ``torch.initial_seed()``).
 

@@ -261,6 +261,21 @@ def test_short_labels_are_distinct_and_short():
     assert common_affixes(lora_names(2)) == ("base_model.model.bert.encoder.", ".default.weight")
 
 
+def test_short_labels_keep_short_names_and_leave_out_only_the_shared_affixes():
+    # (the examples short_labels' docstring held before it was shortened)
+    names = [f"base_model.model.bert.encoder.layer.{i}.attention.self.{m}.lora_{ab}.default.weight"
+             for i in (0, 1) for m in ("query", "value") for ab in "AB"]  # fmt: skip
+    assert short_labels(["0.weight", "0.bias", "2.weight"]) == ["0.weight", "0.bias", "2.weight"]
+    head = "base_model.model.classifier.modules_to_save.default.weight"
+    assert short_labels([*names[:2], head], shared=names) == [
+        "layer.0.attention.self.query.lora_A", "layer.0.attention.self.query.lora_B",
+        "\u2026classifier.modules_to_save\u2026weight",
+    ]  # fmt: skip
+    assert short_labels(["a" * 40 + "x", "a" * 40 + "y"], width=12) == [
+        "aaa\u2026aaaaaaax", "aaa\u2026aaaaaaay",
+    ]  # fmt: skip
+
+
 def test_ratio_line_is_labelled_with_the_users_layer_ratio(tmp_path, saved_figures):
     """The default preset budgets parameters: the mean draw probability is not layer_ratio,
     and the legend says so; under preset="paper" the line is layer_ratio itself."""

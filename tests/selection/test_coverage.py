@@ -1,6 +1,6 @@
 """The guard rail (:mod:`lightning_slsam.selection.coverage`): the full updates a sampled layer
 can expect over a run, when the fit-start line fires and when it does not, and that its
-threshold agrees with every committed row of the table it cites."""
+threshold agrees with every committed row of the coverage table (docs/methods.md)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def test_the_message_fires_under_the_floor_only_and_names_the_fixes():
     # One sentence and the fix, the evidence behind the link: no measured figures in it.
     assert below.count(". ") == 0 and len(below) < 400, below
     assert "points" not in below and "coverage.md" not in below
+    assert "lost accuracy" not in below and f"fewer than the {FLOOR:.0f} recommended" in below
     assert coverage_message("SparseLayerSAM", FLOOR, 5 * FLOOR, 0.2, None) is None
     assert coverage_message("SparseLayerSAM", None, math.inf, 0.2, None) is None
     # a run too short for any ratio to reach the floor offers none
@@ -122,7 +123,7 @@ def test_a_run_sized_in_epochs_counts_its_steps():
     assert len(_lines_at_train_start(SparseLayerSAM(preset="paper"), -1, max_epochs=short)) == 1
 
 
-def test_the_floor_agrees_with_the_table_it_cites():
+def test_the_floor_agrees_with_the_coverage_table():
     # The committed table (examples/scripts/coverage_table.py): every row the guard rail
     # would warn for lost accuracy against SAM beyond SAM's seed spread, and no row that
     # matched SAM is warned for. Rows at the floor or above lose for other reasons too (the
