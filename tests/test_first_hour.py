@@ -324,3 +324,30 @@ def test_make_demo_installs_what_the_demo_needs_and_make_test_the_rest(tmp_path)
     assert installs == [".[examples]"]
     installs = re.findall(r"pip install -q -c \S+ -e \"([^\"]+)\"", _make_dry_run("test", tmp_path))
     assert list(dict.fromkeys(installs)) == [".[examples]", ".[examples,dev,docs]"]
+
+
+# -- 9. the README is for users: short, install first, the choice early, figures sourced ---
+METHOD_TABLE = "| your run | method | what it keeps of SAM's gain | step time | evidence |"
+
+
+def test_the_readme_is_short_with_install_and_method_table_early():
+    # The README once ran to 388 lines of measured tables: the tables live in docs/results.md
+    # and docs/choosing.md, the README says how to install, run and choose.
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 150, len(lines)
+    assert any("pip install" in line for line in lines[:40])
+    assert any(line.startswith(("make demo", "make test")) for line in lines[:40])
+    assert METHOD_TABLE in lines[:120]
+
+
+def test_the_readme_method_tables_figures_are_stated_in_its_evidence():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = lines.index(METHOD_TABLE)
+    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
+    figures = set(re.findall(r"\d+\.\d+(?:-\d+\.\d+)?x?", "\n".join(lines[start:end])))
+    docs = ROOT / "docs"
+    evidence = "".join(
+        (docs / page).read_text()
+        for page in ("choosing.md", "forgetting.md", "results/benefit/share.md")
+    )
+    assert figures and not {f for f in figures if f not in evidence}
