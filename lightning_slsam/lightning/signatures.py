@@ -14,7 +14,6 @@ from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar, dataclass_transform
 
 from lightning_slsam.methods.options import unknown_option
-from lightning_slsam.methods.spec import option_hint
 
 __all__ = [
     "ChecksOptions",
@@ -45,15 +44,12 @@ def accepted_options(cls: type) -> list[str]:
 
 
 def check_options(cls: type, options: dict[str, Any]) -> None:
-    """Raise a ``TypeError`` naming ``cls`` and the unknown option, with the name it has
-    for this method or where it belongs (the spec's ``option_hint``), else the closest
-    valid one (:func:`~lightning_slsam.methods.options.unknown_option`)."""
+    """Raise a ``TypeError`` naming ``cls`` and the unknown option, with the closest valid
+    one (:func:`~lightning_slsam.methods.options.unknown_option`)."""
     accepted = accepted_options(cls)
-    spec = getattr(cls, "spec_class", None)
     for key in options:
         if key not in accepted:
-            hint = option_hint(spec, key) if spec is not None else None
-            raise unknown_option(cls.__name__, key, accepted, hint)
+            raise unknown_option(cls.__name__, key, accepted)
 
 
 def field_types(cls: type) -> dict[str, Any]:
