@@ -190,19 +190,11 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
         #: The coverage check's warning of the last fit (``None``: it passed), for the summary.
         self.coverage_note: str | None = None
 
-    def __getattr__(self, name: str) -> Any:
-        # The method's options and derived values (``rho``, ``layer_ratio``,
-        # ``effective_ratio``, ...) are read from its spec; its methods are the spec's to
-        # call (``callback.spec.build_engine(module)``), not the callback's.
-        spec = self.__dict__.get("spec") if not name.startswith("__") else None
-        missing = f"{type(self).__name__!r} object has no attribute {name!r}"
-        if spec is not None and name != "spec":
-            data = name in spec.__dict__ or name in spec.__dataclass_fields__
-            if data or isinstance(getattr(type(spec), name, None), property):
-                return getattr(spec, name)
-            if callable(getattr(type(spec), name, None)):
-                missing += f"; it is the method specification's: callback.spec.{name}(...)"
-        raise AttributeError(missing)
+    @property
+    def update_scale(self) -> float | None:
+        """The cap on a drawn layer's update factor ``1 / q`` (``None``: no scaling), the
+        spec's (:attr:`~lightning_slsam.methods.spec.MethodSpec.update_scale`)."""
+        return self.spec.update_scale
 
     def selection_metrics(self) -> dict[str, float]:
         """Extra per-step metrics of the method's selection (the bandit's floor counts)."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 import inspect
 import sys
 from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar, dataclass_transform
+from types import SimpleNamespace
+from typing import Any, TypeVar, dataclass_transform, get_type_hints
 
 from lightning_slsam.methods.options import unknown_option
 
@@ -53,14 +54,14 @@ def check_options(cls: type, options: dict[str, Any]) -> None:
 
 
 def field_types(cls: type) -> dict[str, Any]:
-    """The types of ``cls``'s dataclass fields, each evaluated in the module of the class
-    that declares it."""
+    """The types of ``cls``'s dataclass fields, each resolved (``typing.get_type_hints``)
+    in the module of the class that declares it."""
     names, types = {f.name for f in fields(cls)}, {}  # type: ignore[arg-type]
     for klass in reversed(cls.__mro__):
-        namespace = vars(sys.modules[klass.__module__])
-        for name, hint in vars(klass).get("__annotations__", {}).items():
-            if name in names:
-                types[name] = eval(hint, namespace) if isinstance(hint, str) else hint
+        own = {n: h for n, h in vars(klass).get("__annotations__", {}).items() if n in names}
+        if own:
+            namespace = vars(sys.modules[klass.__module__])
+            types.update(get_type_hints(SimpleNamespace(__annotations__=own), namespace))
     return types
 
 
