@@ -190,19 +190,11 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
         #: The coverage check's warning of the last fit (``None``: it passed), for the summary.
         self.coverage_note: str | None = None
 
-    def __getattr__(self, name: str) -> Any:
-        # The method's options and derived values (``rho``, ``layer_ratio``,
-        # ``effective_ratio``, ...) are read from its spec; its methods are the spec's to
-        # call (``callback.spec.build_engine(module)``), not the callback's.
-        spec = self.__dict__.get("spec") if not name.startswith("__") else None
-        missing = f"{type(self).__name__!r} object has no attribute {name!r}"
-        if spec is not None and name != "spec":
-            data = name in spec.__dict__ or name in spec.__dataclass_fields__
-            if data or isinstance(getattr(type(spec), name, None), property):
-                return getattr(spec, name)
-            if callable(getattr(type(spec), name, None)):
-                missing += f"; it is the method specification's: callback.spec.{name}(...)"
-        raise AttributeError(missing)
+    @property
+    def update_scale(self) -> float | None:
+        """The cap on a drawn layer's update factor ``1 / q`` (``None``: no scaling), the
+        spec's (:attr:`~lightning_slsam.methods.spec.MethodSpec.update_scale`)."""
+        return self.spec.update_scale
 
     def selection_metrics(self) -> dict[str, float]:
         """Extra per-step metrics of the method's selection (the bandit's floor counts)."""
@@ -396,16 +388,18 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        # Lightning files a callback's state under its class name. A configuration that an
-        # earlier version ran as another class (SparseLayerSAM on RST's coin is SLSAMRST
-        # today) resumes from that class's entry: a Trainer holds one SAM callback, whose
-        # state is the one entry holding a method's engine and layers.
+        # Lightning files a callback's state under its class name. Version 0.2 and earlier
+        # (whose method state has no "tensor_names") filed SL-SAM on RST's coin, LookSAM's
+        # interval or a depth cut under SparseLayerSAM: no migration before 1.0.
         states = checkpoint.get("callbacks") or {}
-        if self.state_key in states:
-            return
-        saved = [k for k, v in states.items() if isinstance(v, dict) and _is_method_state(v)]
-        if len(saved) == 1:
-            states[self.state_key] = states.pop(saved[0])
+        old = [k for k, v in states.items() if isinstance(v, dict) and "engine" in v
+               and "method" in v and "tensor_names" not in v]  # fmt: skip
+        if self.state_key not in states and old:
+            raise MisconfigurationException(
+                f"{type(self).__name__}: the checkpoint's SAM state was saved by"
+                f" lightning-slsam 0.2 or earlier under the class name {old[0]!r}, and does"
+                " not resume under another (no migration before 1.0: docs/changelog.md)."
+            )
 
     def state_dict(self) -> dict[str, Any]:
         if self.engine is None or self.partition is None or self._pending_state is not None:
@@ -429,10 +423,6 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
             )  # fmt: skip
         except CheckpointMismatch as err:
             raise MisconfigurationException(str(err)) from None
-
-
-def _is_method_state(state: dict[str, Any]) -> bool:
-    return {"method", "engine", "layer_names"} <= set(state)
 
 
 def estimated_stepping_batches(trainer: pl.Trainer) -> float:

@@ -172,10 +172,10 @@ class S2SAM(SAM):
     step. One pass per step (Active Ratio 1.0x); the first step is a plain step.
 
     Example:
-        >>> S2SAM(schedule="random")
+        >>> S2SAM(rhoo=0.05)
         Traceback (most recent call last):
         ...
-        TypeError: S2SAM has no option 'schedule'; SL-SAM with RST's coin is SLSAMRST ...
+        TypeError: S2SAM has no option 'rhoo'; did you mean 'rho'?
     """
 
     spec_class = s2sam.S2SAMSpec

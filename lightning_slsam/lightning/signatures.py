@@ -11,10 +11,10 @@ from __future__ import annotations
 import inspect
 import sys
 from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar, dataclass_transform
+from types import SimpleNamespace
+from typing import Any, TypeVar, dataclass_transform, get_type_hints
 
 from lightning_slsam.methods.options import unknown_option
-from lightning_slsam.methods.spec import option_hint
 
 __all__ = [
     "ChecksOptions",
@@ -45,26 +45,23 @@ def accepted_options(cls: type) -> list[str]:
 
 
 def check_options(cls: type, options: dict[str, Any]) -> None:
-    """Raise a ``TypeError`` naming ``cls`` and the unknown option, with the name it has
-    for this method or where it belongs (the spec's ``option_hint``), else the closest
-    valid one (:func:`~lightning_slsam.methods.options.unknown_option`)."""
+    """Raise a ``TypeError`` naming ``cls`` and the unknown option, with the closest valid
+    one (:func:`~lightning_slsam.methods.options.unknown_option`)."""
     accepted = accepted_options(cls)
-    spec = getattr(cls, "spec_class", None)
     for key in options:
         if key not in accepted:
-            hint = option_hint(spec, key) if spec is not None else None
-            raise unknown_option(cls.__name__, key, accepted, hint)
+            raise unknown_option(cls.__name__, key, accepted)
 
 
 def field_types(cls: type) -> dict[str, Any]:
-    """The types of ``cls``'s dataclass fields, each evaluated in the module of the class
-    that declares it."""
+    """The types of ``cls``'s dataclass fields, each resolved (``typing.get_type_hints``)
+    in the module of the class that declares it."""
     names, types = {f.name for f in fields(cls)}, {}  # type: ignore[arg-type]
     for klass in reversed(cls.__mro__):
-        namespace = vars(sys.modules[klass.__module__])
-        for name, hint in vars(klass).get("__annotations__", {}).items():
-            if name in names:
-                types[name] = eval(hint, namespace) if isinstance(hint, str) else hint
+        own = {n: h for n, h in vars(klass).get("__annotations__", {}).items() if n in names}
+        if own:
+            namespace = vars(sys.modules[klass.__module__])
+            types.update(get_type_hints(SimpleNamespace(__annotations__=own), namespace))
     return types
 
 

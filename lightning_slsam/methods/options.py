@@ -32,7 +32,6 @@ from typing import Any
 __all__ = [
     "FLAG",
     "RATIO",
-    "RETIRED",
     "Rule",
     "check_choice",
     "check_flag",
@@ -46,36 +45,6 @@ __all__ = [
     "patterns",
     "unknown_option",
 ]
-
-
-_PRESET = (
-    "decided by `preset` (SparseLayerSAM: 'default' or 'paper'); the results scripts set it"
-    " alone with SLSAMAblation (lightning_slsam.methods.slsam_ablation)"
-)
-_GONE = "retired in 0.3: no measured run gained from it (docs/changelog.md)"
-
-#: Options of earlier versions that no method takes any more, with what replaced them
-#: (the hint of the error for such an option; ``lightning-slsam`` drops them from a saved
-#: config at the value that had no effect).
-RETIRED: dict[str, str] = {
-    "schedule": "SL-SAM with RST's coin is SLSAMRST (make_callback('slsam_rst')), with"
-    " LookSAM's interval SLSAMLookSAM ('slsam_looksam'); S2SAM and SLS2SAM are single-step SAM.",
-    "sam_probability": "it is RST's and SLSAMRST's `probability`.",
-    "sam_interval": "it is LookSAM's and SLSAMLookSAM's `interval`.",
-    "looksam_alpha": "it is LookSAM's and SLSAMLookSAM's `alpha`.",
-    "dense_one_pass": _GONE + ".",
-    "dense_warmup": _GONE + ".",
-    "min_updates": _GONE + ".",
-    "vectors_always_active": _GONE + "; name the tensors with `always_active`.",
-    "adaptive_eta": "retired in 0.3: ASAM's eta is its reference value, 0.01.",
-    "backprop_depth": "cost-aware SL-SAM is CostAwareSLSAM(depth=...) ('slsam_depth').",
-    "budget": _PRESET + ".",
-    "bandit_loss": _PRESET + ".",
-    "alpha_p": _PRESET + ".",
-    "head_always_active": _PRESET + ".",
-    "scale_updates": _PRESET + " (`max_update_scale`).",
-    "max_update_scale": _PRESET + ".",
-}
 
 
 def invalid(

@@ -96,7 +96,6 @@ if TYPE_CHECKING:
     from lightning_slsam.core.engine import SAMEngine
 
 __all__ = [
-    "RENAMED",
     "SPECS",
     "lookup",
     "make_engine",
@@ -130,21 +129,11 @@ SPECS: dict[str, tuple[type[MethodSpec] | None, dict[str, Any]]] = {
     "saf": (SAFSpec, {}),
 }
 
-#: Names of earlier versions and what each is now.
-RENAMED = {
-    "slsam_default": "'slsam' (what SparseLayerSAM() runs)",
-    "adasam": "'sam' (AdaSAM is SAM with AdamW as the optimizer)",
-    "slsam_robust": "'slsam_ablation' with budget='count', bandit_loss='rank',"
-    " head_always_active=True, max_update_scale=1/layer_ratio (the preset was retired)",
-}
-
 
 def lookup(name: str) -> tuple[type[MethodSpec] | None, dict[str, Any]]:
     """The entry of method ``name`` (case and ``-``/``_`` insensitive), or a ValueError
     with the closest name."""
     key = name.lower().replace("-", "_")
-    if key in RENAMED and key not in SPECS:
-        raise ValueError(f"Method {name!r} is called {RENAMED[key]} since 0.3.")
     if key not in SPECS:
         close = difflib.get_close_matches(key, SPECS, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""

@@ -43,7 +43,6 @@ from lightning_slsam.core.step import MethodParts
 from lightning_slsam.methods.options import (
     FLAG,
     RATIO,
-    RETIRED,
     Rule,
     number,
     one_of,
@@ -64,7 +63,6 @@ __all__ = [
     "Setting",
     "default_seed",
     "option",
-    "option_hint",
 ]
 
 #: The presets a layer sampler may offer: its defaults beyond the paper, or the paper's method.
@@ -110,17 +108,6 @@ LAYERS = Rule(
     "'tensor', 'module', a list of regular expressions or a callable (name, parameter) -> key",
     _layer_spec,
 )
-
-
-def option_hint(spec_class: type[MethodSpec], name: str) -> str | None:
-    """What to say of an option ``spec_class`` does not take: the name it has there
-    (:attr:`MethodSpec.renamed`), or what replaced a retired option; ``None``: the closest
-    valid name."""
-    if name in spec_class.renamed:
-        return f"did you mean {spec_class.renamed[name]!r}?"
-    if name in RETIRED:
-        return RETIRED[name]
-    return None
 
 
 @dataclass(kw_only=True, eq=False)
@@ -200,9 +187,6 @@ class MethodSpec(MethodOptions):
     name: ClassVar[str] = "sam"
     #: The class name users write (the Lightning callback's), used in messages.
     label: ClassVar[str] = "SAM"
-    #: Options of other methods this one takes under another name (RST's ``probability``
-    #: is SLSAMRST's too), named when the other name is given.
-    renamed: ClassVar[dict[str, str]] = {}
     #: Whether the layers a step trains vary (each compiled region is then one layer).
     samples_layers: ClassVar[bool] = False
 
@@ -210,7 +194,7 @@ class MethodSpec(MethodOptions):
         # An unknown option's message names the method's class, as a bad value's does.
         accepted = cls.option_names()
         for key in (key for key in options if key not in accepted):
-            raise unknown_option(cls.label, key, accepted, option_hint(cls, key))
+            raise unknown_option(cls.label, key, accepted)
         return super().__new__(cls)
 
     @classmethod

@@ -65,16 +65,8 @@ def test_registry_builds_every_method_with_its_paper_defaults():
         0.7,
     )
     assert set(METHODS) >= set(expected) | {"adamw"}
-    # The names of earlier versions say what they are called now.
-    for old, new in [("adasam", "'sam'"), ("slsam_default", "'slsam'"),
-                     ("slsam_robust", "'slsam_ablation'")]:  # fmt: skip
-        assert old not in METHODS
-        with pytest.raises(ValueError, match=f"Method '{old}' is called {new}"):
-            make_callback(old)
     with pytest.raises(ValueError, match="Unknown method 'sgd'"):
         make_callback("sgd")
-    with pytest.raises(TypeError, match=r"^RST has no option 'schedule'; SL-SAM with RST's coin"):
-        RST(schedule="interval")
 
 
 def test_sparse_layer_sam_has_the_options_users_need_each_with_the_default_that_runs():

@@ -37,9 +37,6 @@ def test_the_presets():
     assert default.spec.setting("head_always_active") and default.update_scale == 3.0
     with pytest.raises(ValueError, match="`preset`"):
         RandomSLSAM(preset="robust")
-    for retired in ("head_always_active", "scale_updates", "max_update_scale"):
-        with pytest.raises(TypeError, match=f"^RandomSLSAM has no option '{retired}'; decided"):
-            RandomSLSAM(**{retired: True})
 
 
 def test_layers_are_drawn_uniformly_each_with_the_layer_ratio():

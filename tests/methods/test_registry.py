@@ -1,5 +1,5 @@
 """Every method by name (:mod:`lightning_slsam.methods.registry`): the lookup, the options a
-name implies, the names of earlier versions, and the engine each name builds."""
+name implies, and the engine each name builds."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from lightning_slsam.core.step import MethodParts
 from lightning_slsam.methods.esam import ESAMSpec, ExpandToAll
 from lightning_slsam.methods.looksam import Lookahead, LookSAMSpec
 from lightning_slsam.methods.registry import (
-    RENAMED,
     SPECS,
     lookup,
     make_engine,
@@ -58,17 +57,6 @@ def test_a_front_end_takes_a_name_with_options_or_a_spec_alone():
         spec_from("AdamW", {}, **kw)
     with pytest.raises(ValueError, match=r"rho"):  # each value validated by the spec
         spec_from("sam", {"rho": -1.0}, **kw)
-
-
-@pytest.mark.parametrize(
-    ("old", "now"),
-    [("adasam", "'sam'"), ("slsam_default", "'slsam'"), ("ADASAM", "'sam'"),
-     ("slsam-robust", "'slsam_ablation' with budget='count', bandit_loss='rank'")],
-)  # fmt: skip
-def test_a_name_of_an_earlier_version_says_what_it_is_called_now(old, now):
-    with pytest.raises(ValueError, match=rf"^Method '{old}' is called {now}.* since 0\.3\.$"):
-        lookup(old)
-    assert not set(RENAMED) & set(SPECS)
 
 
 def test_method_spec_applies_the_options_a_name_implies_and_given_ones_win():

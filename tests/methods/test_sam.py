@@ -21,8 +21,7 @@ def test_asam_radius_and_eta_defaults():
     assert SparseLayerSAM(adaptive=True).rho == 0.01
     assert SAM(rho=0.5, adaptive=True).rho == 0.5
     assert SAM(rho=0.2, adaptive=True).rho == 0.2
-    # adaptive_eta is retired: ASAM's eta is its reference value (test_options.py checks
-    # the option's refusal).
+    # ASAM's eta is its reference value.
     assert SAM(adaptive=True).spec.make_perturbation().eta == 0.01 == ASAM_ETA
     with pytest.raises(ValueError, match="`rho`"):
         SAM(rho=0.0)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers import make_data, make_mlp
 from torch import nn
 
-from lightning_slsam import SparseLayerSAM, make_callback
+from lightning_slsam import SparseLayerSAM
 from lightning_slsam.lightning.callbacks import SLSAMAblation
 from lightning_slsam.methods.slsam import PRESETS
 from lightning_slsam.methods.slsam_ablation import SLSAMAblationSpec
@@ -83,8 +83,6 @@ def test_given_settings_win_over_the_preset():
     assert robust.spec.setting("budget") == "count"
     assert robust.spec.setting("alpha_p") == 0.03  # the rank loss's own step size
     assert robust.spec.setting("head_always_active") and robust.update_scale == 5.0
-    with pytest.raises(ValueError, match="'slsam_robust' is called 'slsam_ablation'"):
-        make_callback("slsam_robust")
     # A loss given alone brings its own step size; the other settings stay the preset's.
     mixed = SLSAMAblation(bandit_loss="shifted")
     assert mixed.spec.setting("bandit_loss") == "shifted" and mixed.spec.setting("alpha_p") == 1e-3

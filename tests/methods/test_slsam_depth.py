@@ -125,12 +125,6 @@ def test_depth_cut_freezes_everything_below_the_cut_and_shortens_backprop():
 def test_the_name_and_the_options():
     assert make_callback("slsam_depth").preset == "default"  # was the paper's before 0.3
     assert CostAwareSLSAM().depth == 0.5 and CostAwareSLSAM(depth=0.25).depth == 0.25
-    with pytest.raises(TypeError, match=r"^CostAwareSLSAM has no option 'backprop_depth'; did"
-                       r" you mean 'depth'"):  # fmt: skip
-        CostAwareSLSAM(backprop_depth=0.5)
-    with pytest.raises(TypeError, match=r"^SparseLayerSAM has no option 'backprop_depth'; cost-"
-                       r"aware SL-SAM is CostAwareSLSAM\(depth=...\)"):  # fmt: skip
-        SparseLayerSAM(backprop_depth=0.5)
     for bad in (0.0, 1.5, "half"):
         with pytest.raises(ValueError, match=r"^CostAwareSLSAM: `depth` must be in \(0, 1\]"):
             CostAwareSLSAM(depth=bad)

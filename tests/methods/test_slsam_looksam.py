@@ -36,12 +36,6 @@ def test_the_name_and_the_options():
     assert make_callback("slsam_looksam").preset == "default"  # was the paper's before 0.3
     cb = SLSAMLookSAM(interval=3, alpha=0.5)
     assert (cb.interval, cb.alpha) == (3, 0.5)
-    with pytest.raises(TypeError, match=r"^SLSAMLookSAM has no option 'sam_interval'; did you"
-                       r" mean 'interval'"):  # fmt: skip
-        SLSAMLookSAM(sam_interval=3)
-    with pytest.raises(TypeError, match=r"^SLSAMLookSAM has no option 'looksam_alpha'; did you"
-                       r" mean 'alpha'"):  # fmt: skip
-        SLSAMLookSAM(looksam_alpha=0.5)
     with pytest.raises(ValueError, match=r"^SLSAMLookSAM: `interval` must be"):
         SLSAMLookSAM(interval=0)
 

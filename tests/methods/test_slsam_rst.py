@@ -42,9 +42,6 @@ def test_the_name_and_the_options():
     assert make_callback("slsam_rst").preset == "default"  # was the paper's before 0.3
     assert make_callback("slsam_rst", preset="paper").preset == "paper"
     assert SLSAMRST(probability=0.3).probability == 0.3
-    with pytest.raises(TypeError, match=r"^SLSAMRST has no option 'sam_probability'; did you"
-                       r" mean 'probability'"):  # fmt: skip
-        SLSAMRST(sam_probability=0.3)
     with pytest.raises(ValueError, match=r"^SLSAMRST: `probability` must be"):
         SLSAMRST(probability=1.5)
 

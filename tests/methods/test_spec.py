@@ -75,29 +75,11 @@ def test_spec_options_are_checked_where_built():
         ValueError, match=r"^RandomSLSAM: `layer_ratio` must be in \(0, 1\], got 1.5\.$"
     ):
         method_spec("random_slsam", layer_ratio=1.5)
-    with pytest.raises(TypeError, match=r"^LookSAM has no option 'schedule'; SL-SAM with RST"):
-        method_spec("looksam", schedule="random")
-    with pytest.raises(TypeError, match=r"^LookSAM has no option 'sam_interval'; did you mean"):
-        method_spec("looksam", sam_interval=2)  # LookSAM's option is `interval`
     assert method_spec("looksam", interval=2).interval == 2
     assert method_spec("rst", probability=0.25).probability == 0.25
-    with pytest.raises(ValueError, match="'slsam_robust' is called 'slsam_ablation'"):
-        method_spec("slsam_robust")
     assert method_spec("slsam_ablation", bandit_loss="rank").setting("bandit_loss") == "rank"
     with pytest.raises(ValueError, match="Did you mean 'slsam'"):
         method_spec("slsamm")
-
-
-def test_a_method_that_renames_a_common_option_names_its_own():
-    from lightning_slsam import RST, LookSAM
-
-    with pytest.raises(
-        TypeError, match=r"^LookSAM has no option 'sam_interval'; did you mean 'interval'"
-    ):
-        LookSAM(sam_interval=2)
-    with pytest.raises(TypeError, match=r"^RST has no option 'sam_probability'; did you mean"):
-        RST(sam_probability=0.2)
-    assert (LookSAM(interval=2).interval, RST(probability=0.25).probability) == (2, 0.25)
 
 
 #: The options each method takes beyond the common ones (MethodSpec's and the Lightning
@@ -145,34 +127,9 @@ def test_each_method_takes_its_own_options_only():
             "gradient_clip_algorithm", "accumulate_grad_batches", "plot"} | own  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("method", "option", "value", "hint"),
-    [
-        ("sam", "schedule", "random", "SL-SAM with RST's coin is SLSAMRST"),
-        ("random_slsam", "sam_probability", 0.5, "it is RST's and SLSAMRST's `probability`"),
-        ("sl_s2sam", "dense_one_pass", True, "retired in 0.3"),
-        ("slsam", "bandit_loss", "rank", "decided by `preset`"),
-        ("rst", "sam_probability", 0.2, "did you mean 'probability'"),
-        ("looksam", "looksam_alpha", 0.0, "did you mean 'alpha'"),
-    ],
-)
-def test_an_option_a_method_no_longer_takes_is_named_with_where_it_is(method, option,
-                                                                     value, hint):  # fmt: skip
-    cls, _ = SPECS[method]
-    with pytest.raises(TypeError, match=rf"^{cls.label} has no option '{option}'; .*{hint}"):
-        method_spec(method, **{option: value})
-    callback = METHODS[method][0]
-    with pytest.raises(TypeError, match=rf"^{callback.__name__} has no option '{option}'; "):
-        callback(**{option: value})
-
-
 def test_sl_sam_on_the_schedules_of_other_methods_is_their_combination():
     assert type(method_spec("slsam_rst").parts(torch.Generator())) is Coin
     assert method_spec("slsam_looksam", interval=3).interval == 3
-    with pytest.raises(TypeError, match=r"^SLSAMLookSAM has no option 'sam_interval'; did you"):
-        method_spec("slsam_looksam", sam_interval=3)
-    with pytest.raises(TypeError, match=r"^SparseLayerSAM has no option 'schedule'; .*SLS2SAM"):
-        method_spec("slsam", schedule="single")
 
 
 @pytest.mark.parametrize("name", ["sam", "slsam", "momentum_sam", "arwp"])
