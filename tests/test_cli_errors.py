@@ -14,6 +14,7 @@ import yaml
 from helpers import make_data, make_mlp
 from torch.utils.data import DataLoader
 
+import lightning_slsam
 from lightning_slsam import METHODS, SAMMixin
 from lightning_slsam.cli.command import main
 
@@ -245,3 +246,21 @@ def test_one_config_with_callbacks_is_passed_on_as_it_is(run_yaml):
 
     args = ["fit", "--config", run_yaml, "--trainer.max_steps=3"]
     assert stack_callbacks(args) == args
+
+
+def test_a_config_of_an_earlier_version_names_this_version_and_the_changelog(tmp_path, capsys):
+    # 0.2 saved `dense_warmup` into every SparseLayerSAM entry; before 1.0 nothing upgrades it.
+    path = tmp_path / "saved.yaml"
+    path.write_text(
+        f"model: {{class_path: {MODULE}.ScalarLossModel}}\n"
+        f"data: {{class_path: {MODULE}.Blobs}}\n"
+        "trainer:\n  max_steps: 2\n  logger: false\n  enable_checkpointing: false\n"
+        "  callbacks:\n    - class_path: lightning_slsam.SparseLayerSAM\n"
+        "      init_args: {rho: 0.05, dense_warmup: 0.0}\n"
+    )
+    code, _, err = command(capsys, "fit", "--config", str(path))
+    line = one_error_line(err)
+    assert code == 2
+    assert f"{path}: trainer.callbacks[0]: SparseLayerSAM has no option 'dense_warmup'" in line
+    assert f"lightning-slsam {lightning_slsam.__version__} does not read its options" in line
+    assert line.endswith("docs/changelog.md says what replaced them.")

@@ -349,7 +349,6 @@ class SAMEngine:
         index = self.freezer.tensor_index()
         state = {
             "selection": self.selection.state_dict(),
-            "schedule": {},
             "counts": self.counts.clone(),
             "joined": self.joined.clone(),
             "norm_sums": self.norm_sums.clone(),

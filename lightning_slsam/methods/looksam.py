@@ -149,7 +149,6 @@ class LookSAMSpec(LookSAMOptions, MethodSpec):
 
     name: ClassVar[str] = "looksam"
     label: ClassVar[str] = "LookSAM"
-    renamed: ClassVar[dict[str, str]] = {"sam_interval": "interval", "looksam_alpha": "alpha"}
 
     def parts(self, generator: torch.Generator) -> MethodParts:
         return Lookahead(self.interval, self.alpha, self.make_perturbation().eps)

@@ -60,7 +60,6 @@ class RSTSpec(RSTOptions, MethodSpec):
 
     name: ClassVar[str] = "rst"
     label: ClassVar[str] = "RST"
-    renamed: ClassVar[dict[str, str]] = {"sam_probability": "probability"}
 
     def parts(self, generator: torch.Generator) -> MethodParts:
         return Coin(self.probability, generator)

@@ -124,7 +124,6 @@ class CostAwareSLSAMSpec(CostAwareSLSAMOptions, SLSAMSpec):
 
     name: ClassVar[str] = "slsam_depth"
     label: ClassVar[str] = "CostAwareSLSAM"
-    renamed: ClassVar[dict[str, str]] = {"backprop_depth": "depth"}
 
     def selection(self, layers: LayerPartition, generator: torch.Generator) -> LayerSelection:
         bandit = super().selection(layers, generator)

@@ -1,8 +1,8 @@
 """SL-SAM on RST's coin (beyond the paper): SL-SAM's options and RST's ``probability``.
 
 >>> spec = SLSAMRSTSpec(probability=0.3)
->>> spec.probability, spec.preset, spec.renamed
-(0.3, 'default', {'sam_probability': 'probability'})
+>>> spec.probability, spec.preset
+(0.3, 'default')
 """
 
 from __future__ import annotations
