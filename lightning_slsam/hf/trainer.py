@@ -59,14 +59,14 @@ class SAMTrainerMixin:
         *args: the Trainer's positional arguments.
         sam: the method: a name of :data:`~lightning_slsam.METHODS` (``"slsam"``, what
             ``SparseLayerSAM()`` runs; ``"slsam_paper"``, the paper's SL-SAM; ``"sam"``,
-            ``"rst"``, ...) or a specification,
-            :func:`method_spec("slsam", rho=0.05) <lightning_slsam.methods.registry.method_spec>`.
-            Its ``seed`` defaults to ``TrainingArguments.seed``.
+            ``"rst"``, ...) or a specification, ``method_spec("slsam", rho=0.05)``
+            (:func:`~lightning_slsam.methods.registry.method_spec`). Its ``seed`` defaults
+            to ``TrainingArguments.seed``.
         **kwargs: the Trainer's keyword arguments.
 
     Attributes:
-        sam_engine: the method's engine (:class:`~lightning_slsam.core.engine.
-            SAMEngine`): ``last_result``, ``counts``, ``selection.probs``, ...
+        sam_engine: the method's :class:`~lightning_slsam.core.engine.SAMEngine`
+            (``last_result``, ``counts``, ``selection.probs``, ...).
         sam_spec: the method's validated specification.
         sam_record: the per-layer record's CSV and PNG paths in ``output_dir`` after a
             method that sampled layers (``None`` otherwise).
@@ -360,11 +360,9 @@ class SAMTrainerMixin:
 
 
 class SAMTrainer(SAMTrainerMixin, Trainer):
-    """A ``transformers.Trainer`` that trains with a SAM method of the registry.
-
+    """A ``transformers.Trainer`` that trains with a SAM method of the registry:
     ``SAMTrainer(model=..., args=..., train_dataset=..., sam="slsam")``; see
-    :class:`SAMTrainerMixin` for ``sam`` and docs/huggingface.md.
-    """
+    :class:`SAMTrainerMixin` for ``sam`` and docs/huggingface.md."""
 
 
 class _SAMCallback(TrainerCallback):

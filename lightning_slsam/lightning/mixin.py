@@ -136,8 +136,7 @@ class SAMMixin:
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Carry the optimizer-step count across optimization modes when resuming (Lightning
-        counts them apart). An override should call ``super().on_load_checkpoint(checkpoint)``.
-        """
+        counts them apart). An override should call ``super().on_load_checkpoint(checkpoint)``."""
         super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
         carry_step_progress(checkpoint, automatic=self.automatic_optimization)
 

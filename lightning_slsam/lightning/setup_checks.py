@@ -110,7 +110,7 @@ def check_fit_setup(callback: Any, trainer: Any, pl_module: Any) -> None:
         bases = ", ".join(c.__name__ for c in type(pl_module).__bases__)
         raise MisconfigurationException(
             f"{type(pl_module).__name__}({bases}) lists SAMMixin after LightningModule, whose"
-            f" hooks then shadow the mixin's. Put SAMMixin first: `class"
+            " hooks then shadow the mixin's. Put SAMMixin first: `class"
             f" {type(pl_module).__name__}(SAMMixin, L.LightningModule)`."
         )
     strategy = trainer.strategy
@@ -196,7 +196,7 @@ def prepare_compiled(
         warn(
             f"{name}: `{cached[0] or type(pl_module).__name__}.config.use_cache` is True on a"
             " model with compiled blocks, which may then recompile past torch's limit and run"
-            " uncompiled. Set `model.config.use_cache = False`. See docs/training-features.md."
+            " uncompiled: set `model.config.use_cache = False`. See docs/training-features.md."
         )
 
 

@@ -41,10 +41,8 @@ class GradientAverager:
 
     @torch.no_grad()
     def average_(self, tensors: Sequence[Tensor]) -> int:
-        """Replace every tensor by its mean over the processes; return the bytes sent.
-
-        Every process must pass tensors of the same shapes, dtypes and order.
-        """
+        """Replace every tensor by its mean over the processes (the same shapes, dtypes and
+        order on each); return the bytes sent."""
         sent = 0
         for bucket in self._buckets(tensors):
             flat = _flatten_dense_tensors(bucket)
@@ -86,11 +84,8 @@ class GradientAverager:
 
 @torch.no_grad()
 def average_grads(active: list[Tensor], averager: GradientAverager) -> int:
-    """Average the active tensors' gradients across processes; return the bytes sent.
-
-    A missing gradient is sent as zeros with a presence flag, so a tensor no process used
-    keeps ``grad=None``, as on one process.
-    """
+    """Average the active tensors' gradients across processes; return the bytes sent. A
+    tensor no process used keeps ``grad=None`` (a presence flag travels with the zeros)."""
     if not active:
         return 0
     present = torch.tensor(

@@ -57,17 +57,14 @@ def fsdp_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
 def reshard(modules: Sequence[torch.nn.Module]) -> None:
     """Register the sharded parameters again on FSDP2 ``modules`` (:func:`fsdp_modules`)
     that a forward without backward (validation, ``torch.no_grad``) left unsharded, so
-    per-step freezing reaches the tensors the engine trains. A no-op on sharded modules.
-    """
+    per-step freezing reaches the tensors the engine trains. A no-op on sharded modules."""
     for sub in modules:
         sub.reshard()  # type: ignore[operator]
 
 
 class Shards:
     """Whole tensors on every process (one device, DDP): the seam does nothing of its own.
-
-    Norms are float32, or float64 for float64 gradients.
-    """
+    Norms are float32, or float64 for float64 gradients."""
 
     #: Whether parameters are FSDP2 shards (their gradients arrive averaged).
     sharded = False
