@@ -15,13 +15,11 @@ __all__ = ["ForgettingCallback"]
 
 
 class ForgettingCallback(TrainerCallback):
-    """Logs how much a language model forgets while a ``transformers.Trainer`` (or
-    :class:`~lightning_slsam.hf.SAMTrainer`) fine-tunes it: every ``every_n_steps``
-    optimizer steps, at the start and at the end, the reference loss, next-token accuracy
-    and KL divergence from the model at the start
-    (:class:`~lightning_slsam.monitor.forgetting.ForgettingProbe`), logged through
-    ``trainer.log`` to every reporter as ``forgetting/loss``, ``forgetting/accuracy``,
-    ``forgetting/kl``, and at the end ``forgetting/seconds`` and ``forgetting/fraction``.
+    """Logs how much a language model forgets while a ``transformers.Trainer`` fine-tunes
+    it: at the start, every ``every_n_steps`` optimizer steps and at the end,
+    ``forgetting/loss``, ``forgetting/accuracy``, ``forgetting/kl``
+    (:class:`~lightning_slsam.monitor.forgetting.ForgettingProbe`), and at the end
+    ``forgetting/seconds`` and ``forgetting/fraction``, through ``trainer.log``.
 
     Args:
         trainer: the Trainer it reports through.

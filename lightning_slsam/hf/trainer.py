@@ -1,35 +1,9 @@
 """SAM methods inside the Hugging Face ``Trainer``: :class:`SAMTrainer` and its mixin.
 
-The Trainer keeps its own loop; the mixin changes what happens between fetching an
-optimizer step's micro-batches and the Trainer's clipping and optimizer step:
-
-- the Trainer fetches the micro-batches of one optimizer step at once
-  (``get_batch_samples``); the mixin runs the method's whole step when the last of them
-  arrives in ``training_step``: every pass (SAM's two, on the drawn layers) goes over all of
-  them, so the perturbation comes from the whole accumulated gradient, as one batch of
-  ``per_device_train_batch_size * gradient_accumulation_steps`` would give it;
-- each micro-batch's loss is the one the Trainer's own ``training_step`` computes (its
-  ``compute_loss``, the accumulation and token-count normalisation, the precision's
-  autocast) and goes back through ``accelerator.backward`` (fp16's loss scaling included;
-  the engine reads the scale to unscale its norms);
-- the step leaves the second pass's gradients on the drawn layers and nothing else; the
-  Trainer then clips them (``max_grad_norm``), steps its optimizer once (a gradient scaler
-  skips on an overflow), steps its LR scheduler and zeroes the gradients, as always. Work
-  due after the update (the default preset's update scaling) runs in a post-step hook of
-  the optimizer;
-- under DDP (``torchrun`` / ``accelerate launch``) the step runs inside ``no_sync`` and the
-  engine averages the active layers' gradients itself;
-- the method's state (selection, counters, generators) is written beside every checkpoint
-  (``slsam_state.pt``) and read back by ``train(resume_from_checkpoint=...)``;
-- ``slsam/*`` metrics go to the Trainer's reporters with each training log.
-
-The Trainer's other features keep their meaning, FSDP2 among them (``fsdp_version: 2``: the
-engine is rebuilt on the parameters the Trainer shards, and the FSDP2 seam of
-:mod:`lightning_slsam.parallel` does the rest). What cannot hold is refused when the Trainer
-is built: DeepSpeed (ZeRO steps its own flat partitions, layers not drawn included, and
-accelerate steps it after the first pass's backward) and FSDP1 (flat parameters),
-``DataParallel`` over several GPUs in one process, and the LOMO optimizers (they update
-inside the backward pass).
+The mixin runs the method's whole step when an optimizer step's last micro-batch reaches
+``training_step``, every pass over all of the step's micro-batches with the Trainer's own
+loss and ``accelerator.backward``; the Trainer then clips, steps and zeroes as always.
+See docs/huggingface.md.
 """
 
 from __future__ import annotations
@@ -85,32 +59,25 @@ class SAMTrainerMixin:
         *args: the Trainer's positional arguments.
         sam: the method: a name of :data:`~lightning_slsam.METHODS` (``"slsam"``, what
             ``SparseLayerSAM()`` runs; ``"slsam_paper"``, the paper's SL-SAM; ``"sam"``,
-            ``"rst"``, ...) or a specification with its options,
-            ``method_spec("slsam", rho=0.05, layer_ratio=0.2)``
+            ``"rst"``, ...) or a specification, ``method_spec("slsam", rho=0.05)``
             (:func:`~lightning_slsam.methods.registry.method_spec`). Its ``seed`` defaults
             to ``TrainingArguments.seed``.
         **kwargs: the Trainer's keyword arguments.
 
     Attributes:
-        sam_engine: the method's engine (:class:`~lightning_slsam.core.engine.
-            SAMEngine`): ``last_result``, ``counts``, ``selection.probs``, ...
+        sam_engine: the method's :class:`~lightning_slsam.core.engine.SAMEngine`
+            (``last_result``, ``counts``, ``selection.probs``, ...).
         sam_spec: the method's validated specification.
-        sam_record: the per-layer record's CSV and PNG paths in ``output_dir``, written at
-            train end where the method sampled layers (``None`` otherwise).
+        sam_record: the per-layer record's CSV and PNG paths in ``output_dir`` after a
+            method that sampled layers (``None`` otherwise).
     """
 
-    #: The trainer's attributes that its loss updates on every call for its logs. A SAM
-    #: step computes each micro-batch's loss once per pass (SAM: twice); what a pass after
-    #: the first changes in these attributes is undone, so each micro-batch is counted once,
-    #: at the current weights, as without SAM. TRL's trainers (``SFTTrainer``,
-    #: ``DPOTrainer``, ...) keep their logged metrics in ``_metrics`` and the tokens seen
-    #: (``num_tokens``) in ``_total_train_tokens``; a subclass that records elsewhere adds its
-    #: attribute names here (or checks :attr:`sam_pass` itself). Names the trainer lacks are
-    #: ignored.
+    #: Attributes the loss updates on every call for the logs (TRL's by default): what a
+    #: later pass changes in them is undone, so each micro-batch counts once. Names the
+    #: trainer lacks are ignored. See docs/huggingface.md.
     sam_first_pass_attributes: tuple[str, ...] = ("_metrics", "_total_train_tokens")
 
     def __init__(self, *args: Any, sam: str | MethodSpec = "slsam", **kwargs: Any) -> None:
-        # Checked before the Trainer is built: nothing is set up yet.
         spec = spec_from(sam, {}, owner="SAMTrainer", instead="use transformers.Trainer.")
         super().__init__(*args, **kwargs)
         trainer: Any = self
@@ -123,10 +90,9 @@ class SAMTrainerMixin:
         self.sam_engine: SAMEngine = spec.build_engine(model, seed=seed, warn=warn)
         if self.sam_engine.needs_per_sample and not _gives_per_sample(self, model):
             raise ValueError(
-                f"{PER_SAMPLE_NEEDED} With SAMTrainer: {type(_base_model(model)).__name__} is"
-                f" none of the heads whose per-sample losses SAMTrainer computes (models"
-                f" ending in {', '.join(_PER_SAMPLE_HEADS)}); override"
-                " `per_sample_loss(outputs, inputs)` to return them, or pass"
+                f"{PER_SAMPLE_NEEDED} SAMTrainer computes them for models ending in"
+                f" {', '.join(_PER_SAMPLE_HEADS)}, not {type(_base_model(model)).__name__}:"
+                " override `per_sample_loss(outputs, inputs)`, or pass"
                 " `sam=method_spec('esam', data_ratio=1.0)`."
             )
         self.sam_record: tuple[str, str | None] | None = None
@@ -134,23 +100,20 @@ class SAMTrainerMixin:
         self._sam_position = 0
         self._sam_model: Any = None
         self._sam_items: Any = None
-        #: During a pass: what compute_loss records for the method (per-sample losses,
-        #: logits); ``None`` otherwise.
+        #: During a pass: what compute_loss records for the method; ``None`` otherwise.
         self._sam_outputs: dict[str, Tensor] | None = None
         self._sam_pending: list[Any] = []
         self._sam_hooked: Any = None
         self._sam_passes: PassRunner | None = None
         self._sam_averager = DDPAverager()
-        # First, so that its train-begin warning precedes the progress bar's first line.
+        # First, so its train-begin warning precedes the progress bar.
         trainer.callback_handler.callbacks.insert(0, _SAMCallback(self))
         _check_first_pass_attributes(self)
 
     @property
     def sam_pass(self) -> int:
-        """The pass a SAM step is running: 1 for the first pass (at the current weights,
-        over the whole batch), 2 for any later one (at perturbed weights, ESAM's ranking
-        forward), 0 outside a step. A ``compute_loss`` with side effects beyond the loss
-        (counters, metrics) guards them with ``if self.sam_pass <= 1``."""
+        """The running SAM pass: 1 at the current weights, 2 for any later one, 0 outside a
+        step. Guard a ``compute_loss``'s side effects with ``if self.sam_pass <= 1``."""
         passes = getattr(self, "_sam_passes", None)
         return passes.number if passes is not None else 0
 
@@ -165,8 +128,8 @@ class SAMTrainerMixin:
         return batches, items
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Tensor:
-        """Runs the method's step once the optimizer step's last micro-batch arrives; returns
-        the loss the Trainer logs (that step's first-pass loss, 0 for earlier micro-batches)."""
+        """Run the method's step at the optimizer step's last micro-batch; return its
+        first-pass loss (0 for earlier micro-batches)."""
         window = self._sam_window
         position = self._sam_position
         if window is None or position >= len(window[0]) or window[0][position] is not inputs:
@@ -184,15 +147,14 @@ class SAMTrainerMixin:
         unwrapped = trainer.accelerator.unwrap_model(model)
         engine = self._sam_engine_on(unwrapped)
         if engine.freezer.trainable_changed(unwrapped):
-            # Tensors unfrozen (or frozen) since the last step: sampled from now on.
+            # Tensors unfrozen (or frozen) since the last step are sampled from now on.
             self.sam_engine, change = self.sam_spec.follow_trainable(engine, unwrapped, warn)
             engine = self.sam_engine
             _info(f"SAMTrainer({self.sam_spec.label}), before step {engine.num_steps}: {change}")
         self._sam_hook_optimizer()
         self._sam_pending = []
         self._sam_model, self._sam_items = model, items
-        # The Trainer's loss is already its share of the step (divided by the micro-batches
-        # or normalised by the step's tokens): a method's added term is scaled to match.
+        # The Trainer's loss is already its share of the step: a method's term is scaled so.
         passes = PassRunner(
             micro_batches, self._sam_loss, trainer.accelerator.backward,
             needs_per_sample=engine.needs_per_sample, term_scale=1.0 / len(micro_batches),
@@ -214,11 +176,8 @@ class SAMTrainerMixin:
             self._sam_model = self._sam_items = self._sam_passes = None
 
     def _sam_engine_on(self, unwrapped: Any) -> SAMEngine:
-        """The engine over ``unwrapped``'s parameters. Under FSDP2 the Trainer shards the
-        model (``fully_shard``) after this mixin is built, replacing every parameter: the
-        engine is then rebuilt on the sharded model, keeping its state (a checkpoint's too:
-        the parameters keep their names). Called at train begin and at every step (a model
-        the Trainer prepares anew, as a second ``train()`` does)."""
+        """The engine over ``unwrapped``'s parameters, rebuilt with its state when the
+        Trainer replaced them (FSDP2 shards after the mixin is built)."""
         engine = self.sam_engine
         owned = {id(p) for p in unwrapped.parameters()}
         if all(id(p) in owned for p in engine.partition.flat_params):
@@ -230,9 +189,9 @@ class SAMTrainerMixin:
         return rebuilt
 
     def _sam_loss(self, batch: Any) -> LossOutput:
-        """One micro-batch's loss, as the Trainer's own ``training_step`` computes it (its
-        backward is taken over by the pass loop), with the per-sample losses if needed. In a
-        later pass, what the call records in :attr:`sam_first_pass_attributes` is undone."""
+        """One micro-batch's loss from the Trainer's own ``training_step`` (its backward
+        taken over), with per-sample losses if needed; a later pass's changes to
+        :attr:`sam_first_pass_attributes` are undone."""
         trainer: Any = self
         accelerator = trainer.accelerator
         taken: list[Tensor] = []
@@ -259,9 +218,8 @@ class SAMTrainerMixin:
 
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:  # fmt: skip
-        """The Trainer's ``compute_loss``; during a pass of a method that reads more than the
-        loss, also records it: per-sample losses (ESAM, :meth:`per_sample_loss`), the
-        model's logits (MESA, SAF)."""
+        """The Trainer's ``compute_loss``, also recording what the method reads: per-sample
+        losses (:meth:`per_sample_loss`), logits."""
         inputs, index = _without_index(inputs)
         recording = getattr(self, "_sam_outputs", None)
         if recording is None:
@@ -281,29 +239,26 @@ class SAMTrainerMixin:
         return (loss, outputs) if return_outputs else loss
 
     def prediction_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's ``prediction_step``, the batch's ``index`` column (SAF's) kept from
-        the model."""
+        """The Trainer's ``prediction_step``, without the batch's ``index`` column."""
         inputs = _without_index(inputs)[0]
         return super().prediction_step(model, inputs, *args, **kwargs)  # type: ignore[misc]
 
     def _set_signature_columns_if_needed(self) -> None:
-        # The Trainer drops a dataset's columns the model's forward does not take: the
-        # `index` column SAF reads stays (taken out of the batch before the model sees it).
+        # Keeps the `index` column SAF reads (taken out before the model sees the batch).
         super()._set_signature_columns_if_needed()  # type: ignore[misc]
         columns = self._signature_columns  # type: ignore[has-type]
         if "index" not in columns:
             columns.append("index")
 
     def per_sample_loss(self, outputs: Any, inputs: Any) -> Tensor:
-        """Each sample's loss from the model's ``outputs`` on ``inputs`` (ESAM chooses the
-        second pass's samples by them): cross-entropy of a classification head, the mean
-        next-token loss of a causal LM (labels ``-100`` ignored). Override for other heads."""
+        """Each sample's loss (ESAM's choice): cross-entropy of a classification head, the
+        mean next-token loss of a causal LM (``-100`` ignored). Override for other heads."""
         if "labels" not in inputs:  # a trainer computing its own loss from other keys
             raise ValueError(
-                "ESAM's data selection (data_ratio < 1) needs each sample's loss, which"
-                " SAMTrainer computes from the batch's `labels`; this batch has none (its keys:"
-                f" {', '.join(map(str, inputs))}). Override `per_sample_loss(outputs, inputs)`"
-                " to return them, or pass `sam=method_spec('esam', data_ratio=1.0)`."
+                "ESAM's data selection needs each sample's loss, taken from `labels`, which this"
+                f" batch lacks (keys: {', '.join(map(str, inputs))}). Override"
+                " `per_sample_loss(outputs, inputs)`, or pass"
+                " `sam=method_spec('esam', data_ratio=1.0)`."
             )
         logits, labels = outputs["logits"], inputs["labels"]
         if logits.dim() == 2 and labels.dim() == 1:
@@ -320,8 +275,8 @@ class SAMTrainerMixin:
 
     # -- the update, made by the Trainer after the step ---------------------------------
     def _sam_optimizer_step(self, skip: bool, scaler: Any) -> None:
-        """The Trainer steps the optimizer after ``training_step``; a skipped step leaves
-        every gradient ``None`` (nothing moves), and makes a gradient scaler back off."""
+        """A skipped step makes a gradient scaler back off (the Trainer steps after
+        ``training_step``, and every gradient is ``None``)."""
         if skip and scaler is not None:
             skip_with_scaler(_inner_optimizer(self.optimizer))  # type: ignore[attr-defined]
 
@@ -342,8 +297,7 @@ class SAMTrainerMixin:
 
     # -- logs and checkpoints -------------------------------------------------------------
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        """The Trainer's log, with the method's ``slsam/*`` metrics of the last step beside
-        each training loss."""
+        """The Trainer's log, with the last step's ``slsam/*`` metrics beside each loss."""
         engine = self.sam_engine
         if "loss" in logs and engine.last_result is not None:
             distributed = int(self.args.world_size) > 1  # type: ignore[attr-defined]
@@ -364,10 +318,8 @@ class SAMTrainerMixin:
         return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """The Trainer's load of the optimizer's state. Under FSDP2 torch's distributed
-        checkpoint loads it strictly, and holds none for a tensor the optimizer never
-        updated (a sampled layer not drawn before the checkpoint): those tensors are set
-        aside (``requires_grad=False``) while it loads, as the optimizer never saw them."""
+        """The Trainer's load of the optimizer's state; under FSDP2, tensors never drawn
+        (with no optimizer state) are set aside while torch's strict loader runs."""
         if checkpoint is None or _fsdp_version(self) != 2:
             return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
         engine = self.sam_engine
@@ -397,8 +349,8 @@ class SAMTrainerMixin:
         file = os.path.join(checkpoint, STATE_FILE)
         if not os.path.isfile(file):
             warn(
-                f"{checkpoint} holds no {STATE_FILE} (saved without SAMTrainer?): the"
-                f" method's selection and counters start afresh."
+                f"{checkpoint} holds no {STATE_FILE} (saved without SAMTrainer?): the method's"
+                " selection and counters start afresh."
             )
             return
         state = torch.load(file, map_location="cpu", weights_only=False)
@@ -408,27 +360,20 @@ class SAMTrainerMixin:
 
 
 class SAMTrainer(SAMTrainerMixin, Trainer):
-    """A ``transformers.Trainer`` that trains with a SAM method of the registry.
-
-    ``SAMTrainer(model=..., args=..., train_dataset=..., sam="slsam")``; every other
-    argument is the Trainer's. See :class:`SAMTrainerMixin` for ``sam`` and
-    docs/huggingface.md for a walk-through.
-    """
+    """A ``transformers.Trainer`` that trains with a SAM method of the registry:
+    ``SAMTrainer(model=..., args=..., train_dataset=..., sam="slsam")``; see
+    :class:`SAMTrainerMixin` for ``sam`` and docs/huggingface.md."""
 
 
 class _SAMCallback(TrainerCallback):
-    """At train begin, moves the engine to the prepared model's parameters and says when the
-    run is too short for the method's layer draws (the guard rail,
-    :mod:`lightning_slsam.selection.coverage`); writes the method's state into every
-    checkpoint folder the Trainer saves, and at train end the per-layer record
-    (``slsam_layer_frequency.csv`` and ``.png``) into ``output_dir`` where layers were drawn."""
+    """Moves the engine to the prepared model and warns of too short a run at train begin,
+    saves the method's state in every checkpoint, and writes the per-layer record at the end."""
 
     def __init__(self, trainer: SAMTrainerMixin) -> None:
         self.trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        # The Trainer has prepared the model (FSDP2 has sharded it): the engine moves to its
-        # parameters now, letting go of the unsharded ones before the first step.
+        # The model is prepared (FSDP2 sharded it): let go of the unsharded parameters now.
         trainer: Any = self.trainer
         engine = trainer._sam_engine_on(trainer.accelerator.unwrap_model(trainer.model))
         engine.planned_steps = state.max_steps if state.max_steps > 0 else math.inf
@@ -439,7 +384,6 @@ class _SAMCallback(TrainerCallback):
                 warn(message)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        # The per-layer record (as the Lightning callback writes it), where layers were drawn.
         engine, spec = self.trainer.sam_engine, self.trainer.sam_spec
         if not state.is_world_process_zero or not engine.sampled():
             return
@@ -465,48 +409,39 @@ _FSDP2 = ("FSDP2, TrainingArguments(fsdp='full_shard auto_wrap', fsdp_config={'f
 
 
 def _check_supported(trainer: Any) -> None:
-    """Refuses, before anything trains, what the method's step cannot run inside."""
+    """Refuse, before anything trains, what the method's step cannot run inside."""
     args = trainer.args
     problem = fix = None
     if getattr(trainer, "is_deepspeed_enabled", False):
         problem = (
-            "DeepSpeed: ZeRO's optimizer steps one flat float32 partition of every trainable"
-            " tensor (a layer not drawn gets a zero gradient, and weight decay and momentum"
-            " still move it), and under the Trainer accelerate's DeepSpeedEngineWrapper.backward"
-            " runs the engine's step after the backward that ends an optimizer step, so after"
-            " SAM's first pass"
+            "DeepSpeed: ZeRO steps every trainable tensor, drawn or not, and accelerate's"
+            " DeepSpeedEngineWrapper.backward steps after SAM's first pass"
         )
         fix = f"FSDP2 shards each parameter on its own: use {_FSDP2}."
     elif _fsdp_version(trainer) == 1:
-        problem = (
-            "FSDP1: its flat parameters (use_orig_params or not) cannot be frozen or perturbed"
-            " a layer at a time"
-        )
+        problem = "FSDP1: its flat parameters cannot be frozen or perturbed a layer at a time"
         fix = f"FSDP2 shards each parameter on its own: use {_FSDP2}."
     elif int(args.n_gpu) > 1:
-        problem = (f"DataParallel over {args.n_gpu} GPUs in one process: its replicas are"
-                   " rebuilt every forward, outside the layers the method freezes")  # fmt: skip
+        problem = f"DataParallel over {args.n_gpu} GPUs in one process"
         fix = f"Run one process per GPU: {_FSDP2}."
     elif str(getattr(args.optim, "value", args.optim)) in _FUSED_OPTIMIZERS:
         optim = str(getattr(args.optim, "value", args.optim))
-        problem = (f"optim={optim!r}: it updates the weights inside the backward pass, before"
-                   " SAM has the gradient it perturbs with")  # fmt: skip
+        problem = f"optim={optim!r}: it updates the weights inside the backward pass"
         fix = "Use a torch optimizer (the default AdamW, or any other torch.optim optimizer)."
     if problem is not None:
-        raise ValueError(f"SAMTrainer does not support {problem}. {fix}")
+        raise ValueError(f"SAMTrainer does not support {problem}. {fix} See docs/huggingface.md.")
 
 
 def _fsdp_version(trainer: Any) -> int | None:
-    """The FSDP version the Trainer runs (``None``: no FSDP): accelerate's plugin's where it
-    set one up, else the one the arguments ask for (1 unless ``fsdp_version`` says 2)."""
+    """The FSDP version the Trainer runs (``None``: no FSDP): accelerate's plugin's, else the
+    arguments' (1 unless ``fsdp_version`` says 2)."""
     if getattr(trainer, "is_fsdp_enabled", False):
         plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
         return int(getattr(plugin, "fsdp_version", 1) or 1)
     if not trainer.args.fsdp:
         return None
-    # The plugin's arguments as the Trainer built them (its default version included), else
-    # the configuration (``fsdp_`` prefixes dropped by newer Trainers; version 1 by default in
-    # older ones).
+    # The plugin's arguments as the Trainer built them, else the configuration (newer
+    # Trainers drop the ``fsdp_`` prefixes).
     plugin_args = getattr(trainer.args, "fsdp_plugin_args", None) or {}
     config = getattr(trainer.args, "fsdp_config", None) or {}
     version = plugin_args.get("fsdp_version", config.get("version", config.get("fsdp_version")))
@@ -542,17 +477,15 @@ def _gives_per_sample(trainer: SAMTrainerMixin, model: Any) -> bool:
 
 
 def _check_first_pass_attributes(trainer: SAMTrainerMixin) -> None:
-    """TRL's trainers record their logged metrics in every loss call: warn when a TRL
-    trainer has none of the attributes the mixin restores after a later pass (a TRL release
-    that renamed them), as its metrics would then count each micro-batch once per pass."""
+    """Warn when a TRL trainer has none of :attr:`~SAMTrainerMixin.sam_first_pass_attributes`
+    (a release that renamed them)."""
     names = trainer.sam_first_pass_attributes
     from_trl = any(c.__module__.split(".")[0] == "trl" for c in type(trainer).__mro__)
     if from_trl and not any(hasattr(trainer, name) for name in names):
         warn(
-            f"{type(trainer).__name__} has none of the attributes {names} in which TRL's"
-            " trainers record the metrics they log: its metrics (num_tokens, ...) may count"
-            " each micro-batch once per SAM pass. Set `sam_first_pass_attributes` on the"
-            " class to the attributes its compute_loss updates."
+            f"{type(trainer).__name__} has none of the attributes {names}: its metrics"
+            " (num_tokens, ...) may count each micro-batch once per SAM pass. Set"
+            " `sam_first_pass_attributes` to the attributes its compute_loss updates."
         )
 
 
@@ -563,8 +496,7 @@ def _info(message: str) -> None:
 
 
 def _without_index(inputs: Any) -> tuple[Any, Tensor | None]:
-    """The batch without its ``index`` column (each sample's position in the training set,
-    which SAF reads and no model takes), and that column."""
+    """The batch without its ``index`` column (SAF's sample positions), and that column."""
     if isinstance(inputs, Mapping) and "index" in inputs:
         return {k: v for k, v in inputs.items() if k != "index"}, inputs["index"]
     return inputs, None

@@ -1,9 +1,7 @@
 """Every use of private Lightning and torch internals, in one place.
 
-The plugin runs SAM's two passes under Lightning's manual optimization and needs a few
-things Lightning keeps private. Each one is wrapped here, with what it does and the
-versions it was checked against: Lightning 2.6.6 and torch 2.14.1. When a new Lightning
-or torch release breaks one of them, this module is the only one to change.
+Each is wrapped here with the version it was checked against (Lightning 2.6.6, torch
+2.14.1): a release that breaks one changes this module only.
 """
 
 from __future__ import annotations
@@ -50,10 +48,10 @@ def gradient_scaler(trainer: Any) -> Any:
 
 
 def automatic_scheduler_configs(raw: Any, current: list[Any]) -> list[Any]:
-    """The LR scheduler configs that automatic optimization would build from
-    ``configure_optimizers``'s raw output ``raw``: the same scheduler objects as
-    ``current`` (the Trainer's, under manual optimization) but with ``monitor``, ``strict``
-    and ``reduce_on_plateau`` kept, which Lightning drops under manual optimization.
+    """The LR scheduler configs automatic optimization would build from
+    ``configure_optimizers``'s raw output ``raw``: ``current``'s scheduler objects (the
+    Trainer's, under manual optimization) with ``monitor``, ``strict`` and
+    ``reduce_on_plateau`` kept.
 
     Lightning 2.6.6: ``lightning.pytorch.core.optimizer._configure_optimizers`` and
     ``_configure_schedulers_automatic_opt``. Without them ``current`` is returned.
@@ -95,9 +93,7 @@ def with_subcommand_help(
     replacing the line ``--help`` shows for Lightning's subcommands (by name).
 
     Lightning 2.6.6: ``_add_subcommands`` adds its subcommands to the action returned by
-    ``parser.add_subcommands()``; that action is captured here. Each subcommand's line is
-    the first paragraph of the Trainer method's docstring, which ``--help`` cuts off
-    mid-sentence for ``test`` and ``predict``.
+    ``parser.add_subcommands()``, captured here.
     """
     added: list[Any] = []
     original = parser.add_subcommands

@@ -1,20 +1,11 @@
 """The Lightning step driver: one SAM training step of a :class:`~lightning_slsam.SAMMixin`
 module, from the Trainer's batch to the stepped optimizer and LR schedulers.
 
-A :class:`StepDriver` belongs to the module (the mixin creates it at the first SAM step of
-a fit) and owns everything Lightning does for an automatic-optimization step that manual
-optimization leaves to the module:
-
-- gradient accumulation: micro-batches are buffered and the step runs over the whole group
-  (the epoch's last batch closes a partial group, as Lightning's accumulation does);
-- the gradient scaler: the engine reads its loss scale, and a skipped step still makes it
-  back off;
-- clipping, after unscaling, inside Lightning's wrapped ``optimizer.step()``;
-- the DDP ``no_sync`` context (the engine averages the active layers' gradients itself);
-- LR scheduler stepping at the points Lightning would, ``monitor`` and ``strict`` included.
-
-It reads the SAM callback's public options (``engine``, ``accumulate_grad_batches``,
-``gradient_clip_val``, ``gradient_clip_algorithm``) and nothing private of it.
+A :class:`StepDriver` (made by the mixin at a fit's first SAM step) does what automatic
+optimization would: gradient accumulation, the gradient scaler, clipping after unscaling,
+DDP's ``no_sync``, and LR schedulers at Lightning's points, ``monitor`` and ``strict``
+included. It reads only the callback's public options (:class:`SAMCallbackBase`).
+See docs/training.md.
 """
 
 from __future__ import annotations
@@ -52,8 +43,8 @@ Call = tuple[tuple[Any, ...], dict[str, Any]]
 
 
 class SAMCallbackBase:
-    """What the driver reads from the SAM callback: the base of
-    :class:`~lightning_slsam.SAMCallback`, and how the mixin recognises it on a Trainer.
+    """What the driver reads from the SAM callback; the base of
+    :class:`~lightning_slsam.SAMCallback`, by which the mixin finds it on a Trainer.
 
     Attributes:
         engine: the method's engine (built at fit start; ``None`` before).
@@ -99,8 +90,7 @@ class StepDriver:
         self.grad_scale = loss_scale_reader(self.scaler)
         #: Averages the active layers' gradients across processes (DDP); ``None`` on one.
         self.averager = GradientAverager() if trainer.world_size > 1 else None
-        #: The LR scheduler configs as automatic optimization builds them (``monitor``,
-        #: ``strict`` and ``reduce_on_plateau`` kept; the same scheduler objects).
+        #: The LR scheduler configs as automatic optimization builds them.
         self.schedulers = automatic_scheduler_configs(
             getattr(module, "_slsam_optim_conf", None), list(trainer.lr_scheduler_configs)
         )
@@ -121,8 +111,7 @@ class StepDriver:
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         if self._pending_plateau:
             self.step_pending_plateau_schedulers()
-        # Gradient accumulation: the batches of a group are buffered and the step runs on
-        # the last; the epoch's last batch closes a partial group (asked only while one is open).
+        # Accumulation: the step runs on a group's last batch, or the epoch's last.
         self._buffer.append((args, kwargs))
         k = self.controller.accumulate_grad_batches
         if len(self._buffer) < k and not epoch_ends_with_this_batch(self.trainer):
@@ -143,7 +132,6 @@ class StepDriver:
                     self.averager, optimizer=self.optimizer)  # fmt: skip
         trainer = self.trainer
         try:
-            # Under DDP the engine averages the active layers' gradients itself.
             with trainer.strategy.block_backward_sync() if self.averager else nullcontext():
                 engine.step(loop)
         finally:
@@ -186,10 +174,8 @@ class StepDriver:
             self._clip_now = False
 
     def clip_gradients(self, optimizer: Any) -> None:
-        """Clip the update gradient with the callback's options. Lightning's
-        ``on_before_optimizer_step`` moment (after unscaling, before the update) is the only
-        place for it: the SAM callback's hook calls this. Acts during this driver's
-        optimizer step only."""
+        """Clip the update gradient with the callback's options, during this driver's
+        optimizer step only (the callback's ``on_before_optimizer_step`` calls it)."""
         clip = self.controller.gradient_clip_val
         if self._clip_now and clip:
             self.module.clip_gradients(
@@ -200,9 +186,8 @@ class StepDriver:
 
     # -- LR schedulers (Lightning steps them only under automatic optimization) ----------
     def step_schedulers(self, batch_idx: int) -> None:
-        """Step the non-plateau schedulers due after batch ``batch_idx``, and queue the
-        plateau ones: they read validation metrics, which Lightning logs after this batch,
-        so they are stepped at the start of the next training step, with the same index."""
+        """Step the schedulers due after batch ``batch_idx``; queue the plateau ones for the
+        next training step (they read validation metrics logged after this batch)."""
         trainer = self.trainer
         last_batch = epoch_ends_with_this_batch(trainer)
         self._update_schedulers("step", batch_idx + 1, plateau=False)

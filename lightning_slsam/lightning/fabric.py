@@ -1,22 +1,4 @@
-"""SAM methods in a Lightning Fabric loop: :class:`FabricSAM`.
-
-Fabric users write their own loop; Fabric brings the strategy (DDP, FSDP2 through
-``ModelParallelStrategy``), the precision plugin, and checkpointing. :class:`FabricSAM`
-runs one SAM step of any method of the registry over the model and optimizer that
-``fabric.setup`` returned:
-
-- both gradient passes back-propagate through ``fabric.backward`` (the precision plugin's
-  loss scaling included; the engine reads the scale to unscale its norms);
-- under DDP the step runs inside ``fabric.no_backward_sync(model)`` and the engine averages
-  the active layers' gradients itself (DDP would all-reduce frozen buckets too); under FSDP2
-  the parameters' own reduce-scatter averages them, nothing is skipped;
-- the optimizer steps once, through Fabric's optimizer (a gradient scaler skips and backs
-  off on an overflow), after clipping with ``fabric.clip_gradients``;
-- gradient accumulation: :meth:`FabricSAM.step` takes several micro-batches, and each pass
-  runs over all of them before the step;
-- its state (``state_dict``/``load_state_dict``) goes into ``fabric.save`` / ``fabric.load``
-  next to the model and optimizer.
-"""
+"""SAM methods in a Lightning Fabric loop: :class:`FabricSAM`. See docs/fabric.md."""
 
 from __future__ import annotations
 
@@ -66,18 +48,16 @@ class FabricSAM:
         fabric: the launched ``lightning.fabric.Fabric``.
         model: the model returned by ``fabric.setup`` (or ``fabric.setup_module``).
         optimizer: the optimizer returned by ``fabric.setup`` (or
-            ``fabric.setup_optimizers``), over the model's parameters. Under
-            ``ModelParallelStrategy`` (FSDP2) sharding replaces the parameters, so the order
-            is: ``model = fabric.setup_module(model)`` (the strategy's ``parallelize_fn``
-            applies ``fully_shard``), then the optimizer over ``model.parameters()``, then
-            ``optimizer = fabric.setup_optimizers(optimizer)``.
+            ``fabric.setup_optimizers``), over the model's parameters; under FSDP2 made
+            after ``fabric.setup_module`` (see the second example).
         method: a method name of :data:`~lightning_slsam.METHODS` (``"slsam"`` is what
             ``SparseLayerSAM()`` runs, ``"slsam_paper"`` the paper's SL-SAM, ``"sam"``, ...)
             or a :class:`~lightning_slsam.methods.spec.MethodSpec`.
         gradient_clip_val: clip the update gradient with ``fabric.clip_gradients``
             (``None`` or 0: no clipping).
         gradient_clip_algorithm: ``"norm"`` (``max_norm``) or ``"value"`` (``clip_val``).
-        **options: the method's options (``layer_ratio``, ``rho``, ``seed``, ...).
+        **options: the method's options (``layer_ratio``, ``rho``, ``seed``, ...); ``seed``
+            defaults to rank 0's run seed (:func:`~lightning_slsam.methods.spec.default_seed`).
 
     Example::
 
@@ -152,8 +132,8 @@ class FabricSAM:
         if refused:
             raise ValueError(
                 f"FabricSAM does not support {type(strategy).__name__}: {_REFUSED[refused[0]]}."
-                " Use strategy='ddp' (any precision, accumulation and clipping), FSDP2 through"
-                " ModelParallelStrategy (fully_shard in its parallelize_fn), or one device."
+                " Use strategy='ddp', FSDP2 through ModelParallelStrategy (fully_shard in its"
+                " parallelize_fn), or one device. See docs/fabric.md."
             )
         if gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(
@@ -171,7 +151,7 @@ class FabricSAM:
             instead="call `fabric.backward(loss)` and `optimizer.step()`.",
         )  # fmt: skip
         seed = self.spec.seed if self.spec.seed is not None else default_seed()
-        if fabric.world_size > 1:  # every process draws the same layers: rank 0's seed
+        if fabric.world_size > 1:  # rank 0's seed: every process draws the same layers
             seed = fabric.broadcast(seed)
         module = model.module
         if self.spec.samples_layers:  # as the callback: each compiled block one layer
@@ -184,10 +164,9 @@ class FabricSAM:
         if self.spec.samples_layers:
             if compiled_whole(model._forward_module):
                 raise ValueError(
-                    f"FabricSAM({self.spec.label}) freezes a different set of layers every"
-                    " step, and a model compiled whole without repeated blocks would be"
-                    " recompiled for each set. Compile its blocks instead (`block.compile()`)"
-                    " or train it uncompiled."
+                    f"FabricSAM({self.spec.label}) freezes other layers every step, so a model"
+                    " compiled whole without repeated blocks would recompile each time. Compile"
+                    " its blocks instead (`block.compile()`) or train it uncompiled."
                 )
             check_compiled_sampling(self.name, module, self.engine)
         self.ddp = fabric.world_size > 1 and "DDPStrategy" in _names(strategy)
@@ -202,18 +181,15 @@ class FabricSAM:
         self._checked_draw = False
 
     def _check_parameters(self, module: torch.nn.Module) -> None:
-        """The optimizer updates the model's current tensors, which the engine freezes and
-        perturbs (not tensors FSDP2 replaced when it sharded the model, nor another model's)."""
+        """The optimizer must update the model's current tensors (not ones FSDP2 replaced)."""
         model_params = {id(p) for p in module.parameters()}
         opt_params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if not opt_params or any(id(p) not in model_params for p in opt_params):
             raise ValueError(
                 "FabricSAM: the optimizer holds tensors that are not the model's parameters:"
-                " create the optimizer over `model.parameters()` and pass both to"
-                " `fabric.setup(model, optimizer)` together. Under ModelParallelStrategy"
-                " (FSDP2), sharding replaces the parameters: `model ="
-                " fabric.setup_module(model)` first, then `optimizer ="
-                " fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))`."
+                " create it over `model.parameters()`; under FSDP2, after `model ="
+                " fabric.setup_module(model)`, then `fabric.setup_optimizers(optimizer)`."
+                " See docs/fabric.md."
             )
 
     # -- the step --------------------------------------------------------------------------
@@ -221,21 +197,19 @@ class FabricSAM:
         """One optimizer step of the method over ``batches`` (several: accumulated).
 
         Args:
-            loss_fn: ``loss_fn(batch)`` runs the model on ``batch`` and returns the loss --
-                a scalar, or a 1-D tensor of per-sample losses (averaged for the update;
-                ESAM chooses samples by them). Called once per pass and micro-batch; methods
-                that address single samples call it on a subset of the batch's samples.
+            loss_fn: ``loss_fn(batch)`` returns the model's loss on ``batch``: a scalar, or
+                per-sample losses (1-D, averaged; ESAM needs them). Called once per pass and
+                micro-batch, on a subset of the samples for ESAM and SSAM-F.
             *batches: the step's micro-batches (one for no accumulation).
 
         Returns:
-            The step's record (:class:`~lightning_slsam.StepResult`): ``loss`` (the first
-            pass's, averaged over micro-batches), ``active_mask``, ``kind``, ``skipped``...
+            The step's :class:`~lightning_slsam.StepResult` (``loss``: the first pass's).
         """
         if not batches:
             raise ValueError("FabricSAM.step needs at least one batch: `sam.step(loss_fn, batch)`.")
         module = self.model.module
         if self.engine.freezer.trainable_changed(module):
-            # Tensors the loop unfroze (or froze) since the last step: sampled from now on.
+            # Tensors unfrozen (or frozen) since the last step are sampled from now on.
             self.engine, change = self.spec.follow_trainable(self.engine, module, _warn)
             self.partition = self.engine.partition
             _info(f"{self.name}, before step {self.engine.num_steps}: {change}")

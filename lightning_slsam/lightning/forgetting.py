@@ -1,13 +1,4 @@
-"""The forgetting monitor for Lightning: :class:`ForgettingMonitor`.
-
-A callback that measures, every ``every_n_steps`` optimizer steps and at the end of fit,
-how far the model has moved from itself on reference text
-(:class:`~lightning_slsam.monitor.forgetting.ForgettingProbe`): the reference loss and
-next-token accuracy, and the KL divergence of its next-token distribution from the one it
-had at fit start. It logs them to the Trainer's loggers under ``forgetting/`` and keeps
-them in :attr:`ForgettingMonitor.history`, with its own cost in ``forgetting/seconds``.
-Any method, SAM or not, on any model whose forward gives next-token logits.
-"""
+"""The forgetting monitor for Lightning: :class:`ForgettingMonitor`."""
 
 from __future__ import annotations
 
@@ -24,27 +15,23 @@ __all__ = ["ForgettingMonitor"]
 
 
 class ForgettingMonitor(pl.Callback):
-    """Logs how much a language model forgets while it is fine-tuned.
+    """Logs how much a language model forgets while it is fine-tuned (any method, or none).
 
     Args:
-        reference: batches of reference text, held out from the training data and drawn
-            from what the model knew before (its pretraining distribution): ``[batch,
-            length]`` token-id tensors or dicts with ``input_ids`` (``attention_mask``,
-            ``labels`` with ``-100`` optional). A few thousand tokens are enough; they are
-            evaluated at every measurement.
-            :func:`~lightning_slsam.monitor.forgetting.reference_windows` cuts a token
-            stream into such batches.
+        reference: batches of reference text held out from the training data, from the
+            model's pretraining distribution: ``[batch, length]`` token-id tensors or dicts
+            with ``input_ids`` (``attention_mask``, ``labels`` with ``-100`` optional);
+            :func:`~lightning_slsam.monitor.forgetting.reference_windows` cuts them.
         every_n_steps: measure after every this many optimizer steps (>= 1), and at the
             end of fit. Default 50.
-        top_k: next tokens kept per reference position for the KL at fit start; exact when
-            it covers the vocabulary (see ``ForgettingProbe``). Default 64.
+        top_k: next tokens kept per reference position for the KL. Default 64.
         forward: ``forward(model, batch) -> logits``; default: the LightningModule's
             ``model`` attribute if it has one (a wrapped Hugging Face model), else the
             module itself, called as ``model(input_ids=..., attention_mask=...)``.
 
-    Logged (on every logger, against the global step): ``forgetting/loss``,
-    ``forgetting/accuracy``, ``forgetting/kl`` and, at the end, ``forgetting/seconds`` and
-    ``forgetting/fraction`` (the monitor's share of the fit's time).
+    Logged against the global step: ``forgetting/loss``, ``forgetting/accuracy``,
+    ``forgetting/kl``, and at the end ``forgetting/seconds`` and ``forgetting/fraction``.
+    See docs/forgetting.md.
 
     Example::
 
@@ -88,11 +75,8 @@ class ForgettingMonitor(pl.Callback):
             or isinstance(every_n_steps, bool)
             or (every_n_steps < 1)
         ):
-            raise ValueError(
-                f"`every_n_steps` must be an integer >= 1, got {every_n_steps!r}: measure"
-                " after every that many optimizer steps."
-            )
-        # Checked now (bad input is refused at construction); bound to the model at fit start.
+            raise ValueError(f"`every_n_steps` must be an integer >= 1, got {every_n_steps!r}.")
+        # Checks the arguments now; the probe is bound to the model at fit start.
         ForgettingProbe(_Unbound(), reference, top_k=top_k, forward=forward)  # type: ignore[arg-type]
         self.reference, self.every_n_steps, self.top_k = reference, every_n_steps, top_k
         self.forward = forward

@@ -1,16 +1,8 @@
 """``SAMMixin``: the one change a LightningModule needs for SL-SAM.
 
-A whole run is :class:`SAMMixin`'s example.
-
-Without a SAM callback on the Trainer the module is an ordinary LightningModule with
-automatic optimization: every Trainer feature works as usual. With one, the module
-switches to manual optimization and the mixin runs the training step: it calls the
-user's ``training_step`` once per gradient pass (``self.sam_pass`` is 1 or 2 while it
-runs; ``self.log`` calls from the second pass, made at perturbed weights, are dropped),
-steps the optimizer exactly once per training step through Lightning's wrapped
-``optimizer.step()`` (so ``global_step``, checkpointing and loggers behave as under
-automatic optimization), and steps LR schedulers honouring ``interval`` and
-``frequency`` at the same points Lightning would.
+With a SAM callback on the Trainer the module switches to manual optimization and the
+mixin runs the step (:mod:`~lightning_slsam.lightning.driver`); without one it is an
+ordinary LightningModule. See docs/training.md.
 """
 
 from __future__ import annotations
@@ -33,22 +25,20 @@ __all__ = ["SAMMixin"]
 def _wrap_training_step(user_step: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(user_step)
     def training_step(self: SAMMixin, *args: Any, **kwargs: Any) -> Any:
-        # Nested calls (super().training_step, or our own passes) run the user's code.
+        # Nested calls (super().training_step, or the passes) run the user's code.
         trainer = None if self._slsam_pass else attached_trainer(self)
         if trainer is None:
             return user_step(self, *args, **kwargs)
         controller = find_sam_callback(trainer)
         if controller is None:
             output = user_step(self, *args, **kwargs)
-            # Per-sample losses (returned for ESAM) are averaged for automatic optimization;
-            # what a dict carries besides for a method (logits, indices) is passed on.
+            # Per-sample losses are averaged for automatic optimization.
             if isinstance(output, Tensor):
                 return split_per_sample(output)[0]
             if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
                 return {**output, "loss": read_output(output).loss}
             return output
-        # The module's step driver runs the SAM step (a new one for each fit: another
-        # callback, Trainer or optimizer).
+        # A new driver for each fit (another callback, Trainer or optimizer).
         driver = self._slsam_driver
         if (
             driver is None
@@ -64,8 +54,7 @@ def _wrap_training_step(user_step: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _wrap_configure_optimizers(user_configure: Callable[..., Any]) -> Callable[..., Any]:
-    # Under manual optimization Lightning drops `monitor` / `strict` from scheduler
-    # configs; keeping the raw output lets the mixin step plateau schedulers itself.
+    # Keeps the raw output: manual optimization drops schedulers' `monitor` / `strict`.
     @functools.wraps(user_configure)
     def configure_optimizers(self: SAMMixin, *args: Any, **kwargs: Any) -> Any:
         output = user_configure(self, *args, **kwargs)
@@ -77,21 +66,14 @@ def _wrap_configure_optimizers(user_configure: Callable[..., Any]) -> Callable[.
 
 
 class SAMMixin:
-    """Mixin for a ``LightningModule`` whose ``training_step`` returns the loss.
+    """Mixin for a ``LightningModule`` whose ``training_step`` returns the loss (a scalar or
+    a dict with ``"loss"``) and whose ``configure_optimizers`` returns one optimizer.
 
-    Put it first in the bases: ``class Model(SAMMixin, L.LightningModule)``, or
-    ``class Model(SAMMixin, MyExistingModule)`` for a module written without it (its
-    ``training_step`` and ``configure_optimizers`` are taken over as if declared here).
-    Listed after ``LightningModule``, Lightning's own hooks would shadow the mixin's: a SAM
-    callback refuses that at setup, naming the fix. The module
-    keeps its ``training_step`` (returning a scalar loss or a dict with ``"loss"``) and
-    its ``configure_optimizers`` (one optimizer, any ``torch.optim`` optimizer, with or
-    without LR schedulers). Add :class:`~lightning_slsam.SparseLayerSAM` to the Trainer
-    to train with SL-SAM; without it the module trains exactly as a plain module.
-
-    While a SAM step runs, :attr:`sam_pass` tells ``training_step`` which gradient pass
-    it is in (1: at the current weights, 2: at the perturbed weights), so code with side
-    effects (e.g. updating a training metric) can act on pass 1 only.
+    List it first: ``class Model(SAMMixin, L.LightningModule)`` (or over an existing
+    module, ``class Model(SAMMixin, MyModule)``). Add a SAM callback such as
+    :class:`~lightning_slsam.SparseLayerSAM` to the Trainer to train with it; without one
+    the module trains as a plain module. :attr:`sam_pass` tells ``training_step`` which
+    pass runs, so side effects can act on pass 1 only.
 
     Example:
         >>> import tempfile
@@ -129,9 +111,7 @@ class SAMMixin:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        # The class's own hooks, or those it inherits from a base listed after the mixin
-        # (`class Model(SAMMixin, MyExistingModule)`): the mixin's place in the bases does
-        # not decide whether the step runs SAM.
+        # Wraps the hooks the class defines or inherits from a base listed after the mixin.
         for name, wrap in (
             ("training_step", _wrap_training_step),
             ("configure_optimizers", _wrap_configure_optimizers),
@@ -155,15 +135,8 @@ class SAMMixin:
         )
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Carries the optimizer-step count across optimization modes when resuming.
-
-        Lightning counts ``global_step`` separately for automatic and manual optimization, so
-        a plain-AdamW checkpoint resumed with a SAM callback (or the other way round) would
-        restart at step 0 (or at its own older count): schedulers and step checkpoints would
-        repeat. The count of the mode that ran last is copied into the mode that resumes.
-        A subclass that overrides this hook should call
-        ``super().on_load_checkpoint(checkpoint)``.
-        """
+        """Carry the optimizer-step count across optimization modes when resuming (Lightning
+        counts them apart). An override should call ``super().on_load_checkpoint(checkpoint)``."""
         super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
         carry_step_progress(checkpoint, automatic=self.automatic_optimization)
 
@@ -173,11 +146,8 @@ class SAMMixin:
         return self._slsam_pass
 
     def sam_batch_size(self, batch: Any) -> int:
-        """Samples in ``batch``: the first dimension of its first tensor.
-
-        Used by methods that address single samples (ESAM's data selection, SSAM-F's
-        Fisher). Override it for a batch whose first tensor is not batch-major.
-        """
+        """Samples in ``batch``: the first dimension of its first tensor (ESAM, SSAM-F).
+        Override it for a batch whose first tensor is not batch-major."""
         tensor = first_tensor(batch)
         if tensor is None or tensor.dim() == 0:
             raise MisconfigurationException(
@@ -187,12 +157,8 @@ class SAMMixin:
         return int(tensor.shape[0])
 
     def sam_subset_batch(self, batch: Any, index: Tensor, batch_size: int) -> Any:
-        """``batch`` restricted to the samples ``index`` (a 1-D index tensor).
-
-        Every tensor whose first dimension is ``batch_size`` is indexed along it, inside
-        dicts (Hugging Face batches included), lists, tuples and namedtuples; everything
-        else is kept as is. Override it for other batch types.
-        """
+        """``batch`` restricted to the samples ``index`` (1-D): every tensor whose first
+        dimension is ``batch_size``, in dicts, lists and tuples. Override for other types."""
         return subset_batch(batch, index, batch_size)
 
     def log(self, *args: Any, **kwargs: Any) -> None:
@@ -202,27 +168,22 @@ class SAMMixin:
         super().log(*args, **kwargs)  # type: ignore[misc]
 
     def configure_callbacks(self) -> Any:
-        """Refuse Trainer options that cannot work under manual optimization.
-
-        Runs before Lightning's own check, so the error can point to the plugin's options.
-        """
+        """Refuse Trainer options manual optimization forbids, naming the callback's own."""
         trainer = attached_trainer(self)
         controller = find_sam_callback(trainer)
         if controller is not None and trainer is not None:
             name = type(controller).__name__
             if trainer.gradient_clip_val:
                 raise MisconfigurationException(
-                    f"`Trainer(gradient_clip_val={trainer.gradient_clip_val})` cannot be used with"
-                    " a SAM callback (Lightning refuses it under manual optimization). Set"
-                    f" `{name}(gradient_clip_val={trainer.gradient_clip_val},"
+                    f"`Trainer(gradient_clip_val={trainer.gradient_clip_val})` does not work with"
+                    f" a SAM callback. Set `{name}(gradient_clip_val={trainer.gradient_clip_val},"
                     f" gradient_clip_algorithm={trainer.gradient_clip_algorithm or 'norm'!r})`"
-                    " instead: it clips the update gradient after unscaling."
+                    " instead. See docs/training.md."
                 )
             if trainer.accumulate_grad_batches != 1:
                 raise MisconfigurationException(
-                    f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})` cannot"
-                    " be used with a SAM callback (Lightning refuses it under manual"
-                    f" optimization). Set `{name}(accumulate_grad_batches="
-                    f"{trainer.accumulate_grad_batches})` instead."
+                    f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})` does"
+                    f" not work with a SAM callback. Set `{name}(accumulate_grad_batches="
+                    f"{trainer.accumulate_grad_batches})` instead. See docs/training.md."
                 )
         return super().configure_callbacks()  # type: ignore[misc]

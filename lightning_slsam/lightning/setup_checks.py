@@ -1,6 +1,6 @@
-"""The checks a SAM callback makes when a fit is set up and resumed: each failure is a
-``MisconfigurationException`` naming the problem and the fix, raised before any training
-step (nothing is changed yet), and the Lightning warnings that do not apply to its fit."""
+"""The checks a SAM callback makes when a fit is set up: each failure is a
+``MisconfigurationException`` naming the fix, raised before any weight changes; and the
+Lightning warnings that do not apply to its fit."""
 
 from __future__ import annotations
 
@@ -37,15 +37,14 @@ __all__ = [
 
 @dataclass(kw_only=True, eq=False)
 class LightningOptions:
-    """The options of the Lightning layer alone (a method's own are its spec's fields), for
-    the Lightning training step.
+    """The options of the Lightning layer (a method's own are its spec's fields).
 
     Args:
         gradient_clip_val: clip the update gradient at this value after unscaling;
             ``None`` or 0 disables. Use this instead of the Trainer flag.
         gradient_clip_algorithm: ``"norm"`` (default) or ``"value"``.
-        accumulate_grad_batches: micro-batches per optimizer step (>= 1). Use this
-            instead of the Trainer flag: every pass runs over all micro-batches.
+        accumulate_grad_batches: micro-batches per optimizer step (>= 1), instead of the
+            Trainer flag: every pass runs over all micro-batches.
         plot: write the per-layer activation chart (PNG) at the end of fit.
     """
 
@@ -62,15 +61,11 @@ LIGHTNING_OPTIONS: dict[str, tuple[Any, Any]] = {
 
 #: Strategies that shard or wrap parameters, refused at setup on any number of devices.
 _SHARDED_STRATEGIES = {"DeepSpeedStrategy", "XLAStrategy", "FSDPStrategy"}
-#: Strategies whose sharding (FSDP2's fully_shard, applied in configure_model) the engine
-#: supports.
+#: Strategies whose sharding (FSDP2's fully_shard in configure_model) the engine supports.
 _FSDP2_STRATEGIES = {"ModelParallelStrategy"}
 
-#: Lightning warnings that do not apply under a SAM callback, silenced during its fit only.
-#: ModelCheckpoint warns that step checkpoints under manual optimization hold the post-step
-#: weights: that is what automatic optimization saves too, and the mixin restores the
-#: unperturbed weights before stepping. Lightning also warns that scheduler `monitor` and
-#: `strict` keys are ignored; the mixin honours them.
+#: Lightning warnings that do not apply under a SAM callback, silenced during its fit only:
+#: checkpoints hold the unperturbed weights, and the driver honours `monitor` / `strict`.
 _FIT_WARNINGS = (
     ("Using ModelCheckpoint with manual optimization", UserWarning),
     ("The lr scheduler dict contains the key", RuntimeWarning),
@@ -112,40 +107,32 @@ def check_fit_setup(callback: Any, trainer: Any, pl_module: Any) -> None:
     mro = type(pl_module).__mro__
     lightning_module = next((c for c in mro if c.__name__ == "LightningModule"), None)
     if lightning_module is not None and mro.index(lightning_module) < mro.index(SAMMixin):
-        # LightningModule's own `automatic_optimization`, `log` and hooks would shadow the
-        # mixin's: Lightning would refuse manual_backward in the first step.
         bases = ", ".join(c.__name__ for c in type(pl_module).__bases__)
         raise MisconfigurationException(
-            f"{type(pl_module).__name__}({bases}) lists SAMMixin after LightningModule, so"
-            " LightningModule's optimization mode and hooks shadow the mixin's and the first"
-            f" training step would fail. Put SAMMixin first: `class {type(pl_module).__name__}"
-            "(SAMMixin, L.LightningModule)`."
+            f"{type(pl_module).__name__}({bases}) lists SAMMixin after LightningModule, whose"
+            " hooks then shadow the mixin's. Put SAMMixin first: `class"
+            f" {type(pl_module).__name__}(SAMMixin, L.LightningModule)`."
         )
     strategy = trainer.strategy
     bases = _strategy_names(strategy)
     sharded = bases & _SHARDED_STRATEGIES
-    # A sharded strategy is refused on one device too: its wrapping (flat parameters,
-    # DTensors, ZeRO partitions) is there whatever the world size.
+    # Refused on one device too: the wrapping is there whatever the world size.
     fsdp2 = bool(bases & _FSDP2_STRATEGIES)
     if "DeepSpeedStrategy" in bases:
         config = getattr(strategy, "config", None) or {}
         stage = (config.get("zero_optimization") or {}).get("stage", "?")
         raise MisconfigurationException(
-            f"{name} does not support DeepSpeedStrategy (ZeRO stage {stage}): DeepSpeed fixes"
-            " which parameters train when it initialises and reduces the gradients of all"
-            " of them itself (stages 1 and 2 partition optimizer state and gradients, stage"
-            " 3 also the parameters), so layers cannot be frozen per step, and its engine"
-            " does the optimizer step SAM must control. Use FSDP2 (ModelParallelStrategy"
-            " with fully_shard in configure_model) to shard, or strategy='ddp'."
+            f"{name} does not support DeepSpeedStrategy (ZeRO stage {stage}): it cannot freeze"
+            " layers per step and runs the optimizer step itself. Use FSDP2"
+            " (ModelParallelStrategy with fully_shard in configure_model) or strategy='ddp'."
+            " See docs/training-features.md."
         )
     if sharded or (trainer.world_size > 1 and not isinstance(strategy, DDPStrategy) and not fsdp2):
         raise MisconfigurationException(
-            f"{name} does not support {type(strategy).__name__}: SAM methods perturb,"
-            " back up and restore whole parameter tensors between two passes and sync"
-            " the active layers' gradients themselves, which sharded strategies (FSDP,"
-            " DeepSpeed ZeRO, XLA) do not allow. Use strategy='ddp' or 'ddp_spawn' (any"
-            " precision, gradient accumulation and clipping work there), FSDP2 through"
+            f"{name} does not support {type(strategy).__name__}: it cannot freeze or perturb"
+            " one layer's tensors. Use strategy='ddp' or 'ddp_spawn', FSDP2 through"
             " ModelParallelStrategy (fully_shard in configure_model), or a single device."
+            " See docs/training-features.md."
         )
     others = [cb for cb in trainer.callbacks if isinstance(cb, SAMCallbackBase)]
     if len(others) > 1:
@@ -165,15 +152,14 @@ def check_one_optimizer(callback: Any, trainer: Any) -> None:
 
 
 def check_engine(callback: Any, trainer: Any, pl_module: Any, engine: Any) -> None:
-    """At fit start, with the engine built: a method whose set of trainable layers varies
-    refuses a compiled module; ModelParallelStrategy needs the parameters sharded."""
+    """At fit start, with the engine built: ModelParallelStrategy needs sharded parameters,
+    and layer sampling a model compiled by blocks (:func:`check_compiled_sampling`)."""
     fsdp2 = _strategy_names(trainer.strategy) & _FSDP2_STRATEGIES
     if fsdp2 and trainer.world_size > 1 and not engine.shards.sharded:
         raise MisconfigurationException(
             f"{type(callback).__name__} under ModelParallelStrategy needs the model sharded"
             " with FSDP2, but no parameter is a sharded DTensor: apply fully_shard in"
-            " configure_model (over the data-parallel mesh, tensor_parallel_size=1), or use"
-            " strategy='ddp'. Unsharded, every process would train on its own data alone."
+            " configure_model (tensor_parallel_size=1), or use strategy='ddp'."
         )
     if not engine.selection.always_all:
         check_compiled_sampling(type(callback).__name__, pl_module, engine)
@@ -182,18 +168,10 @@ def check_engine(callback: Any, trainer: Any, pl_module: Any, engine: Any) -> No
 def prepare_compiled(
     name: str, pl_module: Any, samples_layers: bool, info: Any, warn: Any = None
 ) -> None:
-    """Before the layers are drawn up, on a compiled model.
-
-    Lightning's compiled module (``trainer.fit(torch.compile(model))``) compiles
-    ``training_step`` too; a SAM step calls it once per pass with the engine's Python logic
-    between the passes, which torch.compile would trace in pieces, step index and all, so
-    ``training_step`` runs eagerly again and the model's ``forward`` stays compiled.
-
-    A method that samples layers (``samples_layers``) cannot freeze a layer inside a compiled
-    graph: a model compiled whole (Lightning's compiled module, ``model.compile()``, or a
-    compiled network inside the LightningModule) runs eagerly, and its repeated blocks are
-    compiled with the same settings instead, each one layer trained or frozen whole, whose
-    graphs are traced once per state."""
+    """Before the layers are drawn up, on a compiled model: ``training_step`` runs eagerly
+    (the model's ``forward`` stays compiled), and under layer sampling (``samples_layers``)
+    a model compiled whole runs eagerly with its repeated blocks compiled instead, each one
+    layer. See docs/training-features.md."""
     compiled = getattr(pl_module, "_compiler_ctx", None)
     if compiled:
         pl_module.training_step = compiled["original_training_step"]
@@ -210,27 +188,21 @@ def prepare_compiled(
         info(
             f"{name}: {region or type(pl_module).__name__} was compiled whole; its"
             f" {len(blocks)} blocks ({blocks[0]}, ...) are compiled instead, with the same"
-            " settings, each one layer trained or frozen whole (a compiled graph is traced"
-            " for each set of frozen tensors, so a layer cannot be frozen inside one)."
+            " settings, each one layer trained or frozen whole."
         )
     cached = [n for n, m in pl_module.named_modules() if getattr(m, "config", None) is not None
               and getattr(m.config, "use_cache", False) is True]  # fmt: skip
     if warn is not None and cached and compiled_regions(pl_module):
         warn(
             f"{name}: `{cached[0] or type(pl_module).__name__}.config.use_cache` is True on a"
-            " model with compiled blocks: a key-value cache makes each decoder layer a"
-            " compiled graph of its own (the cache update depends on the layer's index), up"
-            " to 4 per layer under layer sampling, past torch._dynamo's recompile limit (8)"
-            " on a deep model, after which the blocks run uncompiled. Training needs no"
-            " cache: set `model.config.use_cache = False`."
+            " model with compiled blocks, which may then recompile past torch's limit and run"
+            " uncompiled: set `model.config.use_cache = False`. See docs/training-features.md."
         )
 
 
 def check_compiled_sampling(name: str, pl_module: Any, engine: Any) -> None:
-    """A method whose set of trainable layers varies, on a compiled model: each compiled
-    region must be one layer of the partition (the spec groups them so), torch must
-    re-guard graphs on ``requires_grad`` (>= 2.12), and the model must not be compiled
-    whole (one region: nothing left to sample)."""
+    """Layer sampling on a compiled model: torch must guard graphs on ``requires_grad``
+    (>= 2.12), each compiled region must be one layer, and the model not compiled whole."""
     regions = compiled_regions(pl_module)
     whole = compiled_whole(pl_module)
     if not whole and not regions:
@@ -239,9 +211,7 @@ def check_compiled_sampling(name: str, pl_module: Any, engine: Any) -> None:
         low = ".".join(map(str, MIN_TORCH))
         raise MisconfigurationException(
             f"{name} on a compiled model needs torch >= {low} (this is {torch.__version__}):"
-            " earlier versions may reuse a compiled graph after a layer's requires_grad"
-            f" changes (pytorch#139476). Upgrade torch, or train {name} without"
-            " torch.compile."
+            f" upgrade torch, or train {name} without torch.compile."
         )
     partition = engine.partition
     layer_of = {id(p): i for i, group in enumerate(partition.params) for p in group}
@@ -252,26 +222,21 @@ def check_compiled_sampling(name: str, pl_module: Any, engine: Any) -> None:
     split = [r for r, layers in zip(regions, spans) if len(layers) > 1]
     if split:
         raise MisconfigurationException(
-            f"{name} draws the tensors of the compiled module(s) {split} as separate layers:"
-            " each new set of frozen tensors inside a compiled graph recompiles it. Build"
-            " the engine after compiling (the callback does, at fit start), or group each"
-            " compiled module into one layer with `layers`."
+            f"{name} draws the tensors of the compiled module(s) {split} as separate layers,"
+            " which recompiles them. Build the engine after compiling, or group each compiled"
+            " module into one layer with `layers`."
         )
     if whole or any(len(layers) == partition.num_layers for layers in spans):
         raise MisconfigurationException(
             f"{name} freezes a different set of layers every step, and torch.compile guards"
-            " on requires_grad: a model compiled whole would be recompiled for each new set"
-            " until torch._dynamo's recompile limit, then run uncompiled. Compile its"
-            " repeated blocks instead (regional compilation, e.g. `for block in"
-            " model.encoder.layer: block.compile()`): each compiled block is then one layer"
-            " that is trained or frozen whole, and compiles once per state. The dense"
-            " methods (SAM, S2SAM, RST, LookSAM, SSAMF) also compile whole."
+            " on requires_grad, so a model compiled whole would recompile every step. Compile"
+            " its repeated blocks instead (`for block in model.encoder.layer:"
+            " block.compile()`). See docs/training-features.md."
         )
 
 
 class FitWarnings:
-    """Silences :data:`_FIT_WARNINGS` between :meth:`add` and :meth:`remove` only, so other
-    Trainers in the process still see them."""
+    """Silences :data:`_FIT_WARNINGS` between :meth:`add` and :meth:`remove` only."""
 
     def __init__(self) -> None:
         self._filters: list[Any] = []

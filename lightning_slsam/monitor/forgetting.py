@@ -1,23 +1,11 @@
 """How far a causal language model has moved from itself on reference text:
 :class:`ForgettingProbe`.
 
-Fine-tuning teaches a model a task and can make it forget what it knew. The probe measures
-the second part on a reference set the user gives -- text from the pretraining
-distribution, held out from the fine-tuning data:
-
-* ``loss`` and ``accuracy``: the mean next-token cross-entropy and top-1 accuracy on the
-  reference tokens (a rising loss is forgetting);
-* ``kl``: the mean over the reference tokens of ``KL(p_start || p_now)``, the divergence of
-  the model's next-token distribution now from the one it had when :meth:`start` ran (fit
-  start). It is 0 before any update and grows as the predictions drift, whether or not the
-  loss moves.
-
-The starting distributions are kept small: per reference token, the ``top_k`` most likely
-next tokens' probabilities and the mass of all others. The KL is then computed between the
-two distributions coarsened to those ``top_k + 1`` outcomes -- exact when ``top_k`` covers
-the vocabulary, and otherwise a lower bound of the full KL (merging outcomes never raises a
-divergence) that keeps what matters: how much the tokens the model used to predict have
-lost.
+It measures ``loss`` and ``accuracy`` (next-token cross-entropy and top-1 accuracy on the
+reference tokens) and ``kl``, the mean ``KL(p_start || p_now)`` from the distributions kept
+at :meth:`~ForgettingProbe.start`: per token, the ``top_k`` most likely next tokens and the
+mass of the rest, so the KL is exact when ``top_k`` covers the vocabulary and a lower bound
+otherwise. See docs/forgetting.md.
 
 >>> import torch
 >>> torch.manual_seed(0)
@@ -89,10 +77,9 @@ class ForgettingProbe:
     Args:
         model: a causal language model.
         reference: its batches: ``[batch, length]`` token-id tensors, or dicts with
-            ``input_ids`` (and optionally ``attention_mask``, and ``labels`` with ``-100`` on
-            positions not to predict). Keep it small: it is evaluated at every measurement.
-        top_k: next tokens kept per reference position for the KL (>= 1); covering the
-            vocabulary makes the KL exact. Default 64.
+            ``input_ids`` (optionally ``attention_mask``, and ``labels`` with ``-100`` on
+            positions not to predict), evaluated at every measurement.
+        top_k: next tokens kept per reference position for the KL (>= 1). Default 64.
         forward: ``forward(model, batch) -> logits`` (or an output with ``.logits``);
             default ``model(input_ids=..., attention_mask=...)``.
     """
@@ -137,8 +124,8 @@ class ForgettingProbe:
         return self._start is not None
 
     def _passes(self) -> Iterable[tuple[Tensor, Tensor, Tensor]]:
-        """Per batch: the next-token log-probabilities at the counted positions, their
-        targets, and nothing else (the model in eval mode, no gradients)."""
+        """Per batch: the next-token log-probabilities and targets at the counted positions
+        (eval mode, no gradients)."""
         model = self.model
         was_training = model.training
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -155,8 +142,7 @@ class ForgettingProbe:
             model.train(was_training)
 
     def start(self) -> None:
-        """Keep the model's current next-token distributions on the reference tokens (its
-        ``top_k`` tokens' log-probabilities and the others' mass) as the start."""
+        """Keep the model's current next-token distributions on the reference as the start."""
         began = time.perf_counter()
         kept = []
         for logp, _, _ in self._passes():
@@ -172,14 +158,14 @@ class ForgettingProbe:
         return self._start
 
     def load_start(self, state: list[tuple[Tensor, Tensor, Tensor]]) -> None:
-        """Use a start kept by :meth:`start_state` (a resumed run measures from the first)."""
+        """Use a start kept by :meth:`start_state` (a resumed run)."""
         if len(state) != len(self.batches) or any(
             len(kept[0]) != int((b["labels"][:, 1:] != IGNORE_INDEX).sum())
             for kept, b in zip(state, self.batches)
         ):
             raise ValueError(
-                "The saved start of the forgetting probe was kept on another reference set:"
-                " resume with the same reference batches."
+                "The forgetting probe's saved start was kept on other reference batches:"
+                " resume with the same `reference`."
             )
         self._start = state
 
@@ -209,7 +195,6 @@ class ForgettingProbe:
 
 
 def _log_rest(top: Tensor) -> Tensor:
-    """``log(1 - sum(exp(top)))`` per row, the log mass outside the kept tokens (floored
-    at ``log(1e-12)``: a row that keeps the whole vocabulary has no rest)."""
+    """``log(1 - sum(exp(top)))`` per row, floored at ``log(1e-12)``."""
     mass = top.exp().sum(-1)
     return torch.log((1.0 - mass).clamp(min=1e-12))

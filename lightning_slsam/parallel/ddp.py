@@ -1,9 +1,7 @@
-"""Gradient averaging across processes for the engine, on active tensors only.
+"""Gradient averaging across processes, on the active layers' tensors only.
 
-Under DDP the plugin runs both SAM passes with DDP's own synchronisation switched off and
-averages the gradients itself: DDP's reducer would all-reduce whole buckets, frozen
-tensors included, while here only the tensors of the active layers travel, packed into a
-few flat buffers (one collective per bucket), so the traffic falls with the active ratio.
+Under DDP both SAM passes run with DDP's synchronisation off and the engine averages the
+active tensors itself, packed into flat buffers, so frozen layers send nothing.
 """
 
 from __future__ import annotations
@@ -43,10 +41,8 @@ class GradientAverager:
 
     @torch.no_grad()
     def average_(self, tensors: Sequence[Tensor]) -> int:
-        """Replace every tensor by its mean over the processes; return the bytes sent.
-
-        Every process must pass tensors of the same shapes, dtypes and order.
-        """
+        """Replace every tensor by its mean over the processes (the same shapes, dtypes and
+        order on each); return the bytes sent."""
         sent = 0
         for bucket in self._buckets(tensors):
             flat = _flatten_dense_tensors(bucket)
@@ -88,12 +84,8 @@ class GradientAverager:
 
 @torch.no_grad()
 def average_grads(active: list[Tensor], averager: GradientAverager) -> int:
-    """Average the active tensors' gradients across processes; the bytes sent.
-
-    Every process sends every active tensor (the sets are equal on all ranks), a zero
-    gradient standing in for a missing one; a presence flag per tensor travels in the
-    same collective, so a tensor no process used keeps ``grad=None``, as on one process.
-    """
+    """Average the active tensors' gradients across processes; return the bytes sent. A
+    tensor no process used keeps ``grad=None`` (a presence flag travels with the zeros)."""
     if not active:
         return 0
     present = torch.tensor(
@@ -114,13 +106,8 @@ def average_grads(active: list[Tensor], averager: GradientAverager) -> int:
 def check_same_draw(
     mask: Tensor, kind: str, kinds: Sequence[str], step: int, averager: GradientAverager
 ) -> None:
-    """Debug mode under DDP: every process must draw the same layers and step kind (one of
-    ``kinds``).
-
-    Two checksums of the mask and the kind are gathered from every process (one small
-    collective); on a mismatch every process raises the same error before touching a
-    weight, instead of hanging in a gradient all-reduce of different tensors.
-    """
+    """Raise on every process if any drew other layers or another step kind (one of
+    ``kinds``) than process 0, before a weight changes (one small all-gather)."""
     index = torch.arange(1, mask.numel() + 1, dtype=torch.int64, device=mask.device)
     bits = mask.to(torch.int64)
     code = kinds.index(kind) if kind in kinds else len(kinds)
@@ -133,18 +120,15 @@ def check_same_draw(
         raise RuntimeError(
             f"check_masks: at step {step} process(es) {differ} drew other layers"
             f" or another step kind than process 0 (active layers per process:"
-            f" {counts.tolist()}). The processes' selection generators have diverged:"
-            " keep the seed the same on every process (the callback's `seed`, whose"
-            " default None takes the `seed_everything` seed of rank 0; in a plain loop,"
-            " `make_engine(..., seed=...)`) and do not draw from the engine's generators"
-            " yourself."
+            f" {counts.tolist()}). Use the same `seed` on every process (or"
+            " `make_engine(..., seed=...)`) and do not draw from the engine's generators."
+            " See docs/reliability.md."
         )
 
 
 def ddp_averager(ddp: torch.nn.Module, module: torch.nn.Module | None) -> GradientAverager:
-    """An averager over the processes of ``ddp``, after checking that ``ddp`` is the
-    ``DistributedDataParallel`` wrapper of ``module`` (the engine's model), or ``module``
-    itself; a plain loop's ``train_step(..., ddp=)`` calls it on its first step."""
+    """An averager over ``ddp``'s processes, after checking that ``ddp`` is the
+    ``DistributedDataParallel`` wrapper of ``module`` (the engine's model)."""
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(ddp, DistributedDataParallel):
@@ -161,8 +145,8 @@ def ddp_averager(ddp: torch.nn.Module, module: torch.nn.Module | None) -> Gradie
 
 
 class DDPAverager:
-    """The averager of the ``DistributedDataParallel`` wrapper a front-end's steps run in,
-    made on the first step with that wrapper (:func:`ddp_averager`) and kept for the next."""
+    """The averager of the ``DistributedDataParallel`` wrapper the steps run in, made on
+    its first step (:func:`ddp_averager`) and kept."""
 
     def __init__(self) -> None:
         self._ddp: torch.nn.Module | None = None
@@ -171,8 +155,7 @@ class DDPAverager:
     def __call__(
         self, ddp: torch.nn.Module, module: torch.nn.Module | None
     ) -> tuple[GradientAverager, bool]:
-        """``ddp``'s averager (``module``: the model the engine was built on), and whether
-        this is its first step: the one whose layer draw is checked across processes."""
+        """``ddp``'s averager, and whether this is its first step (whose draw is checked)."""
         first = self._ddp is not ddp
         if first:
             self._averager = ddp_averager(ddp, module)
@@ -182,14 +165,11 @@ class DDPAverager:
 
 
 def release_process_group() -> None:
-    """Destroys the default process group that a distributed run left behind.
+    """Destroy the default process group a distributed run left behind.
 
-    Lightning's strategies keep the group alive after ``fit``; a gloo group still alive
-    when the interpreter exits can abort the process ("terminate called without an active
-    exception", exit code -6) after a run that succeeded. Call it at the end of a script
-    that trained with a multi-process strategy, once the run has ended without an error:
-    after a fault on one rank, the other ranks may still wait in a collective, and
-    destroying the group would wait with them. ``lightning-slsam`` calls it itself.
+    A gloo group alive at interpreter exit can abort a successful run (exit code -6). Call
+    it at the end of a multi-process script, only after the run ended without an error
+    (other ranks may still wait in a collective). See docs/training-features.md.
 
     Example:
         >>> import torch.distributed as dist

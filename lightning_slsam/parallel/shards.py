@@ -1,19 +1,11 @@
 """The one seam between the step and sharded parameters: :class:`Shards` for whole tensors
 (one device, DDP) or :class:`FSDP2Shards` (``fully_shard``).
 
-The step is written as single-device code and asks the seam for what depends on where a
-tensor's elements live: the tensors to change in place (:meth:`Shards.local`), gradient norms
-(:meth:`Shards.norms`), sums over a tensor's elements (:meth:`Shards.sums`), the largest
-coordinates of a set of tensors (:meth:`Shards.top`), and per-tensor state as whole tensors
-for a checkpoint (:meth:`Shards.full`, :meth:`Shards.shard`).
-
-Under FSDP2 every parameter, and its gradient, is a ``DTensor`` whose rows are split across
-the data-parallel processes. SAM's ascent, its exact restore, LookSAM's stored component and
-the update scaling are elementwise, so each process applies them to its own shard. What
-needs the whole tensor is a sum over its elements -- a gradient norm, LookSAM's inner
-product -- and the FSDP2 seam completes the local sums of all tensors at once with one
-all-reduce, so the perturbation norm and the per-layer norms the bandit learns from are the
-global ones, identical on every process.
+The step is single-device code; it asks the seam for what depends on where a tensor's
+elements live: the tensors to change in place, norms and sums over a tensor's elements
+(completed across shards with one all-reduce, so identical on every process), the largest
+coordinates, and per-tensor state as whole tensors for a checkpoint. Elementwise work runs
+on each process's own shard. See docs/training-features.md.
 
 >>> import torch
 >>> seam = shards_of([torch.zeros(2)], None)
@@ -64,26 +56,15 @@ def fsdp_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
 
 def reshard(modules: Sequence[torch.nn.Module]) -> None:
     """Register the sharded parameters again on FSDP2 ``modules`` (:func:`fsdp_modules`)
-    that a forward without backward left unsharded.
-
-    FSDP2 keeps the root module's parameters unsharded after its forward (the backward
-    would gather them again at once); after a forward with no backward -- a validation
-    loop, an evaluation under ``torch.no_grad`` -- they stay so, and ``module.parameters()``
-    holds other tensors than the sharded ones the engine trains, which per-step freezing
-    would not reach (FSDP2 copies ``requires_grad`` to the unsharded tensors only when it
-    gathers them). A no-op for modules already sharded.
-    """
+    that a forward without backward (validation, ``torch.no_grad``) left unsharded, so
+    per-step freezing reaches the tensors the engine trains. A no-op on sharded modules."""
     for sub in modules:
         sub.reshard()  # type: ignore[operator]
 
 
 class Shards:
-    """Shards tensors on every process (one device, DDP): the seam does nothing of its own.
-
-    Norms are float32, or the gradients' dtype when it is wider: float32 for half-precision
-    gradients, float64 for float64 ones, so a float64 model's perturbation radius is
-    computed in float64. What the selection learns from goes to the host as float32.
-    """
+    """Whole tensors on every process (one device, DDP): the seam does nothing of its own.
+    Norms are float32, or float64 for float64 gradients."""
 
     #: Whether parameters are FSDP2 shards (their gradients arrive averaged).
     sharded = False
@@ -95,9 +76,8 @@ class Shards:
     def norms(
         self, tensors: Sequence[Tensor], device: torch.device | None = None, like: Any = None
     ) -> Tensor:
-        """L2 norm of each tensor, one float32 vector, float64 for float64 tensors (on
-        ``device`` if given). ``like``: the parameters whose sharding ``tensors`` (local
-        shards kept as state) follow."""
+        """L2 norm of each tensor as one vector (on ``device`` if given). ``like``: the
+        parameters whose sharding ``tensors`` (local shards kept as state) follow."""
         if not tensors:
             return torch.zeros(0, dtype=torch.float32, device=device)
         norms = torch.stack(torch._foreach_norm(list(tensors)))
@@ -127,9 +107,8 @@ class Shards:
         return value
 
     def local_rows(self, value: Tensor, param: Tensor) -> Tensor:
-        """This process's part of ``value``, a whole tensor shaped as ``param`` that every
-        process holds alike (a draw of a generator seeded alike), cut without communicating
-        (here: ``value`` itself)."""
+        """This process's part of ``value``, a whole tensor shaped as ``param`` and equal on
+        every process, cut without communicating (here: ``value`` itself)."""
         return value
 
     def reshard(self) -> None:
@@ -198,8 +177,7 @@ class FSDP2Shards(Shards):
         self.modules = list(modules)
 
     def local(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        # The shard shares storage with the parameter or gradient: in-place arithmetic on
-        # it changes the DTensor.
+        # The shard shares storage with the DTensor: in-place arithmetic changes it.
         dtensor = _dtensor_type()
         if dtensor is None:
             return list(tensors)
@@ -278,11 +256,9 @@ def top_coordinates(values: Sequence[Tensor], keep: int, layout: _Layout | None)
     """Bool masks of the ``keep`` largest coordinates of ``values`` (magnitudes compared),
     over all tensors and, for sharded ones, all their shards.
 
-    Ties are broken by position in the flattened concatenation of the whole tensors
-    (earlier tensor, then lower process's shard, then lower index), so the choice is the
-    same on one process and on any number of shards. The threshold is found by a radix
-    search over the float32 bit patterns (8 all-reduces of 16 counts) and the ties are
-    shared out with one small all-gather: nothing of the size of the model is gathered.
+    Ties go by position in the whole tensors' concatenation, so the choice is the same on
+    any number of shards. A radix search over the float32 bit patterns finds the threshold
+    without gathering anything of the model's size.
 
     Example:
         >>> values = [torch.tensor([0.1, 0.9, 0.5]), torch.tensor([0.5, 0.0])]
