@@ -170,13 +170,7 @@ class ARWPSpec(ARWPOptions, MethodSpec):
 
     name: ClassVar[str] = "arwp"
     label: ClassVar[str] = "ARWP"
-
-    def check_combined(self) -> None:
-        if self.adaptive or self.perturbation_norm != "global":
-            raise ValueError(
-                "`adaptive` and `perturbation_norm` shape SAM's ascent along a gradient;"
-                " ARWP draws its move, scaled by each row's norm: leave them at their defaults."
-            )
+    own_move: ClassVar[str | None] = "ARWP draws its move, scaled by each row's norm"
 
     def make_perturbation(self) -> SAMPerturbation:
         return SAMPerturbation(1.0, norm="none")  # the drawn noise is the move

@@ -160,13 +160,8 @@ class MESASpec(MESAOptions, MethodSpec):
 
     name: ClassVar[str] = "mesa"
     label: ClassVar[str] = "MESA"
-
-    def check_combined(self) -> None:
-        if self.adaptive or self.perturbation_norm != "global" or self.rho != 0.01:
-            raise ValueError(
-                "`rho`, `adaptive` and `perturbation_norm` shape SAM's ascent; MESA perturbs"
-                " nothing (its size is `weight`): leave them at their defaults."
-            )
+    own_move: ClassVar[str | None] = "MESA perturbs nothing (its size is `weight`)"
+    sized_by_rho: ClassVar[bool] = False
 
     def parts(self, generator: torch.Generator) -> MethodParts:
         return AverageTeacher(self)

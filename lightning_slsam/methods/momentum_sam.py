@@ -128,14 +128,10 @@ class MomentumSAMSpec(MomentumSAMOptions, MethodSpec):
 
     name: ClassVar[str] = "momentum_sam"
     label: ClassVar[str] = "MomentumSAM"
-
-    def check_combined(self) -> None:
-        if self.adaptive or self.perturbation_norm != "global":
-            raise ValueError(
-                "`adaptive` and `perturbation_norm` shape SAM's ascent along a gradient;"
-                " Momentum-SAM moves along the momentum with one norm over every tensor, as"
-                " its authors' code: leave them at their defaults."
-            )
+    own_move: ClassVar[str | None] = (
+        "Momentum-SAM moves along the momentum with one norm over every tensor, as its authors'"
+        " code"
+    )
 
     def make_perturbation(self) -> SAMPerturbation:
         # Against the momentum: the same move as SAM's ascent, with the opposite sign.

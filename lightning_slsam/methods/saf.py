@@ -166,13 +166,8 @@ class SAFSpec(SAFOptions, MethodSpec):
 
     name: ClassVar[str] = "saf"
     label: ClassVar[str] = "SAF"
-
-    def check_combined(self) -> None:
-        if self.adaptive or self.perturbation_norm != "global" or self.rho != 0.01:
-            raise ValueError(
-                "`rho`, `adaptive` and `perturbation_norm` shape SAM's ascent; SAF perturbs"
-                " nothing (its size is `weight`): leave them at their defaults."
-            )
+    own_move: ClassVar[str | None] = "SAF perturbs nothing (its size is `weight`)"
+    sized_by_rho: ClassVar[bool] = False
 
     def parts(self, generator: torch.Generator) -> MethodParts:
         return PastLogits(self)

@@ -189,6 +189,12 @@ class MethodSpec(MethodOptions):
     label: ClassVar[str] = "SAM"
     #: Whether the layers a step trains vary (each compiled region is then one layer).
     samples_layers: ClassVar[bool] = False
+    #: How a method that does not ascend along the gradient moves the weights (a clause for
+    #: the message, e.g. ``"ARWP draws its move, scaled by each row's norm"``); such a method
+    #: refuses ``adaptive`` and ``perturbation_norm``, and ``rho`` too unless ``rho`` sizes it.
+    own_move: ClassVar[str | None] = None
+    #: Whether ``rho`` sizes the method (``False``: it perturbs nothing).
+    sized_by_rho: ClassVar[bool] = True
 
     def __new__(cls: type[_Spec], *args: Any, **options: Any) -> _Spec:
         # An unknown option's message names the method's class, as a bad value's does.
@@ -210,6 +216,7 @@ class MethodSpec(MethodOptions):
                 if f.init and "rule" in f.metadata:
                     value = f.metadata["rule"](f.name, getattr(self, f.name))
                     object.__setattr__(self, f.name, value)
+            self._check_own_move()
             self.check_combined()
         except ValueError as err:
             raise ValueError(f"{self.label}: {err}") from None
@@ -222,6 +229,20 @@ class MethodSpec(MethodOptions):
                 f" ({self.label}(..., {name}=...), or dataclasses.replace(spec, {name}=...))."
             )
         object.__setattr__(self, name, value)
+
+    def _check_own_move(self) -> None:
+        if self.own_move is None:
+            return
+        shaping = ("adaptive", "perturbation_norm")
+        if not self.sized_by_rho:
+            shaping = ("rho", *shaping)
+        defaults = {f.name: f.default for f in fields(self)}
+        if any(getattr(self, name) != defaults[name] for name in shaping):
+            named = ", ".join(f"`{name}`" for name in shaping[:-1]) + f" and `{shaping[-1]}`"
+            raise ValueError(
+                f"{named} shape SAM's ascent along a gradient; {self.own_move}: leave them at"
+                " their defaults."
+            )
 
     def make_perturbation(self) -> SAMPerturbation:
         """The ascent an engine of this method applies (each engine gets its own: its

@@ -166,3 +166,17 @@ def test_the_compute_budget_reads_the_layer_sizes_from_the_partition():
     assert bandit.costs.tolist() == [float(n) for n in layers.numel]
     count = method_spec("slsam_ablation", budget="count", layer_ratio=0.5)
     assert count.selection(layers, torch.Generator().manual_seed(0)).costs is None
+
+
+@pytest.mark.parametrize("name", ["arwp", "momentum_sam", "mesa", "saf"])
+def test_a_method_with_its_own_move_refuses_the_options_that_shape_the_ascent(name):
+    cls = type(method_spec(name))
+    assert cls.own_move is not None
+    shaping = {"adaptive": True, "perturbation_norm": "layer"}
+    if not cls.sized_by_rho:
+        shaping["rho"] = 0.05
+    for option, value in shaping.items():
+        with pytest.raises(ValueError, match=f"{cls.label}: .*`{option}`.* shape SAM's ascent"):
+            method_spec(name, **{option: value})
+    if cls.sized_by_rho:
+        assert method_spec(name, rho=0.05).rho == 0.05  # its size
