@@ -1,10 +1,7 @@
-"""Option checks shared by every part of the plugin, with one message format: a bad value
-raises a ``ValueError`` reading ``\\`name\\` must be <what is allowed>, got <value>.``
-(:func:`invalid`). A method's specification runs the checks of all its options in one
-place and puts its class name first (``SparseLayerSAM: \\`layer_ratio\\` must be ...``).
+"""Option checks with one message format (:func:`invalid`): a bad value raises a
+``ValueError`` reading ``[<class>: ]\\`name\\` must be <what is allowed>, got <value>.``
 
-A :class:`Rule` is one option's check (what it allows, and in words); the ``check_*``
-functions apply the common ones to a value.
+A :class:`Rule` is one option's check; the ``check_*`` functions apply the common ones.
 
 >>> check_ratio("layer_ratio", 0.2)
 0.2
@@ -50,9 +47,8 @@ __all__ = [
 def invalid(
     name: str, value: Any, must: str, owner: str | None = None, hint: str = ""
 ) -> ValueError:
-    """The error for a bad option value, in the plugin's one format:
-    ``[<owner>: ]`name` must be <must>, got <value>[<hint>].`` (``owner``: the class the
-    user wrote; ``hint``, e.g. what each choice means, starts with its punctuation)."""
+    """The error for a bad option value, ``[<owner>: ]`name` must be <must>, got <value>[<hint>].``
+    (``owner``: the class the user wrote; ``hint`` starts with its punctuation)."""
     where = f"{owner}: " if owner else ""
     return ValueError(f"{where}`{name}` must be {must}, got {value!r}{hint}.")
 
@@ -60,9 +56,8 @@ def invalid(
 def unknown_option(
     owner: str, name: str, accepted: Sequence[str], hint: str | None = None
 ) -> TypeError:
-    """The error for an option ``owner`` does not take, in the plugin's one format:
-    ``<owner> has no option '<name>'; <hint>`` -- ``hint`` when given, else the closest
-    valid name (``did you mean 'rho'?``), else the valid names."""
+    """The error for an option ``owner`` does not take, ``<owner> has no option '<name>'; <hint>``
+    (``hint`` when given, else the closest valid name, else the valid names)."""
     if hint is None:
         close = difflib.get_close_matches(name, accepted, n=1)
         hint = (
@@ -117,8 +112,8 @@ def number(
     integer: bool = False,
     note: str = "",
 ) -> Rule:
-    """A finite number (an ``int`` with ``integer``; never a bool) within the bounds given,
-    each open or closed. ``note`` ends the words (what the option is, a typical value)."""
+    """A finite number (an ``int`` with ``integer``; never a bool) within the bounds, each
+    open or closed; ``note`` ends the words."""
 
     def ok(v: Any) -> bool:
         if not _real(v, integer) or not math.isfinite(v):

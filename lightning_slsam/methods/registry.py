@@ -1,17 +1,14 @@
 """Every method by name: its specification class and the options the name implies.
 
-A method is one module of :mod:`lightning_slsam.methods` and one line of :data:`SPECS`.
-``"slsam"`` is what ``SparseLayerSAM()`` runs; ``"slsam_paper"`` is the SL-SAM paper's exact
-method.
+A method is one module of :mod:`lightning_slsam.methods` and one line of :data:`SPECS`;
+``"slsam"`` is ``SparseLayerSAM()``, ``"slsam_paper"`` the SL-SAM paper's exact method.
 
 >>> spec = method_spec("slsam", layer_ratio=0.3)
 >>> type(spec).__name__, spec.layer_ratio, spec.preset
 ('SLSAMSpec', 0.3, 'default')
 
-Each method's specification builds an engine that runs in a plain loop (what the Lightning
-callbacks run too). ``steps`` below trains a two-layer net for a few steps and lists each
-step's kind, the layers the optimizer updated, and the parameters each backward pass
-computed (58 is all of them):
+``steps`` below trains a two-layer net in a plain loop and prints each step's kind, the
+layers updated and the parameters each backward pass computed (58: all of them):
 
 >>> import torch
 >>> from lightning_slsam import make_engine
@@ -164,10 +161,9 @@ def method_spec(name: str, **options: Any) -> MethodSpec:
 
 def spec_from(method: str | MethodSpec, options: dict[str, Any], *, owner: str,
               instead: str) -> MethodSpec:  # fmt: skip
-    """The validated specification a front-end (``owner``) runs: ``method`` is a name of
-    the registry, with ``options`` overriding its defaults, or a specification, without
-    options. ``instead``: what to do where the name is plain AdamW, which needs no
-    ``owner``."""
+    """The validated specification a front-end (``owner``) runs: ``method`` is a registry
+    name, with ``options`` overriding its defaults, or a specification, without options.
+    ``instead``: what to do where the name is plain AdamW."""
     if isinstance(method, MethodSpec):
         if options:
             raise TypeError(
@@ -187,9 +183,8 @@ def spec_from(method: str | MethodSpec, options: dict[str, Any], *, owner: str,
 
 
 def make_engine(name: str, module: torch.nn.Module, **options: Any) -> SAMEngine:
-    """The engine of method ``name`` (``"slsam"``, ``"sam"``, ...; see :data:`SPECS`) for
-    ``module``, with ``options`` overriding the method's defaults: what the method's
-    callback builds at fit start, for a plain PyTorch loop.
+    """The engine of method ``name`` (see :data:`SPECS`) for ``module``, ``options``
+    overriding its defaults: what the method's callback builds, for a plain PyTorch loop.
 
     Example:
         >>> import torch
@@ -205,13 +200,11 @@ def make_engine(name: str, module: torch.nn.Module, **options: Any) -> SAMEngine
 
 
 def register_method(spec_class: type[MethodSpec], **implied: Any) -> type[MethodSpec]:
-    """Add a method of your own under ``spec_class.name``: :func:`make_engine`,
-    :func:`~lightning_slsam.make_callback` and :data:`~lightning_slsam.METHODS` then know it.
-    ``implied``: options the name sets. Returns ``spec_class`` (usable as a decorator).
-
-    The spec is a :class:`~lightning_slsam.methods.spec.MethodSpec` subclass that overrides
-    what differs, e.g. :meth:`~lightning_slsam.methods.spec.MethodSpec.selection`; see the
-    "Write your own method" page of the docs.
+    """Add a :class:`~lightning_slsam.methods.spec.MethodSpec` subclass under
+    ``spec_class.name``, known then to :func:`make_engine`,
+    :func:`~lightning_slsam.make_callback` and :data:`~lightning_slsam.METHODS` (docs:
+    "Write your own method"). ``implied``: options the name sets. Returns ``spec_class``
+    (usable as a decorator).
 
     Example:
         SAM on a uniformly drawn half of the layers, by name:

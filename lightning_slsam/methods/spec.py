@@ -1,20 +1,17 @@
 """A method as a pure-PyTorch specification: a name plus validated options.
 
-A :class:`MethodSpec` holds one method's options, checked once when it is built, and
-builds the method's parts -- the layer partition, the selection, the perturbation and what
-the method adds to the steps (:class:`~lightning_slsam.core.step.MethodParts`) -- and from
-them the :class:`~lightning_slsam.core.engine.SAMEngine`. No Lightning anywhere: the
-Lightning callbacks (:mod:`lightning_slsam.lightning.callbacks`) are thin shells over these,
-and a plain PyTorch loop uses them directly::
+A :class:`MethodSpec` holds one method's options, checked once, and builds its
+:class:`~lightning_slsam.core.engine.SAMEngine` (partition, selection, perturbation and
+:class:`~lightning_slsam.core.step.MethodParts`). The Lightning callbacks are thin shells
+over it; a plain PyTorch loop uses it directly::
 
     engine = make_engine("slsam", model, layer_ratio=0.2)
     for batch in loader:
         engine.train_step(lambda: loss_fn(model, batch), optimizer)
 
-Each option is stated once, as a field of its spec class with its check (:func:`option`);
-the options every method takes are :class:`MethodSpec`'s. Each method lives in a module of
-its own under :mod:`lightning_slsam.methods` (its specification and the parts it brings to
-the step) and is known by name through :mod:`lightning_slsam.methods.registry`.
+Each option is a field of its spec class with its check (:func:`option`); each method is a
+module of :mod:`lightning_slsam.methods`, known by name through
+:mod:`lightning_slsam.methods.registry`.
 """
 
 from __future__ import annotations
@@ -78,9 +75,8 @@ _Spec = TypeVar("_Spec", bound="MethodSpec")
 
 
 def default_seed() -> int:
-    """The run's seed: ``seed_everything``'s when set (it survives later ``manual_seed``
-    calls, e.g. in model constructors, and is what DDP workers are seeded with), else
-    ``torch.initial_seed()``."""
+    """The run's seed: ``seed_everything``'s (``PL_GLOBAL_SEED``) when set, else
+    ``torch.initial_seed()`` (why: the "Options" section of docs/extending.md)."""
     value = os.environ.get("PL_GLOBAL_SEED")
     return int(value) if value not in (None, "") else torch.initial_seed()
 
@@ -93,7 +89,7 @@ def _plain(value: Any) -> bool:
 
 def option(default: Any, rule: Rule) -> Any:
     """A spec field that is an option: its default and its check (a
-    :class:`~lightning_slsam.methods.options.Rule`), run by :meth:`MethodSpec.__post_init__`."""
+    :class:`~lightning_slsam.methods.options.Rule`, run by :meth:`MethodSpec.__post_init__`)."""
     return field(default=default, metadata={"rule": rule})
 
 
@@ -112,17 +108,15 @@ LAYERS = Rule(
 
 @dataclass(kw_only=True, eq=False)
 class MethodOptions:
-    """The options every method takes: fields only, shared by the specification
-    (:class:`MethodSpec`, which checks them) and the Lightning callbacks (which take them
-    as keyword arguments: their ``__init__`` is the dataclass one).
+    """The options every method takes: fields only, shared by :class:`MethodSpec` (which
+    checks them) and the Lightning callbacks (whose ``__init__`` is the dataclass one).
 
     Args:
-        rho: SAM perturbation radius (> 0; default 0.01, the SL-SAM paper's value for every
-            method). With ``adaptive=True`` the radius is relative to the weights: ASAM's
-            reference uses 0.5.
-        adaptive: ASAM's weight-scaled perturbation ``rho * T_w^2 g / ||T_w g||`` with
-            ``T_w = |w| + 0.01`` on weight tensors and 1 on biases (Kwon et al., 2021, as
-            their reference code); default ``False``.
+        rho: SAM perturbation radius (> 0; default 0.01, the SL-SAM paper's). With
+            ``adaptive=True`` it is relative to the weights (ASAM's reference: 0.5).
+        adaptive: ASAM's weight-scaled perturbation ``rho * T_w^2 g / ||T_w g||``,
+            ``T_w = |w| + 0.01`` on weight tensors and 1 on biases (Kwon et al., 2021);
+            default ``False``.
         perturbation_norm: ``"global"`` (default; one norm over all perturbed tensors,
             as SAM) or ``"layer"`` (one norm per layer, as SL-SAM's Algorithm 1 reads).
         layers: what a layer is: ``"tensor"`` (default, paper), ``"module"``, a list of
@@ -139,11 +133,10 @@ class MethodOptions:
         replay_dropout: give the second pass the first pass's dropout masks (default
             ``False``: fresh masks, as official SAM code).
         sync_first_pass: under multi-process training, average the first pass's gradient
-            across processes before the ascent (default ``True``). ``False``: every process
-            perturbs with its own gradient (SAM's m-sharpness); only the per-layer norms are
-            averaged.
-        check_masks: debug mode for multi-process training: every step, check that all
-            processes drew the same layers and step kind. Default ``False``.
+            before the ascent (default ``True``); ``False``: each process perturbs with its
+            own (SAM's m-sharpness), only the per-layer norms are averaged.
+        check_masks: multi-process debug mode: check every step that all processes drew
+            the same layers and step kind. Default ``False``.
     """
 
     rho: float = option(
@@ -165,11 +158,9 @@ class MethodOptions:
 
 @dataclass(kw_only=True, eq=False)
 class MethodSpec(MethodOptions):
-    """A method: its options (:class:`MethodOptions`), checked, and how it builds its engine
-    (SAM on every layer when used as is).
-
-    Each option is a field made by :func:`option`, with its check, run in
-    :meth:`__post_init__` (a bad value's message names :attr:`label` and the option).
+    """A method: its options (:class:`MethodOptions`), each checked by its :func:`option`
+    rule (a bad value's message names :attr:`label`), and how it builds its engine (SAM on
+    every layer when used as is).
 
     Example:
         >>> import torch
@@ -209,8 +200,7 @@ class MethodSpec(MethodOptions):
         return [f.name for f in fields(cls) if f.init]  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
-        # The one place a method's options are checked: each option's rule, then the rules
-        # between options. Every message names the class. Then the options are fixed.
+        # Each option's rule, then the rules between options; then the options are fixed.
         try:
             for f in fields(self):
                 if f.init and "rule" in f.metadata:
@@ -245,15 +235,13 @@ class MethodSpec(MethodOptions):
             )
 
     def make_perturbation(self) -> SAMPerturbation:
-        """The ascent an engine of this method applies (each engine gets its own: its
-        backup pool holds that engine's weights)."""
+        """The ascent an engine of this method applies (a new one per engine)."""
         return SAMPerturbation(self.rho, norm=self.perturbation_norm, adaptive=self.adaptive)
 
     def check_combined(self) -> None:
-        """Check the rules between options, after each option's own (none here); raise
+        """Check the rules between options (none here); raise
         :func:`~lightning_slsam.methods.options.invalid`'s error."""
 
-    # -- what each method chooses -------------------------------------------------------
     def selection(self, layers: LayerPartition, generator: torch.Generator) -> LayerSelection:
         """The layer-selection rule over ``layers`` (default: every layer)."""
         return AllLayers(layers.num_layers)
@@ -265,8 +253,7 @@ class MethodSpec(MethodOptions):
 
     def setting(self, name: Setting) -> Any:
         """A setting the method fixes or its ``preset`` decides: ``"head_always_active"``
-        (train the fresh task head every step; ``False`` here) or ``"max_update_scale"``
-        (the cap on the update factor ``1 / q``; 1 here: no scaling)."""
+        (``False`` here) or ``"max_update_scale"`` (the cap on ``1 / q``; 1 here: none)."""
         return {"head_always_active": False, "max_update_scale": 1.0}[name]
 
     @property
@@ -278,10 +265,9 @@ class MethodSpec(MethodOptions):
     def coverage_warning(
         self, engine: SAMEngine, steps: float, name: str | None = None
     ) -> str | None:
-        """The guard rail's line for a run with ``steps`` steps left, or ``None``: whether its
-        sampled layers can expect too few updates (:mod:`lightning_slsam.selection.coverage`),
-        said by ``name`` (default: :attr:`label`). A method that trains every layer has
-        nothing to check."""
+        """The warning for a run with ``steps`` steps left whose sampled layers can expect
+        too few updates (:mod:`lightning_slsam.selection.coverage`), said by ``name``
+        (default: :attr:`label`); ``None`` here, as every layer trains."""
         return None
 
     def options(self) -> dict[str, Any]:
@@ -289,8 +275,7 @@ class MethodSpec(MethodOptions):
         return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
 
     def hyperparameters(self) -> dict[str, Any]:
-        """The options saved with the method's checkpoint state: every option whose value
-        is plain data (a ``layers`` callable, say, is left out)."""
+        """The options saved with the checkpoint state: those whose value is plain data."""
         return {k: v for k, v in self.options().items() if _plain(v)}
 
     def adopt_selection_state(self, saved: dict[str, Any], current: dict[str, Any],
@@ -298,32 +283,25 @@ class MethodSpec(MethodOptions):
         """Adapt a checkpoint's selection state to the current options (default: as is)."""
         return saved
 
-    # -- building -----------------------------------------------------------------------
     def partition(self, module: torch.nn.Module, warn: Warn = warnings.warn) -> LayerPartition:
         """``module``'s layers under the ``layers`` / ``always_*`` options."""
         extra = find_new_head(module) if self.setting("head_always_active") else []
-        # Exact-name patterns for the head, minus what the user's own patterns already
-        # place (always_frozen wins).
+        # Exact-name patterns for the head, minus what the user's patterns place.
         placed = [re.compile(p) for p in (*self.always_frozen, *self.always_active)]
         found = dict.fromkeys(n for n in extra if not any(p.search(n) for p in placed))
         active = [*self.always_active, *(f"^{re.escape(name)}$" for name in found)]
-        # A method that freezes other layers each step freezes a compiled region whole.
+        # A sampling method freezes a compiled region whole.
         regions = compiled_regions(module) if self.samples_layers else []
         return build_partition(module, self.layers, active, self.always_frozen, regions)
 
     def follow_trainable(
         self, engine: SAMEngine, module: torch.nn.Module, warn: Warn = warnings.warn
     ) -> tuple[SAMEngine, str]:
-        """``engine`` carried over to ``module``'s trainable set now, and a sentence saying
-        what changed.
-
-        For tensors whose ``requires_grad`` the model or another callback switched between
-        steps (Lightning's ``BackboneFinetuning`` unfreezing a backbone, say): a tensor
-        that became trainable is sampled like any layer from the next step on, one the
-        model froze leaves the layers; every other layer keeps its state
-        (:meth:`~lightning_slsam.core.engine.SAMEngine.carry_state`). The same
-        generators continue, so a run resumed across the change draws what it would have.
-        """
+        """``engine`` carried over to ``module``'s current trainable set (after, say,
+        ``BackboneFinetuning`` switched ``requires_grad``), and a sentence saying what
+        changed. New tensors join the layers, frozen ones leave, the rest keep their state
+        (:meth:`~lightning_slsam.core.engine.SAMEngine.carry_state`) and the generators
+        continue."""
         old, partition = engine.partition, self.partition(module, warn)
         new = self.build_engine(module, seed=0, partition=partition, warn=warn)
         state = new.carry_state(engine.state_dict(), old.names, old.tensor_names())
