@@ -135,7 +135,10 @@ def check_callback_options(args: list[str]) -> str | None:
             if flag:
                 return f"{where}: {str(err).rstrip('.')}{CALLBACK_FLAGS}."
             if ": trainer.callbacks[" in where and "has no option" in str(err):
-                return f"{where}: {str(err).rstrip('.')}{EARLIER_VERSION}"
+                from lightning_slsam import __version__
+
+                ending = EARLIER_VERSION.format(version=__version__)
+                return f"{where}: {str(err).rstrip('.')}{ending}"
             return f"{where}: {err}"
     return None
 

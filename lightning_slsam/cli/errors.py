@@ -32,8 +32,6 @@ from typing import Any, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser
 
-from lightning_slsam import __version__
-
 __all__ = [
     "CALLBACK_FLAGS",
     "EARLIER_VERSION",
@@ -107,7 +105,7 @@ CALLBACK_FLAGS = (
 #: Ends the error for an option a config's SAM callback does not have: a config saved by an
 #: earlier development version is not upgraded before 1.0; the changelog names what changed.
 EARLIER_VERSION = (
-    f". If an earlier development version saved this config: lightning-slsam {__version__}"
+    ". If an earlier development version saved this config: lightning-slsam {version}"
     " does not read its options; docs/changelog.md says what replaced them."
 )
 

@@ -90,5 +90,5 @@ def test_sparse_layer_sam_has_the_options_users_need_each_with_the_default_that_
     assert set(PRESETS) == {"default", "paper"}
     # `layer_ratio` says what it budgets under the preset that runs, and under the other.
     ratio = re.search(r"layer_ratio: (.*?) p_min:", doc).group(1)
-    assert 'preset="default"`` the expected fraction of the model\'s *parameters*' in ratio
-    assert 'preset="paper"`` the expected fraction of *layers*' in ratio
+    assert 'fraction of the *parameters* drawn (``preset="default"``)' in ratio
+    assert 'or of the *layers* (``"paper"``' in ratio
