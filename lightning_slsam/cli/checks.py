@@ -134,7 +134,8 @@ def check_callback_options(args: list[str]) -> str | None:
             flag = flag and "did you mean" not in str(err)  # a typo: the hint says it
             if flag:
                 return f"{where}: {str(err).rstrip('.')}{CALLBACK_FLAGS}."
-            if ": trainer.callbacks[" in where and "has no option" in str(err):
+            typo = "did you mean" in str(err)  # the hint names the option meant
+            if ": trainer.callbacks[" in where and "has no option" in str(err) and not typo:
                 from lightning_slsam import __version__
 
                 ending = EARLIER_VERSION.format(version=__version__)
