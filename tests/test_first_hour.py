@@ -82,8 +82,7 @@ def test_demo_values_are_never_merged_into_a_users_run(capsys):
     assert nothing.returncode == 2
     assert first_line(nothing.stderr) == (
         "lightning-slsam: error: `lightning-slsam fit` needs a run: give --config RUN.yaml"
-        " (or --model and --data class paths), or --demo for the packaged demo (MiniLM-L6"
-        " on Rotten Tomatoes)."
+        " (or --model and --data class paths), or --demo for the packaged demo."
     )
     demo = in_process(capsys, "fit", "--demo", "--print_config")
     assert demo.returncode == 0, demo.stderr
