@@ -1,10 +1,6 @@
-"""What the ``lightning-slsam`` command checks before it builds anything: a run to train,
-every SAM callback's options (with where each came from), and the Trainer options that
-clash with a SAM callback.
-
-Each check returns one line naming the problem and the fix (``None`` when all is well);
-the command prints it and exits with code 2.
-"""
+"""The ``lightning-slsam`` command's checks before it builds anything: a run to train, the
+SAM callbacks' options and the Trainer options that clash with them. Each returns one line
+naming the problem and the fix, or ``None``."""
 
 from __future__ import annotations
 
@@ -41,8 +37,7 @@ SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 
 def command_line_value(text: str) -> Any:
-    """A value given on the command line, read as YAML, but a number YAML 1.1 leaves a
-    string (``1e-8``, ``3E5``: no dot) read as the float it is, as LightningCLI does."""
+    """A command-line value read as YAML, ``1e-8`` (a string in YAML 1.1) as a float."""
     value = yaml.safe_load(text)
     if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
         return float(value)
@@ -53,8 +48,8 @@ _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def asks_help(args: list[str]) -> bool:
-    """Whether ``args`` ask for help (``--help``, any ``--KEY.help CLASS``) or the config
-    (``--print_config``): none of them needs a run, and nothing is checked or trained.
+    """Whether ``args`` ask for help (``--help``, ``--KEY.help CLASS``) or
+    ``--print_config``, which need no run.
 
     Example:
         >>> asks_help(["fit", "--trainer.callbacks.help", "lightning_slsam.SAM"])
@@ -76,15 +71,13 @@ def missing_run(args: list[str]) -> str | None:
         return None
     return (
         f"`lightning-slsam {command}` needs a run: give --config RUN.yaml (or --model and"
-        " --data class paths), or --demo for the packaged demo (MiniLM-L6 on Rotten"
-        " Tomatoes)."
+        " --data class paths), or --demo for the packaged demo."
     )
 
 
 def check_callback_options(args: list[str]) -> str | None:
-    """Build every SAM callback that ``args`` configure (``trainer.callbacks`` in the
-    ``--config`` files, then ``--trainer.callbacks...`` flags) and return the first error,
-    naming where the callback came from, its class, the option and the fix."""
+    """Build every SAM callback that ``args`` configure (``--config`` files, then flags);
+    the first error, prefixed with where the callback came from, or ``None``."""
     entries: list[tuple[str, dict[str, Any]]] = []  # (where, {class_path, init_args})
     i = 0
     while i < len(args):
@@ -129,9 +122,9 @@ def check_callback_options(args: list[str]) -> str | None:
         try:
             cls(**entry["init_args"])
         except (TypeError, ValueError, MisconfigurationException) as err:
-            # the callback's messages name its class; a flag may have meant another callback
+            # a flag's unknown option (not a typo) may have meant another callback
             flag = where.startswith("--trainer.callbacks.") and "has no option" in str(err)
-            flag = flag and "did you mean" not in str(err)  # a typo: the hint says it
+            flag = flag and "did you mean" not in str(err)
             if flag:
                 return f"{where}: {str(err).rstrip('.')}{CALLBACK_FLAGS}."
             typo = "did you mean" in str(err)  # the hint names the option meant
@@ -148,10 +141,9 @@ Listed = list[tuple[str, dict[str, Any]]]  # (where, {class_path, init_args}) pe
 
 
 def stacked(earlier: Listed, later: Listed) -> Listed:
-    """The callbacks of two stacked ``--config`` files, as the command runs them: a later
-    file's callbacks add to an earlier file's, in order after them; one of a class already
-    listed replaces it, and a SAM callback replaces any earlier SAM callback (a run has one
-    method). Items are ``(where, {class_path, init_args})``.
+    """The callbacks of two stacked ``--config`` files: the later file's follow the
+    earlier's, each replacing one of its class, a SAM callback any earlier SAM callback.
+    Items are ``(where, {class_path, init_args})``.
 
     Example:
         >>> task = [("task.yaml", callback_entry("my.Monitor"))]
@@ -171,8 +163,7 @@ def stacked(earlier: Listed, later: Listed) -> Listed:
 
 
 def config_files(args: list[str]) -> Iterator[tuple[int, str, Any]]:
-    """Each ``--config`` file of ``args`` that exists: its position in ``args``, its path
-    and its parsed YAML."""
+    """``(position in args, path, parsed YAML)`` of each existing ``--config`` file."""
     for i, arg in enumerate(args[:-1]):
         path = args[i + 1]
         if arg in CONFIG_FLAGS and os.path.isfile(path):
@@ -190,13 +181,9 @@ def config_callbacks(loaded: Any) -> list[Any] | None:
 
 
 def stack_callbacks(args: list[str]) -> list[str]:
-    """``args`` with the ``trainer.callbacks`` of several ``--config`` files combined by
-    :func:`stacked` (jsonargparse alone keeps only the last file's list: stacking a method
-    config on a task config would drop the task's own callbacks, such as a retention
-    monitor). The combined list is given as ``--trainer.callbacks=[...]`` right after the
-    last such file, so that later flags still apply to it; with fewer than two such files,
-    ``args`` is returned as it is.
-    """
+    """``args`` with the ``trainer.callbacks`` of two or more ``--config`` files combined
+    by :func:`stacked` (jsonargparse keeps only the last list), as
+    ``--trainer.callbacks=[...]`` after the last such file; otherwise ``args`` unchanged."""
     found: list[tuple[int, Listed]] = []
     for at, path, loaded in config_files(args):
         listed = config_callbacks(loaded)
@@ -213,8 +200,8 @@ def stack_callbacks(args: list[str]) -> list[str]:
 
 
 def callback_entry(item: Any) -> dict[str, Any]:
-    """A ``trainer.callbacks`` item of a YAML config (a class path, or a mapping) as
-    ``{"class_path": ..., "init_args": {...}}``; ``class_path`` is ``None`` for anything else.
+    """A ``trainer.callbacks`` item (a class path or a mapping) as ``{"class_path": ...,
+    "init_args": {...}}``; ``class_path`` is ``None`` for anything else.
 
     Example:
         >>> callback_entry("lightning_slsam.SAM")
@@ -250,9 +237,8 @@ def _get(entry: Any, key: str) -> Any:
 
 
 def check_sam_trainer(trainer: Any) -> str | None:
-    """The parsed ``trainer`` section's conflicts with a SAM callback, as one line in the
-    YAML / flag form: more than one SAM callback, or Lightning's own clipping or
-    accumulation (which it refuses under manual optimization)."""
+    """The parsed ``trainer`` section's conflict with a SAM callback (more than one, or
+    Lightning's clipping or accumulation), as one line, or ``None``."""
     listed = _get(trainer, "callbacks") or []
     listed = listed if isinstance(listed, list) else [listed]
     sam = [(k, cls) for k, entry in enumerate(listed)
@@ -260,9 +246,8 @@ def check_sam_trainer(trainer: Any) -> str | None:
     if len(sam) > 1:
         names = ", ".join(f"[{k}] {cls.__name__}" for k, cls in sam)
         return (
-            f"trainer.callbacks has {len(sam)} SAM callbacks ({names}); keep exactly one:"
-            " a method is one callback (a variant is an option of it, e.g."
-            " SparseLayerSAM's preset, or a class of its own, e.g. SLSAMRST)."
+            f"trainer.callbacks has {len(sam)} SAM callbacks ({names}); keep exactly one (a"
+            " variant is an option, e.g. SparseLayerSAM's preset, or a class, e.g. SLSAMRST)."
         )
     if not sam:
         return None
@@ -272,21 +257,18 @@ def check_sam_trainer(trainer: Any) -> str | None:
     if clip:
         algorithm = _get(trainer, "gradient_clip_algorithm") or "norm"
         return (
-            f"trainer.gradient_clip_val={clip} cannot be used with {cls.__name__} (Lightning"
-            " refuses it under manual optimization): remove it and give the callback"
-            f" `gradient_clip_val: {clip}` and `gradient_clip_algorithm: {algorithm}` in"
-            f" {where}, or the flags --trainer.callbacks.gradient_clip_val={clip}"
-            f" --trainer.callbacks.gradient_clip_algorithm={algorithm} right after the"
-            " callback's --trainer.callbacks+= flag. It clips the update gradient after"
-            " unscaling."
+            f"trainer.gradient_clip_val={clip} cannot be used with {cls.__name__} (manual"
+            f" optimization): give `gradient_clip_val: {clip}` and `gradient_clip_algorithm:"
+            f" {algorithm}` in {where}, or --trainer.callbacks.gradient_clip_val={clip}"
+            f" --trainer.callbacks.gradient_clip_algorithm={algorithm} after its"
+            " --trainer.callbacks+= flag (docs/training.md)."
         )
     accumulate = _get(trainer, "accumulate_grad_batches")
     if accumulate not in (None, 1):
         return (
             f"trainer.accumulate_grad_batches={accumulate} cannot be used with {cls.__name__}"
-            " (Lightning refuses it under manual optimization): remove it and give the"
-            f" callback `accumulate_grad_batches: {accumulate}` in {where}, or the flag"
-            f" --trainer.callbacks.accumulate_grad_batches={accumulate} right after the"
-            " callback's --trainer.callbacks+= flag."
+            f" (manual optimization): give `accumulate_grad_batches: {accumulate}` in {where},"
+            f" or --trainer.callbacks.accumulate_grad_batches={accumulate} after its"
+            " --trainer.callbacks+= flag (docs/training.md)."
         )
     return None

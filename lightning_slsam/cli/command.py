@@ -8,15 +8,8 @@
     lightning-slsam fit --demo --print_config          # show the demo's full configuration
     lightning-slsam --help                             # the command and its subcommands
 
-Model and datamodule are given by ``class_path`` (any ``LightningModule`` /
-``LightningDataModule``); SL-SAM is switched on by listing
-``lightning_slsam.SparseLayerSAM`` (or another method) in ``trainer.callbacks``, with a
-model that inherits :class:`~lightning_slsam.SAMMixin`. The demo's values are used only
-with ``--demo``: they are never merged into a run silently. A typo or an invalid value in
-a SAM callback's options ends the command with one line naming the option, the class and
-the fix. After ``fit`` a short summary is printed (instead of the method's end-of-fit
-line): the final validation metrics, the method's mean active ratio, sampled layers and
-per-layer chart, and the log folder.
+A SAM method is a callback in ``trainer.callbacks`` (the model inheriting
+:class:`~lightning_slsam.SAMMixin`); the demo's values apply only with ``--demo``.
 """
 
 from __future__ import annotations
@@ -60,12 +53,9 @@ __all__ = ["SLSAMCLI", "demo_config_path", "main", "release_process_group"]
 _DEMO_FLAG = "--demo"
 #: ``lightning-slsam --help``: what the command is, its subcommands and where to start.
 DESCRIPTION = (
-    "Train Lightning models with Sparse-Layer SAM (SL-SAM), SAM and related sharpness-aware"
-    " methods: a LightningCLI whose SAM method is a callback in trainer.callbacks (the model"
-    " inheriting lightning_slsam.SAMMixin). fit trains; validate, test and predict run a"
-    " trained model on a data split. Start with"
-    " `lightning-slsam fit --demo`: it fine-tunes the packaged MiniLM-L6 on Rotten Tomatoes"
-    " with SparseLayerSAM(), offline, in a few minutes on a CPU."
+    "Train Lightning models with Sparse-Layer SAM (SL-SAM), SAM and related methods, each"
+    " a callback in trainer.callbacks. Start with `lightning-slsam fit --demo`"
+    " (docs/quickstart.md)."
 )
 #: The line of each subcommand in ``lightning-slsam --help``.
 SUBCOMMAND_HELP = {
@@ -76,30 +66,20 @@ SUBCOMMAND_HELP = {
 }
 #: The top of ``lightning-slsam fit --help``.
 FIT_DESCRIPTION = (
-    "Train a model: the trainer, model and data come from --config files and flags; a SAM"
-    " method is a callback in trainer.callbacks (see the end of this help). --demo trains the"
-    " packaged demo instead of a run of your own: all-MiniLM-L6-v2 fine-tuned on Rotten"
-    " Tomatoes with SparseLayerSAM(), everything offline (the model and data ship in the"
-    " examples extra), a few minutes on 2 CPU cores. Its values (lightning_slsam/configs/"
-    "demo.yaml) are the base that every other flag overrides, e.g. `lightning-slsam fit"
-    " --demo --trainer.max_steps=100`; `--demo --print_config` shows them."
+    "Train a model from --config files and flags. --demo trains the packaged demo offline:"
+    " MiniLM-L6 on Rotten Tomatoes with SparseLayerSAM(), from"
+    " lightning_slsam/configs/demo.yaml, which other flags override (`--demo --print_config`"
+    " shows it)."
 )
-#: Where the step of the last validation loop is kept (in ``trainer.callback_metrics``,
-#: which ``ddp_spawn`` hands back to the launching process).
+#: The ``trainer.callback_metrics`` key of the last validation loop's step.
 VALIDATED_AT = "slsam/validated_at_step"
 
 
 class SLSAMCLI(LightningCLI):
-    """``LightningCLI`` with ``--demo``, short errors for SAM callback options, and a
-    summary after ``fit``.
-
-    Command-line style arguments (``args=None`` reads ``sys.argv[1:]``) may name
-    ``--demo`` to run on the packaged ``configs/demo.yaml``; the summary is printed on
-    global rank zero only (under ``ddp_spawn``, by the launching process).
-    """
+    """``LightningCLI`` with ``--demo``, one-line errors for SAM callback options, and a
+    run summary after ``fit`` (printed on global rank zero)."""
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
-        # Each subcommand's --help ends with the SAM methods and how to see one's options.
         parser.description = DESCRIPTION
         for subcommand in SUBCOMMANDS:
             described = FIT_DESCRIPTION if subcommand == "fit" else SUBCOMMAND_HELP[subcommand]
@@ -118,8 +98,7 @@ class SLSAMCLI(LightningCLI):
         if isinstance(args, (dict, Namespace)):
             super().parse_arguments(parser, args)
             return
-        # Parsed here rather than by the parent, which warns when `args` and sys.argv are
-        # both set: with the demo config added, `args` is always set.
+        # Parsed here: the parent warns when `args` and sys.argv are both set.
         argv = _with_demo_config(list(sys.argv[1:] if args is None else args))
         problem = None if asks_help(argv) else missing_run(argv) or check_callback_options(argv)
         argv = stack_callbacks(argv)  # a task's callbacks stay beside a method config's
@@ -133,12 +112,10 @@ class SLSAMCLI(LightningCLI):
             fail(problem)
 
     def before_fit(self) -> None:
-        # Under ddp_spawn the training runs in child processes: fixing the log folder's
-        # version here makes the children write where this process will look afterwards.
+        # Under ddp_spawn: fixes the log folder's version before the children start.
         if spawns_processes(self.trainer.strategy):
             _ = self.trainer.log_dir
-        # The run summary printed after fit says what the method's end-of-fit line says:
-        # printed once, the line is left out.
+        # The run summary replaces the method's end-of-fit line.
         sam = find_sam_callback(self.trainer)
         if sam is not None:
             sam._fit_message = False
@@ -151,23 +128,19 @@ class SLSAMCLI(LightningCLI):
         trainer.callbacks.append(_ValidationStep())
         bar = trainer.progress_bar_callback
         if bar is not None and not own_bar and not sys.stdout.isatty():
-            # Rich's bar shows nothing in a log file until the run ends: lines instead.
+            # Rich's bar shows nothing in a log file until the run ends.
             trainer.callbacks[trainer.callbacks.index(bar)] = LineProgress()
         return trainer
 
     def fit(self, **kwargs: Any) -> None:
-        """``trainer.fit(**kwargs)``; a run ended by SIGTERM or SIGINT prints its summary,
-        saying so, and exits with ``128 + signal`` (143, 130), the shell's convention. Both
-        stop at the end of a step (SIGTERM) or restore the weights (SIGINT, Lightning's
-        KeyboardInterrupt); a checkpoint being written is completed (Lightning writes to a
-        temporary file and moves it)."""
+        """``trainer.fit(**kwargs)``; a run ended by SIGTERM or SIGINT prints its summary
+        and exits with ``128 + signal`` (143, 130; docs/quickstart.md)."""
         trainer = self.trainer
         with _SignalRecord() as record:
             try:
                 trainer.fit(**kwargs)
             except SystemExit as stop:
-                # Lightning ends a run on SIGTERM with SIGTERMException (a SystemExit of code
-                # 0), and on Ctrl-C with sys.exit(1).
+                # Lightning: SIGTERMException (exit code 0) on SIGTERM, sys.exit(1) on Ctrl-C.
                 signum = signal.SIGTERM if isinstance(stop, SIGTERMException) else record.signum
                 if signum is None or trainer.state.status != TrainerStatus.INTERRUPTED:
                     raise
@@ -185,8 +158,7 @@ class SLSAMCLI(LightningCLI):
 
 
 class _ValidationStep(Callback):
-    """Keeps the step of the last validation loop (the sanity check excluded), so that the
-    summary says when the final validation metrics were measured."""
+    """Keeps the step of the last validation loop (not the sanity check) for the summary."""
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.sanity_checking:
@@ -194,8 +166,7 @@ class _ValidationStep(Callback):
 
 
 class _SignalRecord:
-    """Records a SIGINT (Lightning turns it into ``KeyboardInterrupt``, then ``sys.exit(1)``),
-    so that the run's end can name it; SIGTERM Lightning handles and names itself."""
+    """Records a SIGINT so that the run's end can name it (Lightning names SIGTERM)."""
 
     signum: int | None = None
 
@@ -229,10 +200,8 @@ def _last_checkpoint(trainer: Any) -> str | None:
 
 
 def run_summary(trainer: Any, log_dir: str | None, signal_name: str | None = None) -> list[str]:
-    """The lines printed after ``fit``: the method, each final validation metric with the
-    step it was measured at, the active ratio, the tensors out of sampling, the chart and
-    the log folder; for a run a signal ended (``signal_name``), that and its last
-    checkpoint first."""
+    """The lines printed after ``fit``: method, final validation metrics, active ratio,
+    sampling, chart and log folder; with ``signal_name``, the signal and last checkpoint."""
     sam = find_sam_callback(trainer)
     method = type(sam).__name__ if sam is not None else "no SAM method"
     lines = ["", f"Run summary ({method}, {trainer.global_step} steps)"]
@@ -278,10 +247,8 @@ def run_summary(trainer: Any, log_dir: str | None, signal_name: str | None = Non
 
 
 def _cut_short(trainer: Any, signal_name: str | None = None) -> str | None:
-    """What stopped a run before its planned length (``max_epochs``/``max_steps``), or
-    ``None``. Lightning's own closing line names ``max_epochs`` also when ``max_time`` ran
-    out; this says which limit ended the run, at which step."""
-    if spawns_processes(trainer.strategy):  # the launching process did not count the steps
+    """What stopped a run before its planned length, at which step, or ``None``."""
+    if spawns_processes(trainer.strategy):  # the launching process counted no steps
         return None
     planned = estimated_stepping_batches(trainer)
     if signal_name is not None:
@@ -323,8 +290,7 @@ def _forgetting_lines(trainer: Any) -> list[str]:
 
 
 def _validation_metrics(trainer: Any) -> dict[str, float]:
-    """The run's final validation metrics: the checkpoint's monitor first, then every
-    ``val*`` metric."""
+    """The final validation metrics: the checkpoint's monitor, then every ``val*`` one."""
     found = trainer.callback_metrics
     names = [
         cb.monitor
@@ -342,11 +308,7 @@ def demo_config_path() -> str:
 
 def _with_demo_config(args: list[str]) -> list[str]:
     """``args`` with ``--demo`` replaced by ``--config <demo.yaml>`` right after the
-    subcommand.
-
-    Placed first, the demo's values are the base that every other flag (and any further
-    ``--config``) overrides. Without ``--demo`` nothing is added.
-    """
+    subcommand, so that every other flag overrides it."""
     if _DEMO_FLAG not in args:
         return args
     args = [a for a in args if a != _DEMO_FLAG]
@@ -362,22 +324,16 @@ def methods_epilog() -> str:
 
     classes = dict.fromkeys(class_path(cls) for cls, _ in METHODS.values() if cls is not None)
     return (
-        "SAM methods are callbacks: add one with --trainer.callbacks+=CLASS (or in the YAML"
-        " config's trainer.callbacks), the model inheriting lightning_slsam.SAMMixin."
-        f" Classes: {', '.join(classes)}. To list one method's options with their defaults"
-        " and meaning, add --trainer.callbacks.help CLASS to this command, for example"
-        " --trainer.callbacks.help lightning_slsam.SparseLayerSAM."
+        "SAM methods are callbacks (the model inheriting lightning_slsam.SAMMixin): add one"
+        f" with --trainer.callbacks+=CLASS. Classes: {', '.join(classes)}. To list one's"
+        " options: --trainer.callbacks.help lightning_slsam.SparseLayerSAM (or another class)."
     )
 
 
 def main(args: Sequence[str] | None = None) -> None:
     """Entry point of ``lightning-slsam``: runs :class:`SLSAMCLI` on ``args`` (default
-    ``sys.argv[1:]``).
-
-    Returns ``None`` so that the console script's ``sys.exit(main())`` exits with 0.
-    """
-    # The demo tokenises before DataLoader workers may fork; the tokenizers library would
-    # otherwise warn (and disable its threads) at the first fork.
+    ``sys.argv[1:]``); returns ``None`` (exit code 0)."""
+    # The tokenizers library warns at the first fork after tokenising.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         SLSAMCLI(
@@ -390,7 +346,7 @@ def main(args: Sequence[str] | None = None) -> None:
             args=None if args is None else list(args),
         )
     except MisconfigurationException as err:
-        # A setup check's refusal (raised before any weight changes): one line, exit 2.
+        # A setup check's refusal: one line, exit 2.
         if debugging():
             raise
         fail(" ".join(str(err).split()))

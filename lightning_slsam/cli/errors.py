@@ -1,9 +1,5 @@
-"""One-line errors for the ``lightning-slsam`` command.
-
-jsonargparse reports a bad argument with the whole usage (about 50 lines) and, for a
-class path, a dump of every type a value could have had. :class:`OneLineParser` prints one
-line instead -- the key, what is wrong, the value given and, for a typo, the closest valid
-name -- and exits with code 2, as the command does for a SAM callback's options.
+"""One-line errors for the ``lightning-slsam`` command: :class:`OneLineParser` prints the
+key, what is wrong, the value given and, for a typo, the closest valid name, and exits 2.
 
 Example:
 
@@ -94,16 +90,13 @@ def _option_hint(path: str, option: str) -> str:
     return f"; did you mean '{found}'?" if found else f"; its options: {', '.join(accepted)}"
 
 
-#: How to reach a callback other than the last (``--trainer.callbacks.init_args.*`` sets the
-#: last one of the list).
+#: Ends the error for an option flag meant for a callback other than the last.
 CALLBACK_FLAGS = (
     ". A --trainer.callbacks.init_args.<option> flag sets the last callback of"
-    " trainer.callbacks; to set another one's option, stack a config that lists that"
-    " callback with it (a later config's callback replaces one of the same class;"
-    " docs/training.md, 'Stacked configs')"
+    " trainer.callbacks; for another, stack a config listing it (a later config's callback"
+    " replaces one of the same class; docs/training.md, 'Stacked configs')"
 )
-#: Ends the error for an option a config's SAM callback does not have: a config saved by an
-#: earlier development version is not upgraded before 1.0; the changelog names what changed.
+#: Ends the error for an option a config's SAM callback does not have.
 EARLIER_VERSION = (
     ". If an earlier development version saved this config: lightning-slsam {version}"
     " does not read its options; docs/changelog.md says what replaced them."
@@ -112,7 +105,7 @@ EARLIER_VERSION = (
 
 def one_line(message: str, options: Iterable[str]) -> str:
     """jsonargparse's error ``message`` as one line; ``options``: the parser's option
-    strings, from which an unrecognized argument's closest match is suggested."""
+    strings, for an unrecognized argument's closest match."""
     if match := re.search(r"unrecognized arguments: (.+)", message):
         given = match.group(1).split()
         flags = [a.split("=")[0] for a in given if a.startswith("-")]
@@ -157,8 +150,8 @@ def _option_strings(parser: Any) -> list[str]:
 
 
 class OneLineParser(LightningArgumentParser):
-    """``LightningArgumentParser`` whose errors are one line on stderr and exit code 2
-    (with ``JSONARGPARSE_DEBUG=true``, jsonargparse's own error, for debugging)."""
+    """``LightningArgumentParser`` whose errors are one line on stderr, exit code 2
+    (``JSONARGPARSE_DEBUG=true``: jsonargparse's own)."""
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error or debugging():

@@ -1,10 +1,7 @@
-"""Progress as plain lines, for output that is not a terminal (a log file, ``nohup``, a
-cluster job, CI), where Rich's progress bar shows nothing until the run ends.
+"""Progress as plain lines, which ``lightning-slsam`` uses instead of Lightning's bar when
+its standard output is not a terminal (a log file, a cluster job, CI).
 
-The ``lightning-slsam`` command puts :class:`LineProgress` in place of Lightning's default
-progress bar when its standard output is not a terminal; on a terminal the bar stays.
-
-Example (a line every 10% of the run, and 30 s after the last one if that comes first):
+Example (a line every 10% of the run, or 30 s after the last one):
 
 .. code-block:: text
 
@@ -38,9 +35,8 @@ def clock(seconds: float) -> str:
 
 
 class LineProgress(ProgressBar):
-    """A progress bar that prints a line: the step of the planned ones, the epoch, the time
-    elapsed, the rate, the time left and the progress bar's metrics (the loss among them);
-    after each validation, its metrics.
+    """A progress bar that prints lines: step, epoch, time elapsed, rate, time left and the
+    progress bar's metrics; after each validation, its metrics.
 
     Args:
         every: a line each time the run passes another ``every`` of its planned steps.

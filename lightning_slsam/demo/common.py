@@ -1,6 +1,5 @@
-"""What the offline tasks and the paper recipes share: the held-out splits and label noise
-of the tasks' data, per-batch padding and learning-rate schedules (their argument checks are
-:mod:`lightning_slsam.methods.options`')."""
+"""What the demo, the example tasks and the recipes share: held-out splits, label noise,
+per-batch padding and learning-rate schedules."""
 
 from __future__ import annotations
 
@@ -31,9 +30,8 @@ SCHEDULES = ("constant", "linear", "cosine")
 
 
 def require(module: str, user: str, package: str | None = None) -> None:
-    """Fail at construction, with the install command, when ``user`` (a task or recipe
-    class) needs ``module`` and it is not installed (the ``tasks`` extra brings timm,
-    transformers and scikit-learn)."""
+    """Raise ``ImportError`` with the install command when ``user`` (a class name) needs
+    ``module`` (the ``package`` to install, default ``module``) and it is missing."""
     try:
         importlib.import_module(module)
     except ImportError as err:
@@ -46,8 +44,8 @@ def require(module: str, user: str, package: str | None = None) -> None:
 def check_training(
     learning_rate: Any, weight_decay: Any, warmup_ratio: Any, schedule: Any = "constant"
 ) -> None:
-    """The optimisation options every task and recipe takes (``learning_rate=None``: the
-    recipe chooses; a ``ValueError`` naming the option otherwise)."""
+    """Check the optimisation options (``learning_rate=None``: the recipe chooses); a
+    ``ValueError`` naming the option."""
     if learning_rate is not None:
         check_number("learning_rate", learning_rate, "> 0", lambda v: v > 0)
     check_number("weight_decay", weight_decay, ">= 0", lambda v: v >= 0)
@@ -56,8 +54,8 @@ def check_training(
 
 
 def check_held_out(val_fraction: Any, test_fraction: Any, label_noise: Any) -> None:
-    """The data options every task takes: the held-out fractions (together under 1) and
-    the label noise, each in its range; a ``ValueError`` naming the option otherwise."""
+    """Check the held-out fractions (together under 1) and the label noise; a
+    ``ValueError`` naming the option."""
     check_number("val_fraction", val_fraction, "in (0, 1)", lambda v: 0 < v < 1)
     check_number("test_fraction", test_fraction, "in [0, 1)", lambda v: 0 <= v < 1)
     if val_fraction + test_fraction >= 1:
@@ -71,10 +69,9 @@ def check_held_out(val_fraction: Any, test_fraction: Any, label_noise: Any) -> N
 def split_rows(
     num_rows: int, seed: int, val_fraction: float, test_fraction: float
 ) -> tuple[list[int], list[int], list[int]]:
-    """Train, validation and test row indices: one permutation drawn from ``seed`` alone
-    (it does not move with the global seed); validation takes its first rows, the test
-    split the next ones, training the rest. Without a test split the validation rows are
-    the same rows: adding one takes it from the training rows."""
+    """Train, validation and test row indices from one permutation drawn from ``seed``
+    alone: validation takes its first rows, test the next (so adding a test split keeps
+    the validation rows), training the rest."""
     if num_rows < 2:
         raise ValueError(f"The data has {num_rows} rows: 2 or more are needed to split.")
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed)).tolist()
@@ -84,10 +81,8 @@ def split_rows(
 
 
 def noisy_labels(labels: Tensor, fraction: float, num_classes: int, seed: int) -> Tensor:
-    """``labels`` with ``fraction`` of them, chosen at random, replaced by a class drawn
-    uniformly (the true one included, as the label-noise studies of SAM do: the share that
-    ends wrong is ``fraction * (1 - 1 / num_classes)``). Drawn from a generator of its own,
-    seeded with ``seed + 1`` (the split's ``seed``): the same labels in every run."""
+    """``labels`` with ``fraction`` of them replaced by a class drawn uniformly (the true
+    one included: ``fraction * (1 - 1 / num_classes)`` end wrong), from ``seed + 1``."""
     if not fraction:
         return labels
     generator = torch.Generator().manual_seed(seed + 1)
@@ -104,9 +99,8 @@ HELD_OUT = ("val", "test")
 def log_held_out(
     module: Any, dataloader_idx: int, logits: Tensor, labels: Tensor, loss: Tensor
 ) -> None:
-    """Log a held-out batch's loss and accuracy under its split's name (``val_loss``,
-    ``val_acc``; ``test_loss``, ``test_acc`` for the data module's second loader), with the
-    module's ``<split>_acc`` metric."""
+    """Log a held-out batch's ``<split>_loss`` and ``<split>_acc`` (``val``; ``test`` for
+    the second loader), with the module's ``<split>_acc`` metric."""
     split = HELD_OUT[dataloader_idx]
     metric = getattr(module, f"{split}_acc")
     metric.update(logits.argmax(-1), labels)
@@ -119,11 +113,8 @@ def log_held_out(
 @dataclass
 class PaddingCollator:
     """Pads tokenised examples to the longest one of the batch (``labels`` -> a tensor of
-    ``label_dtype``: ``torch.long`` for classes, ``torch.float32`` for regression).
-
-    Padding per batch, not to ``max_length``, keeps short sentences cheap on a CPU. A
-    dataclass rather than a closure so that DataLoader workers can pickle it.
-    """
+    ``label_dtype``: ``torch.long`` for classes, ``torch.float32`` for regression); a
+    dataclass so that DataLoader workers can pickle it."""
 
     pad_token_id: int = 0
     label_dtype: torch.dtype = torch.long
@@ -132,7 +123,7 @@ class PaddingCollator:
         longest = max(len(ex["input_ids"]) for ex in examples)
         labels = [ex["labels"] for ex in examples]
         batch = {"labels": torch.tensor(labels, dtype=self.label_dtype)}
-        if "index" in examples[0]:  # each example's position in its set (SAF's)
+        if "index" in examples[0]:  # the example's position in its set
             batch["index"] = torch.tensor([ex["index"] for ex in examples], dtype=torch.long)
         for key in (k for k in examples[0] if k not in ("labels", "index")):
             fill = self.pad_token_id if key == "input_ids" else 0
@@ -144,12 +135,9 @@ class PaddingCollator:
 def with_schedule(
     trainer: Any, optimizer: torch.optim.Optimizer, schedule: str, warmup_ratio: float
 ) -> Any:
-    """``optimizer`` with a per-step schedule for ``configure_optimizers`` to return.
-
-    ``linear`` / ``cosine`` decay to 0 at the last optimizer step after a linear warm-up
-    over ``warmup_ratio`` of the steps (at least one step when > 0); ``constant`` keeps the
-    rate after the warm-up, and without one is the bare optimizer.
-    """
+    """``optimizer`` with a per-step schedule for ``configure_optimizers``: a linear
+    warm-up over ``warmup_ratio`` of the steps (at least one when > 0), then ``linear`` /
+    ``cosine`` decay to 0 at the last step or ``constant`` (no warm-up: the bare optimizer)."""
     if schedule == "constant" and not warmup_ratio:
         return optimizer
     total = estimated_stepping_batches(trainer)

