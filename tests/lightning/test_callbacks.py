@@ -69,6 +69,24 @@ def test_registry_builds_every_method_with_its_paper_defaults():
         make_callback("sgd")
 
 
+def test_every_class_takes_its_specs_options_with_their_defaults():
+    # A default a method changes (Momentum-SAM's rho, SL-S2-SAM's preset) is declared again
+    # on its class: the dataclass would take SAM's or SparseLayerSAM's otherwise.
+    import dataclasses
+    import inspect
+
+    from lightning_slsam.lightning import callbacks
+
+    for name in callbacks.__all__:
+        cls = getattr(callbacks, name)
+        if not isinstance(cls, type):
+            continue
+        spec = {f.name: f.default for f in dataclasses.fields(cls.spec_class) if f.init}
+        shown = inspect.signature(cls).parameters
+        assert {n: shown[n].default for n in spec} == spec, name
+        assert cls().method == cls.spec_class.name
+
+
 def test_sparse_layer_sam_has_the_options_users_need_each_with_the_default_that_runs():
     import inspect
 
