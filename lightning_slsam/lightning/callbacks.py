@@ -17,7 +17,7 @@ name (``make_callback``)  class                       defaults
 ``random_slsam``          :class:`RandomSLSAM`        layer_ratio 0.2
 ``top_slsam``             :class:`TopSLSAM`           layer_ratio 0.2
 ``s2sam``                 :class:`S2SAM`              --
-``sl_s2sam``              :class:`SLS2SAM`            layer_ratio 0.2 (0.3 DeiT, 0.5 Llama)
+``sl_s2sam``              :class:`SLS2SAM`            layer_ratio 0.2, preset "paper"
 ``rst``                   :class:`RST`                probability 0.5
 ``esam``                  :class:`ESAM`               weight_ratio 0.5, data_ratio 0.5
 ``ssamf``                 :class:`SSAMF`              sparsity 0.5
@@ -25,7 +25,7 @@ name (``make_callback``)  class                       defaults
 ``slsam_rst``             :class:`SLSAMRST`           SL-SAM on RST's coin
 ``slsam_looksam``         :class:`SLSAMLookSAM`       SL-SAM on LookSAM's interval
 ``slsam_depth``           :class:`CostAwareSLSAM`     depth 0.5 (beyond the paper)
-``slsam_ablation``        :class:`SLSAMAblation`      each preset setting alone (results)
+``slsam_ablation``        :class:`SLSAMAblation`      each preset setting alone
 ``momentum_sam``          :class:`MomentumSAM`        rho 1 (against the momentum)
 ``arwp``                  :class:`ARWP`               rho 0.001 growing 11x, eta 0.1
 ``mesa``                  :class:`MESA`               weight 0.8, tau 5, start 0.05
@@ -95,11 +95,10 @@ class SparseLayerSAM(SAMCallback, slsam.SLSAMOptions):
 
     ``preset`` chooses between two configurations, one argument apart:
 
-    * ``"default"`` (``SparseLayerSAM()``; beyond the paper, chosen on the multi-seed
-      comparisons of ``docs/results.md``): the bandit's budget counts parameters rather than
-      layers (a vocabulary embedding costs its size, a LayerNorm bias almost nothing), with
-      a scale-free bandit loss, the fresh task head trained every step and each drawn
-      layer's update scaled by ``1 / q`` up to 3;
+    * ``"default"`` (``SparseLayerSAM()``; beyond the paper, see ``docs/results.md``): the
+      bandit's budget counts parameters rather than layers (a vocabulary embedding costs its
+      size, a LayerNorm bias almost nothing), with a scale-free bandit loss, the fresh task
+      head trained every step and each drawn layer's update scaled by ``1 / q`` up to 3;
     * ``"paper"``: the SL-SAM paper's exact method (``make_callback("slsam_paper")``).
 
     SL-SAM on RST's coin, on LookSAM's interval, and cost-aware SL-SAM are classes of their
@@ -161,8 +160,8 @@ class TopSLSAM(SAMCallback, top_slsam.TopSLSAMOptions):
     """Top-SL-SAM, the SL-SAM paper's greedy ablation: the first pass computes every
     layer's gradient, then SAM's ascent and second pass run on the ``k`` layers with the
     largest gradient norms (``k = round(layer_ratio * N)``, at least 1), which alone are
-    updated. No exploration: the paper reports it stalls with most layers never selected;
-    ``slsam/never_selected`` logs that count.
+    updated. No exploration: ``slsam/never_selected`` logs how many layers were never
+    selected.
 
     Example:
         >>> TopSLSAM(layer_ratio=0.3).layer_ratio
@@ -344,9 +343,8 @@ class SSAMF(SAMCallback, ssamf.SSAMFOptions):
     steps from ``fisher_samples`` samples of the current batch (one backward each,
     counted in ``slsam/backward_passes``). Both passes are dense: Active Ratio 2.0x.
 
-    The reference implementation estimates the Fisher from 1024 samples every 5 epochs of
-    training from scratch; for fine-tuning runs of a few epochs the defaults refresh more
-    often from fewer samples.
+    The defaults refresh the mask more often, from fewer samples, than the reference
+    implementation (1024 samples every 5 epochs), for fine-tuning runs of a few epochs.
 
     Example:
         >>> SSAMF().sparsity, SSAMF().mask_interval
@@ -406,8 +404,7 @@ class SLSAMAblation(SparseLayerSAM, slsam_ablation.SLSAMAblationOptions):
     """SL-SAM with each setting of its presets given alone (``None``: the preset's).
 
     The settings: the budget, the bandit's loss and step size, the head rule and the
-    update-scaling cap. What the results scripts use to measure each part of the default,
-    and what reruns a config saved by an earlier version; users choose a ``preset`` of
+    update-scaling cap, for measuring each part of a preset; users choose a ``preset`` of
     :class:`SparseLayerSAM`.
 
     Example:
