@@ -1,12 +1,14 @@
-"""A method of one's own, from outside the package: a ~20-line layer-selection rule and its
-specification, trained through the same callback machinery, a LightningCLI YAML and a
-plain PyTorch loop (the extension point the "Write your own method" page documents); and
-what a method adds to the steps (a :class:`~lightning_slsam.core.step.MethodParts` with its
-own state)."""
+"""A method of one's own, from outside the package: a layer-selection rule, its
+specification and its callback class, trained through the same callback machinery, a
+LightningCLI YAML and a plain PyTorch loop (the extension point the "Write your own
+method" page documents); and what a method adds to the steps (a
+:class:`~lightning_slsam.core.step.MethodParts` with its own state)."""
 
 from __future__ import annotations
 
 import copy
+import inspect
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import lightning as L
@@ -26,8 +28,12 @@ from lightning_slsam import (
 )
 from lightning_slsam.core.partition import LayerPartition
 from lightning_slsam.core.step import MethodParts
+from lightning_slsam.lightning.callbacks import callback_for, register_callback
+from lightning_slsam.lightning.signatures import options_class
+from lightning_slsam.methods.options import number
 from lightning_slsam.methods.registry import SPECS, register_method
 from lightning_slsam.methods.sam import SAMSpec
+from lightning_slsam.methods.spec import LayerSubsetOptions, option
 
 
 # -- the user's method: train the even-numbered layers, then the odd ones, and so on --------
@@ -63,7 +69,8 @@ class AlternateSpec(LayerSubsetSpec):
         return Alternate(layers.num_layers)
 
 
-class AlternateSAM(SAMCallback):
+@options_class
+class AlternateSAM(SAMCallback, LayerSubsetOptions):
     spec_class = AlternateSpec
 
 
@@ -75,6 +82,7 @@ class AlternateSAM(SAMCallback):
 @pytest.fixture
 def registered():
     register_method(AlternateSpec)
+    register_callback(AlternateSAM)  # make_callback("alternate") builds this class
     yield
     SPECS.pop("alternate")
 
@@ -130,6 +138,31 @@ def test_a_registered_method_is_known_by_name(registered):
     assert [r.active_mask.tolist() for r in kinds] == masks
     with pytest.raises(ValueError, match="exists already"):
         register_method(type("Other", (AlternateSpec,), {}))
+
+
+@dataclass(kw_only=True, eq=False)
+class WidthSpec(LayerSubsetSpec):
+    name: ClassVar[str] = "width_sam"
+    label: ClassVar[str] = "WidthSAM"
+
+    width: int = option(4, number(1, integer=True))
+
+
+def test_a_spec_without_a_callback_class_gets_one_built_from_its_fields():
+    cls = callback_for(WidthSpec)
+    assert cls.__name__ == "WidthSAM" and callback_for(WidthSpec) is cls
+    assert list(inspect.signature(cls).parameters)[-2:] == ["layer_ratio", "width"]
+    assert cls(width=8).spec.width == 8 and cls().method == "width_sam"
+    with pytest.raises(ValueError, match=r"^WidthSAM: `width` must be an integer >= 1, got 0"):
+        cls(width=0)
+
+
+def test_a_callback_class_without_its_specs_options_says_what_to_declare():
+    class Bare(SAMCallback):  # neither the option dataclass nor @options_class
+        spec_class = AlternateSpec
+
+    with pytest.raises(TypeError, match=r"^Bare lacks AlternateSAM's options \['layer_ratio'\]"):
+        Bare()
 
 
 FITTED: list[SAMCallback] = []
@@ -205,6 +238,7 @@ class EveryOtherSpec(SAMSpec):
         return EveryOtherSAM()
 
 
+@options_class
 class EveryOtherSAMCallback(SAMCallback):
     spec_class = EveryOtherSpec
 

@@ -29,13 +29,13 @@ CLASSES = [
 
 
 def test_every_method_class_declares_its_options_by_inheritance():
-    # What type checkers see: the fields of the option dataclasses a class inherits, not
-    # the ones SAMCallback.__init_subclass__ adds at run time for a class naming only its
-    # spec_class (a user's). Every option of the spec is declared by a base class.
+    # What type checkers see: each class is decorated with options_class, and every option
+    # of its spec is declared by a base class (an option dataclass) or on the class itself.
     for cls in CLASSES:
-        inherited = {n for b in cls.__mro__[1:] for n in vars(b).get("__annotations__", {})}
-        missing = set(cls.spec_class.option_names()) - inherited
+        declared = {n for b in cls.__mro__ for n in vars(b).get("__annotations__", {})}
+        missing = set(cls.spec_class.option_names()) - declared
         assert not missing, (cls.__name__, missing)
+        assert "__init__" in vars(cls), cls.__name__  # its own dataclass __init__
 
 
 MYPY_CONFIG = (

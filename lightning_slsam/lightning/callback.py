@@ -25,9 +25,7 @@ ValueError: SparseLayerSAM: `accumulate_grad_batches` must be an integer >= 1, g
 
 from __future__ import annotations
 
-import inspect
 import math
-from dataclasses import field, fields
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -71,7 +69,7 @@ from lightning_slsam.lightning.setup_checks import (
     check_one_optimizer,
     prepare_compiled,
 )
-from lightning_slsam.lightning.signatures import ChecksOptions, field_types
+from lightning_slsam.lightning.signatures import ChecksOptions, options_class
 from lightning_slsam.methods.sam import SAMSpec
 from lightning_slsam.methods.spec import MethodOptions, MethodSpec, default_seed
 from lightning_slsam.selection.rules import LayerSelection
@@ -79,7 +77,6 @@ from lightning_slsam.selection.rules import LayerSelection
 __all__ = [
     "PROGRESS_BAR",
     "SAMCallback",
-    "callback_for",
     "estimated_stepping_batches",
 ]
 
@@ -111,20 +108,20 @@ class _Count(int):
         return int.__format__(self, spec)
 
 
-#: Specification class -> the callback class of that method (the first one declared).
-_CALLBACKS: dict[type[MethodSpec], type[SAMCallback]] = {}
-
-
+@options_class
 class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMCallbackBase):
     """Base of the plugin's SAM methods; use a method class such as ``SparseLayerSAM``.
 
     A thin Lightning shell over the method's specification (:attr:`spec_class`, pure
-    PyTorch), and a keyword-only dataclass: its options are fields, inherited from the
-    method's option dataclass (:class:`~lightning_slsam.methods.spec.MethodOptions` here,
-    ``SLSAMOptions`` for ``SparseLayerSAM``, ...; the one its spec inherits too) and
+    PyTorch), and a keyword-only dataclass
+    (:func:`~lightning_slsam.lightning.signatures.options_class`): its options are fields,
+    inherited from the method's option dataclass
+    (:class:`~lightning_slsam.methods.spec.MethodOptions` here, ``SLSAMOptions`` for
+    ``SparseLayerSAM``, ...; the one its spec inherits too) and
     :class:`~lightning_slsam.lightning.setup_checks.LightningOptions` (clipping,
     accumulation, the chart). They are checked by building the spec (:attr:`spec`), and
-    read as attributes (``callback.rho``, ``callback.layer_ratio``, ...).
+    read as attributes (``callback.rho``, ``callback.layer_ratio``, ...). A subclass that
+    adds options is decorated with ``@options_class`` too.
 
     Attributes:
         layer_names: names of the layers, in model order (after setup).
@@ -135,9 +132,6 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
         frequency_csv_path, frequency_plot_path: where the end-of-fit record went.
     """
 
-    #: Short name of the method (registry key, logs).
-    method: ClassVar[str] = "sam"
-
     _options_root: ClassVar[bool] = True  # where accepted_options stops looking
     # The line logged at the end of fit; off where a run summary is printed instead (the
     # lightning-slsam command's, which says the same and more).
@@ -145,30 +139,22 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
     #: The method's specification class (its options and how it builds its engine).
     spec_class: ClassVar[type[MethodSpec]] = SAMSpec
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        # The spec's class-level facts, readable on the callback class too.
-        cls.method = cls.spec_class.name
-        _CALLBACKS.setdefault(cls.spec_class, cls)
-        # A class that names only its spec_class (a user's method, not its option class
-        # too) gets the spec's options it lacks as fields at run time (type checkers see
-        # them where the class inherits the option class).
-        declared = {
-            n: f
-            for b in cls.__mro__[::-1]
-            for n, f in vars(b).get("__dataclass_fields__", {}).items()
-        }
-        own = inspect.get_annotations(cls)
-        for f in fields(cls.spec_class):
-            if f.init and (f.name not in declared or declared[f.name].default != f.default):
-                own[f.name] = field_types(cls.spec_class)[f.name]
-                setattr(cls, f.name, field(default=f.default, metadata=f.metadata))
-        cls.__annotations__ = own
-        super().__init_subclass__(**kwargs)  # makes cls a dataclass (ChecksOptions)
+    @property
+    def method(self) -> str:
+        """Short name of the method (its registry key, in logs and checkpoints)."""
+        return self.spec_class.name
 
     def __post_init__(self) -> None:
         # A bad option's message names the class written (a user's subclass too): the
         # spec's name its label, the Lightning options' checks no class.
         label, name = self.spec_class.label, type(self).__name__
+        missing = [n for n in self.spec_class.option_names() if n not in self.__dataclass_fields__]
+        if missing:
+            raise TypeError(
+                f"{name} lacks {label}'s options {missing}: inherit the option dataclass that"
+                " declares them and decorate the class with @options_class"
+                " (lightning_slsam.lightning.signatures; docs/extending.md)."
+            )
         try:
             #: The method's validated options (:class:`~lightning_slsam.methods.spec.MethodSpec`).
             self.spec = self.spec_class(
@@ -283,9 +269,8 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
             self._check_coverage(trainer)
 
     def _check_coverage(self, trainer: pl.Trainer) -> None:
-        # The guard rail: too few updates per sampled layer for the run's length, where the
-        # committed comparisons lost accuracy (lightning_slsam.selection.coverage). Kept for
-        # the end-of-fit summary too (`coverage_note`).
+        # Too few updates per sampled layer for the run's length
+        # (lightning_slsam.selection.coverage); kept for the end-of-fit summary.
         self.coverage_note = None
         if self.engine is None:
             return
@@ -388,9 +373,8 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        # Lightning files a callback's state under its class name. Version 0.2 and earlier
-        # (whose method state has no "tensor_names") filed SL-SAM on RST's coin, LookSAM's
-        # interval or a depth cut under SparseLayerSAM: no migration before 1.0.
+        # Lightning files a callback's state under its class name: an earlier version's
+        # state (no "tensor_names") filed under another class's name does not resume.
         states = checkpoint.get("callbacks") or {}
         old = [k for k, v in states.items() if isinstance(v, dict) and "engine" in v
                and "method" in v and "tensor_names" not in v]  # fmt: skip
@@ -444,11 +428,3 @@ def estimated_stepping_batches(trainer: pl.Trainer) -> float:
     per_epoch = math.ceil(batches / k)  # the epoch's last batch closes a partial group
     steps = per_epoch * max(trainer.max_epochs or 1, 1)
     return min(steps, trainer.max_steps) if trainer.max_steps != -1 else steps
-
-
-def callback_for(spec_class: type[MethodSpec]) -> type[SAMCallback]:
-    """The callback class of a method's specification: the first ``SAMCallback`` subclass
-    declared with that ``spec_class``, or a new one named after the spec's ``label``."""
-    if spec_class not in _CALLBACKS:
-        type(spec_class.label, (SAMCallback,), {"spec_class": spec_class})
-    return _CALLBACKS[spec_class]

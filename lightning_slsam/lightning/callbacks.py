@@ -17,7 +17,7 @@ name (``make_callback``)  class                       defaults
 ``random_slsam``          :class:`RandomSLSAM`        layer_ratio 0.2
 ``top_slsam``             :class:`TopSLSAM`           layer_ratio 0.2
 ``s2sam``                 :class:`S2SAM`              --
-``sl_s2sam``              :class:`SLS2SAM`            layer_ratio 0.2 (0.3 DeiT, 0.5 Llama)
+``sl_s2sam``              :class:`SLS2SAM`            layer_ratio 0.2, preset "paper"
 ``rst``                   :class:`RST`                probability 0.5
 ``esam``                  :class:`ESAM`               weight_ratio 0.5, data_ratio 0.5
 ``ssamf``                 :class:`SSAMF`              sparsity 0.5
@@ -25,7 +25,7 @@ name (``make_callback``)  class                       defaults
 ``slsam_rst``             :class:`SLSAMRST`           SL-SAM on RST's coin
 ``slsam_looksam``         :class:`SLSAMLookSAM`       SL-SAM on LookSAM's interval
 ``slsam_depth``           :class:`CostAwareSLSAM`     depth 0.5 (beyond the paper)
-``slsam_ablation``        :class:`SLSAMAblation`      each preset setting alone (results)
+``slsam_ablation``        :class:`SLSAMAblation`      each preset setting alone
 ``momentum_sam``          :class:`MomentumSAM`        rho 1 (against the momentum)
 ``arwp``                  :class:`ARWP`               rho 0.001 growing 11x, eta 0.1
 ``mesa``                  :class:`MESA`               weight 0.8, tau 5, start 0.05
@@ -36,9 +36,11 @@ name (``make_callback``)  class                       defaults
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from dataclasses import field, fields
+from typing import Any, TypeVar
 
-from lightning_slsam.lightning.callback import SAMCallback, callback_for
+from lightning_slsam.lightning.callback import SAMCallback
+from lightning_slsam.lightning.signatures import field_types, options_class
 from lightning_slsam.methods import (
     arwp,
     esam,
@@ -60,9 +62,11 @@ from lightning_slsam.methods import (
     top_slsam,
 )
 from lightning_slsam.methods.registry import SPECS, lookup
+from lightning_slsam.methods.spec import MethodSpec, Preset
 from lightning_slsam.selection.rules import WrappedSelection
 
 
+@options_class
 class SAM(SAMCallback):
     """Vanilla SAM on every layer (Foret et al., 2021, "Sharpness-Aware Minimization for
     Efficiently Improving Generalization"); with AdamW as the module's optimizer this is
@@ -80,6 +84,7 @@ class SAM(SAMCallback):
     spec_class = sam.SAMSpec
 
 
+@options_class
 class SparseLayerSAM(SAMCallback, slsam.SLSAMOptions):
     """Sparse Layer SAM (SL-SAM): SAM on a bandit-sampled subset of layers each step.
 
@@ -90,11 +95,10 @@ class SparseLayerSAM(SAMCallback, slsam.SLSAMOptions):
 
     ``preset`` chooses between two configurations, one argument apart:
 
-    * ``"default"`` (``SparseLayerSAM()``; beyond the paper, chosen on the multi-seed
-      comparisons of ``docs/results.md``): the bandit's budget counts parameters rather than
-      layers (a vocabulary embedding costs its size, a LayerNorm bias almost nothing), with
-      a scale-free bandit loss, the fresh task head trained every step and each drawn
-      layer's update scaled by ``1 / q`` up to 3;
+    * ``"default"`` (``SparseLayerSAM()``; beyond the paper, see ``docs/results.md``): the
+      bandit's budget counts parameters rather than layers (a vocabulary embedding costs its
+      size, a LayerNorm bias almost nothing), with a scale-free bandit loss, the fresh task
+      head trained every step and each drawn layer's update scaled by ``1 / q`` up to 3;
     * ``"paper"``: the SL-SAM paper's exact method (``make_callback("slsam_paper")``).
 
     SL-SAM on RST's coin, on LookSAM's interval, and cost-aware SL-SAM are classes of their
@@ -135,6 +139,7 @@ class SparseLayerSAM(SAMCallback, slsam.SLSAMOptions):
         }
 
 
+@options_class
 class RandomSLSAM(SAMCallback, random_slsam.RandomSLSAMOptions):
     """Random-SL-SAM, the SL-SAM paper's ablation: layers sampled uniformly, each with
     probability ``layer_ratio`` every step, no bandit (then SAM on them, as SL-SAM).
@@ -150,12 +155,13 @@ class RandomSLSAM(SAMCallback, random_slsam.RandomSLSAMOptions):
     spec_class = random_slsam.RandomSLSAMSpec
 
 
+@options_class
 class TopSLSAM(SAMCallback, top_slsam.TopSLSAMOptions):
     """Top-SL-SAM, the SL-SAM paper's greedy ablation: the first pass computes every
     layer's gradient, then SAM's ascent and second pass run on the ``k`` layers with the
     largest gradient norms (``k = round(layer_ratio * N)``, at least 1), which alone are
-    updated. No exploration: the paper reports it stalls with most layers never selected;
-    ``slsam/never_selected`` logs that count.
+    updated. No exploration: ``slsam/never_selected`` logs how many layers were never
+    selected.
 
     Example:
         >>> TopSLSAM(layer_ratio=0.3).layer_ratio
@@ -165,6 +171,7 @@ class TopSLSAM(SAMCallback, top_slsam.TopSLSAMOptions):
     spec_class = top_slsam.TopSLSAMSpec
 
 
+@options_class
 class S2SAM(SAM):
     """S2-SAM (Ji et al., 2024, "Single-step SAM"; Algorithm 3 of the SL-SAM paper): each
     step perturbs every layer along the gradient of the previous step and runs one
@@ -181,6 +188,7 @@ class S2SAM(SAM):
     spec_class = s2sam.S2SAMSpec
 
 
+@options_class
 class MomentumSAM(SAM, momentum_sam.MomentumSAMOptions):
     """Momentum-SAM (Becker, Altrock and Risse, 2024): one forward/backward per step at the
     weights moved by ``rho`` against the optimizer's normalised momentum (AdamW's
@@ -198,8 +206,10 @@ class MomentumSAM(SAM, momentum_sam.MomentumSAMOptions):
     """
 
     spec_class = momentum_sam.MomentumSAMSpec
+    rho: float = momentum_sam.MomentumSAMOptions.rho  # its own default, not SAM's
 
 
+@options_class
 class ARWP(SAM, arwp.ARWPOptions):
     """ARWP (Li et al., 2024, "Revisiting Random Weight Perturbation"): one forward/backward
     per step at the weights moved by Gaussian noise, each row's scaled by its norm and shrunk
@@ -214,8 +224,10 @@ class ARWP(SAM, arwp.ARWPOptions):
     """
 
     spec_class = arwp.ARWPSpec
+    rho: float = arwp.ARWPOptions.rho  # its own default, not SAM's
 
 
+@options_class
 class MESA(SAM, mesa.MESAOptions):
     """MESA (Du et al., 2022, "Sharpness-Aware Training for Free"): one training pass per
     step, its loss plus ``weight * tau^2 * KL`` between the logits of an exponential moving
@@ -232,6 +244,7 @@ class MESA(SAM, mesa.MESAOptions):
     spec_class = mesa.MESASpec
 
 
+@options_class
 class SAF(SAM, saf.SAFOptions):
     """SAF (Du et al., 2022, "Sharpness-Aware Training for Free"): one training pass per
     step, its loss plus ``weight * tau^2 * KL`` between each sample's logits ``delay``
@@ -248,6 +261,7 @@ class SAF(SAM, saf.SAFOptions):
     spec_class = saf.SAFSpec
 
 
+@options_class
 class SLS2SAM(SparseLayerSAM, sl_s2sam.SLS2SAMOptions):
     """SL-S2-SAM (Algorithm 4 of the SL-SAM paper): single-step SAM on bandit-sampled
     layers. Each active layer perturbs along its own last computed gradient; the bandit
@@ -262,8 +276,10 @@ class SLS2SAM(SparseLayerSAM, sl_s2sam.SLS2SAMOptions):
     """
 
     spec_class = sl_s2sam.SLS2SAMSpec
+    preset: Preset = sl_s2sam.SLS2SAMOptions.preset  # its own default, not SparseLayerSAM's
 
 
+@options_class
 class RST(SAM, rst.RSTOptions):
     """RST (Zhao et al., 2022, "Randomized Sharpness-Aware Training"): each step is a SAM
     step with probability ``probability``, otherwise a plain step, drawn from a seeded
@@ -277,6 +293,7 @@ class RST(SAM, rst.RSTOptions):
     spec_class = rst.RSTSpec
 
 
+@options_class
 class LookSAM(SAM, looksam.LookSAMOptions):
     """LookSAM (Liu et al., 2022, "Towards Efficient and Scalable Sharpness-Aware
     Minimization"): a full SAM step every ``interval`` steps, which stores ``g_v``, the
@@ -292,6 +309,7 @@ class LookSAM(SAM, looksam.LookSAMOptions):
     spec_class = looksam.LookSAMSpec
 
 
+@options_class
 class ESAM(SAMCallback, esam.ESAMOptions):
     """ESAM (Du et al., 2022, "Efficient Sharpness-aware Minimization for Improved
     Training of Neural Networks").
@@ -316,6 +334,7 @@ class ESAM(SAMCallback, esam.ESAMOptions):
     spec_class = esam.ESAMSpec
 
 
+@options_class
 class SSAMF(SAMCallback, ssamf.SSAMFOptions):
     """SSAM-F (Mi et al., 2022, "Make Sharpness-Aware Minimization Stronger: A Sparsified
     Perturbation Approach"): SAM whose ascent is zeroed outside a mask of the coordinates
@@ -324,9 +343,8 @@ class SSAMF(SAMCallback, ssamf.SSAMFOptions):
     steps from ``fisher_samples`` samples of the current batch (one backward each,
     counted in ``slsam/backward_passes``). Both passes are dense: Active Ratio 2.0x.
 
-    The reference implementation estimates the Fisher from 1024 samples every 5 epochs of
-    training from scratch; for fine-tuning runs of a few epochs the defaults refresh more
-    often from fewer samples.
+    The defaults refresh the mask more often, from fewer samples, than the reference
+    implementation (1024 samples every 5 epochs), for fine-tuning runs of a few epochs.
 
     Example:
         >>> SSAMF().sparsity, SSAMF().mask_interval
@@ -340,6 +358,7 @@ class SSAMF(SAMCallback, ssamf.SSAMFOptions):
     spec_class = ssamf.SSAMFSpec
 
 
+@options_class
 class SLSAMRST(SparseLayerSAM, rst.RSTOptions):
     """SL-SAM on RST's coin: sparse along both axes. Each step is SL-SAM's SAM step on the
     drawn layers with probability ``probability``, otherwise a plain step on them.
@@ -352,6 +371,7 @@ class SLSAMRST(SparseLayerSAM, rst.RSTOptions):
     spec_class = slsam_rst.SLSAMRSTSpec
 
 
+@options_class
 class SLSAMLookSAM(SparseLayerSAM, looksam.LookSAMOptions):
     """SL-SAM on LookSAM's interval: sparse along both axes. A SAM step on the drawn layers
     every ``interval`` steps; in between, one pass that reuses the stored orthogonal
@@ -365,6 +385,7 @@ class SLSAMLookSAM(SparseLayerSAM, looksam.LookSAMOptions):
     spec_class = slsam_looksam.SLSAMLookSAMSpec
 
 
+@options_class
 class CostAwareSLSAM(SparseLayerSAM, slsam_depth.CostAwareSLSAMOptions):
     """Cost-aware SL-SAM (beyond the paper): each step freezes every layer below a random
     cut along the model's layer order, so back-propagation stops there and reaches a
@@ -378,12 +399,12 @@ class CostAwareSLSAM(SparseLayerSAM, slsam_depth.CostAwareSLSAMOptions):
     spec_class = slsam_depth.CostAwareSLSAMSpec
 
 
+@options_class
 class SLSAMAblation(SparseLayerSAM, slsam_ablation.SLSAMAblationOptions):
     """SL-SAM with each setting of its presets given alone (``None``: the preset's).
 
     The settings: the budget, the bandit's loss and step size, the head rule and the
-    update-scaling cap. What the results scripts use to measure each part of the default,
-    and what reruns a config saved by an earlier version; users choose a ``preset`` of
+    update-scaling cap, for measuring each part of a preset; users choose a ``preset`` of
     :class:`SparseLayerSAM`.
 
     Example:
@@ -392,6 +413,64 @@ class SLSAMAblation(SparseLayerSAM, slsam_ablation.SLSAMAblationOptions):
     """
 
     spec_class = slsam_ablation.SLSAMAblationSpec
+
+
+#: The method classes declared above.
+_CLASSES: tuple[type[SAMCallback], ...] = (
+    SAM, SparseLayerSAM, RandomSLSAM, TopSLSAM, S2SAM, SLS2SAM, RST, LookSAM, ESAM, SSAMF,
+    SLSAMRST, SLSAMLookSAM, CostAwareSLSAM, SLSAMAblation, MomentumSAM, ARWP, MESA, SAF,
+)  # fmt: skip
+
+#: Specification class -> its callback class: the package's, then those of
+#: :func:`register_callback` and those :func:`callback_for` builds.
+_CALLBACKS: dict[type[MethodSpec], type[SAMCallback]] = {cls.spec_class: cls for cls in _CLASSES}
+
+_Callback = TypeVar("_Callback", bound=type[SAMCallback])
+
+
+def register_callback(cls: _Callback) -> _Callback:
+    """Make ``cls`` the callback class of its ``spec_class`` for :func:`make_callback` and
+    :data:`METHODS` (a method of one's own, registered with
+    :func:`~lightning_slsam.methods.registry.register_method`). Returns ``cls`` (usable as a
+    decorator).
+
+    Example:
+        >>> from lightning_slsam.methods.sam import SAMSpec
+        >>> class EchoSpec(SAMSpec):
+        ...     pass
+        >>> @register_callback
+        ... @options_class
+        ... class EchoSAM(SAMCallback):
+        ...     spec_class = EchoSpec
+        >>> callback_for(EchoSpec) is EchoSAM
+        True
+    """
+    if not (isinstance(cls, type) and issubclass(cls, SAMCallback)):
+        raise TypeError(f"register_callback takes a SAMCallback subclass, got {cls!r}.")
+    _CALLBACKS[cls.spec_class] = cls
+    return cls
+
+
+def callback_for(spec_class: type[MethodSpec]) -> type[SAMCallback]:
+    """The callback class of a method's specification: the package's, the one given to
+    :func:`register_callback`, else a ``SAMCallback`` subclass named after the spec's
+    ``label`` whose fields are the spec's options (built once).
+
+    Example:
+        >>> from lightning_slsam.methods import rst
+        >>> callback_for(rst.RSTSpec) is RST
+        True
+    """
+    if spec_class not in _CALLBACKS:
+        options = [f for f in fields(spec_class) if f.init]  # type: ignore[arg-type]
+        types = field_types(spec_class)
+        namespace: dict[str, Any] = {
+            "__annotations__": {f.name: types[f.name] for f in options},
+            **{f.name: field(default=f.default, metadata=f.metadata) for f in options},
+            "spec_class": spec_class,
+        }
+        register_callback(options_class(type(spec_class.label, (SAMCallback,), namespace)))
+    return _CALLBACKS[spec_class]
 
 
 class _Methods(Mapping):
@@ -475,12 +554,12 @@ def make_callbacks(name: str, **kwargs: Any) -> list[SAMCallback]:
     return [make_callback(name, **kwargs)]
 
 
-__all__ = [  # the method classes: the ones declared above
+__all__ = [
     "METHODS",
+    "callback_for",
     "class_path",
     "make_callback",
     "make_callbacks",
-    *(cls.__name__ for cls in (SAM, SparseLayerSAM, RandomSLSAM, TopSLSAM, S2SAM, SLS2SAM)),
-    *(cls.__name__ for cls in (RST, LookSAM, ESAM, SSAMF, SLSAMRST, SLSAMLookSAM)),
-    *(cls.__name__ for cls in (CostAwareSLSAM, SLSAMAblation, MomentumSAM, ARWP, MESA, SAF)),
+    "register_callback",
+    *(cls.__name__ for cls in _CLASSES),
 ]

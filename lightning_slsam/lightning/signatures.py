@@ -1,9 +1,9 @@
-"""Typed shells over method specifications: a callback class is a keyword-only dataclass
-whose fields are its options (inherited from the option dataclasses), and an unknown
-option is a one-line error naming the class and the closest valid option.
+"""Callback classes as keyword-only dataclasses of their options.
 
-Nothing here knows Lightning: :class:`~lightning_slsam.SAMCallback` applies these to each
-method class it derives (see ``SAMCallback.__init_subclass__``).
+:func:`options_class` makes a class a keyword-only dataclass whose fields are its options
+(declared on it or inherited from option dataclasses); :class:`ChecksOptions` names an
+unknown option with the class the user wrote and the closest valid one. Nothing here knows
+Lightning: :mod:`lightning_slsam.lightning.callbacks` applies both to each method class.
 """
 
 from __future__ import annotations
@@ -20,9 +20,12 @@ __all__ = [
     "ChecksOptions",
     "accepted_options",
     "check_options",
+    "field_types",
+    "options_class",
 ]
 
 _T = TypeVar("_T", bound="ChecksOptions")
+_C = TypeVar("_C", bound=type)
 
 
 def accepted_options(cls: type) -> list[str]:
@@ -66,26 +69,46 @@ def field_types(cls: type) -> dict[str, Any]:
 
 
 @dataclass_transform(kw_only_default=True, eq_default=False, field_specifiers=(field,))
+def options_class(cls: _C) -> _C:
+    """Make ``cls`` a keyword-only dataclass of its options (``eq=False``, ``repr=False``).
+
+    Its fields are the ones it declares and those of its dataclass bases, in the order
+    ``dataclasses`` gives them; an ``__init__`` written on the class is kept. The generated
+    ``__init__`` is annotated with the fields' resolved types (:func:`field_types`), which
+    ``inspect.signature`` and jsonargparse read; type checkers read the fields from the
+    source (the decorator is marked ``typing.dataclass_transform``).
+
+    Example:
+        >>> from dataclasses import dataclass
+        >>> @dataclass(kw_only=True, eq=False)
+        ... class Sizes:
+        ...     width: int = 4
+        >>> @options_class
+        ... class Box(ChecksOptions, Sizes):
+        ...     depth: int = 1
+        >>> Box(width=8).width, Box(width=8).depth
+        (8, 1)
+        >>> Box(widht=8)
+        Traceback (most recent call last):
+        ...
+        TypeError: Box has no option 'widht'; did you mean 'width'?
+    """
+    written = "__init__" in cls.__dict__
+    dataclass(cls, kw_only=True, eq=False, repr=False)
+    if not written:
+        # Postponed annotations are strings of the declaring modules: resolve them here.
+        cls.__init__.__annotations__ = {**field_types(cls), "return": None}  # type: ignore[misc]
+    return cls
+
+
 class ChecksOptions:
-    """A base whose subclasses are keyword-only dataclasses (``eq=False``, ``repr=False``):
-    their options are their fields, declared by inheriting option dataclasses (a method's
-    :class:`~lightning_slsam.methods.spec.MethodOptions`, ...), so that their ``__init__``
-    is the dataclass one that type checkers and jsonargparse read. It shows the options
-    given in ``repr``, and names an unknown option with the class the user wrote, with the
-    closest valid name (Python's own error would name no close option).
+    """A base whose ``__new__`` refuses an unknown option by name, with the closest valid
+    one (Python's own error names none), and whose ``repr`` shows the options given that
+    differ from the defaults.
 
     The check is a ``__new__`` of a base class of its own: jsonargparse reads a class's own
-    ``__new__`` as its signature.
+    ``__new__`` as its signature. Example: :func:`options_class`.
     """
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        written = "__init__" in cls.__dict__  # a class's own __init__ stays (dataclass too)
-        dataclass(cls, kw_only=True, eq=False, repr=False)
-        if not written:
-            # The fields' annotations are strings (postponed), written in other modules
-            # than cls's: the __init__'s are the types, for jsonargparse and inspect.
-            cls.__init__.__annotations__ = {**field_types(cls), "return": None}
 
     def __new__(cls: type[_T], *args: Any, **kwargs: Any) -> _T:
         if kwargs:
@@ -95,7 +118,6 @@ class ChecksOptions:
         return obj
 
     def __repr__(self) -> str:
-        # The options given that differ from the signature's defaults.
         defaults = inspect.signature(type(self).__init__).parameters
         shown = [
             f"{k}={v!r}"

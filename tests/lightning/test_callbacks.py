@@ -69,13 +69,31 @@ def test_registry_builds_every_method_with_its_paper_defaults():
         make_callback("sgd")
 
 
+def test_every_class_takes_its_specs_options_with_their_defaults():
+    # A default a method changes (Momentum-SAM's rho, SL-S2-SAM's preset) is declared again
+    # on its class: the dataclass would take SAM's or SparseLayerSAM's otherwise.
+    import dataclasses
+    import inspect
+
+    from lightning_slsam.lightning import callbacks
+
+    for name in callbacks.__all__:
+        cls = getattr(callbacks, name)
+        if not isinstance(cls, type):
+            continue
+        spec = {f.name: f.default for f in dataclasses.fields(cls.spec_class) if f.init}
+        shown = inspect.signature(cls).parameters
+        assert {n: shown[n].default for n in spec} == spec, name
+        assert cls().method == cls.spec_class.name
+
+
 def test_sparse_layer_sam_has_the_options_users_need_each_with_the_default_that_runs():
     import inspect
 
     from lightning_slsam.methods.slsam import PRESETS
 
     options = inspect.signature(SparseLayerSAM).parameters
-    assert len(options) <= 20  # 34 before 0.3
+    assert len(options) <= 20
     # No option means "whatever the preset says": every default is a value that runs.
     allowed_none = {"seed", "gradient_clip_val"}  # the run's seed; no clipping
     assert [n for n, p in options.items() if p.default is None and n not in allowed_none] == []
@@ -88,7 +106,7 @@ def test_sparse_layer_sam_has_the_options_users_need_each_with_the_default_that_
     doc = " ".join(" ".join(c.__doc__ or "" for c in SparseLayerSAM.__mro__[::-1]).split())
     assert 'preset: ``"default"`` (beyond the paper' in doc and '``"paper"``' in doc
     assert set(PRESETS) == {"default", "paper"}
-    # `layer_ratio` says what it budgets under the preset that runs, and under the other.
-    ratio = re.search(r"layer_ratio: (.*?) p_min:", doc).group(1)
-    assert 'fraction of the *parameters* drawn (``preset="default"``)' in ratio
-    assert 'or of the *layers* (``"paper"``' in ratio
+    # `layer_ratio` (SL-SAM's, the last documented) says what it budgets under each preset.
+    ratio = re.findall(r"layer_ratio: (.*?) p_min:", doc)[-1]
+    assert "*parameters*" in ratio and "*layers*" in ratio, ratio
+    assert 'preset="default"' in ratio and '"paper"' in ratio, ratio

@@ -117,7 +117,8 @@ def test_each_method_takes_its_own_options_only():
 
     common = set(inspect.signature(SAM).parameters)
     assert "schedule" not in common and "sam_probability" not in common
-    helpers = {"METHODS", "class_path", "make_callback", "make_callbacks"}
+    helpers = {"METHODS", "callback_for", "class_path", "make_callback", "make_callbacks",
+               "register_callback"}  # fmt: skip
     assert set(OWN_OPTIONS) == set(callbacks.__all__) - helpers
     for name, own in OWN_OPTIONS.items():
         cls = getattr(callbacks, name)
