@@ -23,6 +23,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from lightning_slsam.core.caller import warn
 from lightning_slsam.core.engine import SAMEngine
+from lightning_slsam.core.frontend import check_parallelism
 from lightning_slsam.core.passes import (
     PER_SAMPLE_NEEDED,
     LossOutput,
@@ -410,18 +411,14 @@ _FSDP2 = ("FSDP2, TrainingArguments(fsdp='full_shard auto_wrap', fsdp_config={'f
 
 def _check_supported(trainer: Any) -> None:
     """Refuse, before anything trains, what the method's step cannot run inside."""
+    check_parallelism(
+        "SAMTrainer", deepspeed=getattr(trainer, "is_deepspeed_enabled", False),
+        fsdp1=_fsdp_version(trainer) == 1,
+        fix=f"FSDP2 shards each parameter on its own: use {_FSDP2}.", docs="docs/huggingface.md",
+    )  # fmt: skip
     args = trainer.args
     problem = fix = None
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        problem = (
-            "DeepSpeed: ZeRO steps every trainable tensor, drawn or not, and accelerate's"
-            " DeepSpeedEngineWrapper.backward steps after SAM's first pass"
-        )
-        fix = f"FSDP2 shards each parameter on its own: use {_FSDP2}."
-    elif _fsdp_version(trainer) == 1:
-        problem = "FSDP1: its flat parameters cannot be frozen or perturbed a layer at a time"
-        fix = f"FSDP2 shards each parameter on its own: use {_FSDP2}."
-    elif int(args.n_gpu) > 1:
+    if int(args.n_gpu) > 1:
         problem = f"DataParallel over {args.n_gpu} GPUs in one process"
         fix = f"Run one process per GPU: {_FSDP2}."
     elif str(getattr(args.optim, "value", args.optim)) in _FUSED_OPTIMIZERS:

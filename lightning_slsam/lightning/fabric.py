@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from lightning_slsam.core.engine import SAMEngine
+from lightning_slsam.core.frontend import check_parallelism
 from lightning_slsam.core.passes import (
     PassRunner,
     loss_scale_reader,
@@ -25,16 +26,6 @@ from lightning_slsam.methods.spec import MethodSpec, default_seed
 from lightning_slsam.parallel.ddp import GradientAverager
 
 __all__ = ["FabricSAM"]
-
-#: Fabric strategies whose wrapping SAM cannot run (flat parameters, ZeRO partitions, XLA).
-_REFUSED = {
-    "FSDPStrategy": "FSDP1 flattens parameters into flat buffers, so a layer cannot be frozen"
-    " or perturbed alone",
-    "DeepSpeedStrategy": "DeepSpeed fixes which parameters train when it initialises, reduces"
-    " the gradients of all of them itself and runs the optimizer step SAM must control",
-    "XLAStrategy": "XLA's lazy tensors are not supported",
-    "XLAFSDPStrategy": "XLA's lazy tensors are not supported",
-}
 
 
 def _names(obj: Any) -> set[str]:
@@ -128,13 +119,11 @@ class FabricSAM:
                 " optimizer)`."
             )
         strategy = fabric.strategy
-        refused = sorted(_names(strategy) & set(_REFUSED))
-        if refused:
-            raise ValueError(
-                f"FabricSAM does not support {type(strategy).__name__}: {_REFUSED[refused[0]]}."
-                " Use strategy='ddp', FSDP2 through ModelParallelStrategy (fully_shard in its"
-                " parallelize_fn), or one device. See docs/fabric.md."
-            )
+        check_parallelism(
+            "FabricSAM", classes=_names(strategy), strategy=type(strategy).__name__,
+            fix="Use strategy='ddp', FSDP2 through ModelParallelStrategy (fully_shard in its"
+            " parallelize_fn), or one device.", docs="docs/fabric.md",
+        )  # fmt: skip
         if gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(
                 "`gradient_clip_algorithm` must be 'norm' or 'value', got"

@@ -1,0 +1,69 @@
+"""The setup rules every front-end shares (the Lightning callback, Fabric, the Hugging Face
+Trainer), written once: each front-end hands in plain facts about its framework (the
+strategy's class names, the world size, whether FSDP1 runs) and raises with its own
+exception type (``error``) and docs page.
+
+>>> check_parallelism("SAMTrainer", fsdp1=True, fix="Use FSDP2.", docs="docs/huggingface.md")
+Traceback (most recent call last):
+...
+ValueError: SAMTrainer does not support FSDP1: its flat parameters cannot be frozen or \
+perturbed a layer at a time. Use FSDP2. See docs/huggingface.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+__all__ = ["FSDP2_STRATEGY", "check_parallelism"]
+
+#: Why each parallel wrapper is refused.
+_WHY = {
+    "DeepSpeed": "its ZeRO optimizer fixes the trained tensors when it starts, reduces and"
+    " steps every one of them, drawn or not, and runs the optimizer step SAM must control",
+    "FSDP1": "its flat parameters cannot be frozen or perturbed a layer at a time",
+    "XLA": "XLA's lazy tensors are not supported",
+    "several": "on several processes only DDP and FSDP2 run a SAM step",
+}
+#: Lightning's and Fabric's strategy classes (a subclass counts as its base) -> the kind.
+_STRATEGY_KINDS = {
+    "DeepSpeedStrategy": "DeepSpeed",
+    "FSDPStrategy": "FSDP1",
+    "XLAStrategy": "XLA",
+    "XLAFSDPStrategy": "XLA",
+}
+#: The Lightning and Fabric strategy whose FSDP2 sharding (``fully_shard``) SAM runs under.
+FSDP2_STRATEGY = "ModelParallelStrategy"
+
+
+def check_parallelism(
+    owner: str,
+    *,
+    classes: Collection[str] = (),
+    deepspeed: bool = False,
+    fsdp1: bool = False,
+    several: bool = False,
+    strategy: str | None = None,
+    fix: str,
+    docs: str,
+    error: type[Exception] = ValueError,
+) -> None:
+    """Refuse, before anything trains, a parallel wrapper no SAM step runs inside.
+
+    Args:
+        owner: the front-end's name in the message (``SparseLayerSAM``, ``FabricSAM(...)``).
+        classes: the class names of a Lightning or Fabric strategy and its bases (DeepSpeed,
+            FSDP1 and XLA strategies are refused by name).
+        deepspeed, fsdp1: the framework runs DeepSpeed or FSDP1 (the Hugging Face Trainer).
+        several: several processes under a strategy that is neither DDP nor FSDP2.
+        strategy: how the message names what runs (default: ``DeepSpeed``, ``FSDP1``, ...).
+        fix: what to use instead, in the framework's terms.
+        docs: the docs page of the front-end.
+        error: the exception class raised.
+    """
+    kinds = [_STRATEGY_KINDS[name] for name in sorted(classes) if name in _STRATEGY_KINDS]
+    kinds += [k for k, on in (("DeepSpeed", deepspeed), ("FSDP1", fsdp1)) if on]
+    order = list(_WHY)
+    kind = min(kinds, key=order.index) if kinds else "several" if several else None
+    if kind is not None:
+        what = strategy or kind
+        raise error(f"{owner} does not support {what}: {_WHY[kind]}. {fix} See {docs}.")
