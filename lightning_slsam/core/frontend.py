@@ -12,9 +12,10 @@ perturbed a layer at a time. Use FSDP2. See docs/huggingface.md.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from typing import Any
 
-__all__ = ["FSDP2_STRATEGY", "check_parallelism"]
+__all__ = ["FSDP2_STRATEGY", "check_parallelism", "follow_trainable"]
 
 #: Why each parallel wrapper is refused.
 _WHY = {
@@ -67,3 +68,27 @@ def check_parallelism(
     if kind is not None:
         what = strategy or kind
         raise error(f"{owner} does not support {what}: {_WHY[kind]}. {fix} See {docs}.")
+
+
+def follow_trainable(
+    spec: Any,
+    engine: Any,
+    module: Any,
+    warn: Callable[[str], None],
+    owner: str,
+    step: int,
+    error: type[Exception] = ValueError,
+) -> tuple[Any, str] | None:
+    """Before step ``step``: ``None`` when ``module``'s trainable tensors are ``engine``'s;
+    else the engine carried over to them (the spec's ``follow_trainable``) and the line to
+    log. Options that no longer fit the model raise ``error``."""
+    if not engine.freezer.trainable_changed(module):
+        return None
+    try:
+        new, change = spec.follow_trainable(engine, module, warn)
+    except ValueError as err:  # no layer left to sample, a pattern matching nothing
+        raise error(
+            f"{owner}: the model's trainable parameters changed before step {step} and no"
+            f" longer fit the layer options: {err}"
+        ) from None
+    return new, f"{owner}, before step {step}: {change}"

@@ -23,7 +23,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from lightning_slsam.core.caller import warn
 from lightning_slsam.core.engine import SAMEngine
-from lightning_slsam.core.frontend import check_parallelism
+from lightning_slsam.core.frontend import check_parallelism, follow_trainable
 from lightning_slsam.core.passes import (
     PER_SAMPLE_NEEDED,
     LossOutput,
@@ -147,11 +147,12 @@ class SAMTrainerMixin:
         trainer: Any = self
         unwrapped = trainer.accelerator.unwrap_model(model)
         engine = self._sam_engine_on(unwrapped)
-        if engine.freezer.trainable_changed(unwrapped):
-            # Tensors unfrozen (or frozen) since the last step are sampled from now on.
-            self.sam_engine, change = self.sam_spec.follow_trainable(engine, unwrapped, warn)
-            engine = self.sam_engine
-            _info(f"SAMTrainer({self.sam_spec.label}), before step {engine.num_steps}: {change}")
+        # Tensors unfrozen (or frozen) since the last step are sampled from now on.
+        name = f"SAMTrainer({self.sam_spec.label})"
+        followed = follow_trainable(self.sam_spec, engine, unwrapped, warn, name, engine.num_steps)
+        if followed is not None:
+            self.sam_engine = engine = followed[0]
+            _info(followed[1])
         self._sam_hook_optimizer()
         self._sam_pending = []
         self._sam_model, self._sam_items = model, items

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from lightning_slsam.core.caller import warn
 from lightning_slsam.core.engine import SAMEngine
+from lightning_slsam.core.frontend import follow_trainable
 from lightning_slsam.core.partition import LayerPartition
 from lightning_slsam.core.perturbation import BackupPool
 from lightning_slsam.core.record import (
@@ -318,16 +319,14 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
 
     def _follow_trainable(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.engine is not None
-        try:
-            engine, change = self.spec.follow_trainable(self.engine, pl_module, _warn)
-        except ValueError as err:  # no layer left to sample, a pattern matching nothing
-            raise MisconfigurationException(
-                f"{type(self).__name__}: the model's trainable parameters changed before step"
-                f" {trainer.global_step} and no longer fit the layer options: {err}"
-            ) from None
+        followed = follow_trainable(self.spec, self.engine, pl_module, _warn, type(self).__name__,
+                                    trainer.global_step, MisconfigurationException)  # fmt: skip
+        if followed is None:
+            return
+        engine, line = followed
         check_engine(self, trainer, pl_module, engine)
         self.engine, self.partition = engine, engine.partition
-        rank_zero_info(f"{type(self).__name__}, before step {trainer.global_step}: {change}")
+        rank_zero_info(line)
 
     # -- logging ------------------------------------------------------------------------
     def on_train_batch_end(

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from lightning_slsam.core.engine import SAMEngine
-from lightning_slsam.core.frontend import check_parallelism
+from lightning_slsam.core.frontend import check_parallelism, follow_trainable
 from lightning_slsam.core.passes import (
     PassRunner,
     loss_scale_reader,
@@ -197,11 +197,14 @@ class FabricSAM:
         if not batches:
             raise ValueError("FabricSAM.step needs at least one batch: `sam.step(loss_fn, batch)`.")
         module = self.model.module
-        if self.engine.freezer.trainable_changed(module):
-            # Tensors unfrozen (or frozen) since the last step are sampled from now on.
-            self.engine, change = self.spec.follow_trainable(self.engine, module, _warn)
+        # Tensors unfrozen (or frozen) since the last step are sampled from now on.
+        followed = follow_trainable(
+            self.spec, self.engine, module, _warn, self.name, self.engine.num_steps
+        )
+        if followed is not None:
+            self.engine, line = followed
             self.partition = self.engine.partition
-            _info(f"{self.name}, before step {self.engine.num_steps}: {change}")
+            _info(line)
         passes = PassRunner(
             batches, lambda batch: read_output(loss_fn(batch)), self.fabric.backward,
             scale=1.0 / len(batches), needs_per_sample=self.engine.needs_per_sample,
