@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import Any
 
-__all__ = ["FSDP2_STRATEGY", "check_parallelism", "follow_trainable"]
+__all__ = ["FSDP2_STRATEGY", "check_parallelism", "check_sharded", "follow_trainable"]
 
 #: Why each parallel wrapper is refused.
 _WHY = {
@@ -68,6 +68,26 @@ def check_parallelism(
     if kind is not None:
         what = strategy or kind
         raise error(f"{owner} does not support {what}: {_WHY[kind]}. {fix} See {docs}.")
+
+
+def check_sharded(
+    owner: str,
+    classes: Collection[str],
+    world_size: int,
+    sharded: bool,
+    *,
+    fix: str,
+    docs: str,
+    error: type[Exception] = ValueError,
+) -> None:
+    """Under :data:`FSDP2_STRATEGY` (one of ``classes``) on several processes, some
+    parameter must be sharded (``sharded``: the engine's ``shards.sharded``); ``fix`` says
+    where ``fully_shard`` goes in the framework."""
+    if FSDP2_STRATEGY in classes and world_size > 1 and not sharded:
+        raise error(
+            f"{owner} under {FSDP2_STRATEGY} needs the model sharded with FSDP2, but no"
+            f" parameter is a sharded DTensor: {fix} See {docs}."
+        )
 
 
 def follow_trainable(

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from lightning_slsam.core.engine import SAMEngine
-from lightning_slsam.core.frontend import check_parallelism, follow_trainable
+from lightning_slsam.core.frontend import check_parallelism, check_sharded, follow_trainable
 from lightning_slsam.core.passes import (
     PassRunner,
     loss_scale_reader,
@@ -159,13 +159,11 @@ class FabricSAM:
                 )
             check_compiled_sampling(self.name, module, self.engine)
         self.ddp = fabric.world_size > 1 and "DDPStrategy" in _names(strategy)
-        sharded = "ModelParallelStrategy" in _names(strategy)
-        if sharded and fabric.world_size > 1 and not self.engine.shards.sharded:
-            raise ValueError(
-                "FabricSAM under ModelParallelStrategy needs the model sharded with FSDP2,"
-                " but no parameter is a sharded DTensor: apply fully_shard in the strategy's"
-                " parallelize_fn, or use strategy='ddp'."
-            )
+        check_sharded(
+            "FabricSAM", _names(strategy), fabric.world_size, self.engine.shards.sharded,
+            fix="apply fully_shard in the strategy's parallelize_fn, or use strategy='ddp'.",
+            docs="docs/fabric.md",
+        )  # fmt: skip
         self.averager = GradientAverager() if fabric.world_size > 1 else None
         self._checked_draw = False
 

@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_slsam.core.frontend import FSDP2_STRATEGY, check_parallelism
+from lightning_slsam.core.frontend import FSDP2_STRATEGY, check_parallelism, check_sharded
 from lightning_slsam.core.regions import (
     MIN_TORCH,
     compile_blocks_instead,
@@ -144,13 +144,11 @@ def check_one_optimizer(callback: Any, trainer: Any) -> None:
 def check_engine(callback: Any, trainer: Any, pl_module: Any, engine: Any) -> None:
     """At fit start, with the engine built: ModelParallelStrategy needs sharded parameters,
     and layer sampling a model compiled by blocks (:func:`check_compiled_sampling`)."""
-    fsdp2 = FSDP2_STRATEGY in _strategy_names(trainer.strategy)
-    if fsdp2 and trainer.world_size > 1 and not engine.shards.sharded:
-        raise MisconfigurationException(
-            f"{type(callback).__name__} under ModelParallelStrategy needs the model sharded"
-            " with FSDP2, but no parameter is a sharded DTensor: apply fully_shard in"
-            " configure_model (tensor_parallel_size=1), or use strategy='ddp'."
-        )
+    check_sharded(
+        type(callback).__name__, _strategy_names(trainer.strategy), trainer.world_size,
+        engine.shards.sharded, docs="docs/training-features.md", error=MisconfigurationException,
+        fix="apply fully_shard in configure_model (tensor_parallel_size=1), or use strategy='ddp'.",
+    )  # fmt: skip
     if not engine.selection.always_all:
         check_compiled_sampling(type(callback).__name__, pl_module, engine)
 
