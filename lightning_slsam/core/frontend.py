@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import Any
 
-__all__ = ["FSDP2_STRATEGY", "check_parallelism", "check_sharded", "follow_trainable"]
+__all__ = ["FSDP2_STRATEGY", "check_parallelism", "check_sharded", "follow_trainable", "run_seed"]
 
 #: Why each parallel wrapper is refused.
 _WHY = {
@@ -88,6 +88,20 @@ def check_sharded(
             f"{owner} under {FSDP2_STRATEGY} needs the model sharded with FSDP2, but no"
             f" parameter is a sharded DTensor: {fix} See {docs}."
         )
+
+
+def run_seed(
+    seed: int | None, default: Callable[[], int], broadcast: Callable[[int], int] | None = None
+) -> int:
+    """The generators' seed: the method's ``seed``, else the framework's run seed
+    (``default()``); on several processes process 0's, sent by the framework's
+    ``broadcast``, so that every process draws the same layers and coins.
+
+    >>> run_seed(None, lambda: 42), run_seed(3, lambda: 42)
+    (42, 3)
+    """
+    value = seed if seed is not None else default()
+    return broadcast(value) if broadcast is not None else value
 
 
 def follow_trainable(

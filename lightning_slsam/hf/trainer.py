@@ -23,7 +23,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from lightning_slsam.core.caller import warn
 from lightning_slsam.core.engine import SAMEngine
-from lightning_slsam.core.frontend import check_parallelism, follow_trainable
+from lightning_slsam.core.frontend import check_parallelism, follow_trainable, run_seed
 from lightning_slsam.core.passes import (
     PER_SAMPLE_NEEDED,
     LossOutput,
@@ -86,7 +86,7 @@ class SAMTrainerMixin:
         self.sam_method = sam if isinstance(sam, str) else type(sam).name
         self.sam_spec = spec
         model = trainer.model
-        seed = spec.seed if spec.seed is not None else int(trainer.args.seed)
+        seed = run_seed(spec.seed, lambda: int(trainer.args.seed))
         self._sam_seed = seed
         self.sam_engine: SAMEngine = spec.build_engine(model, seed=seed, warn=warn)
         if self.sam_engine.needs_per_sample and not _gives_per_sample(self, model):

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from lightning_slsam.core.caller import warn
 from lightning_slsam.core.engine import SAMEngine
-from lightning_slsam.core.frontend import follow_trainable
+from lightning_slsam.core.frontend import follow_trainable, run_seed
 from lightning_slsam.core.partition import LayerPartition
 from lightning_slsam.core.perturbation import BackupPool
 from lightning_slsam.core.record import (
@@ -267,11 +267,11 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
             self._check_coverage(trainer)
 
     def _build_engine(self, partition: LayerPartition, module: torch.nn.Module) -> SAMEngine:
-        seed = self.spec.seed if self.spec.seed is not None else default_seed()
         trainer = attached_trainer(module)
-        if trainer is not None and trainer.world_size > 1:
-            # Every process must draw the same layers and coins: rank 0's seed for all.
-            seed = trainer.strategy.broadcast(seed)
+        several = trainer is not None and trainer.world_size > 1
+        seed = run_seed(
+            self.spec.seed, default_seed, trainer.strategy.broadcast if several else None
+        )
         try:
             return self.spec.build_engine(module, seed=seed, partition=partition, warn=_warn)
         except ValueError as err:  # options that do not fit this model or run

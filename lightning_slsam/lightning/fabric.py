@@ -10,7 +10,12 @@ import torch
 from torch import Tensor
 
 from lightning_slsam.core.engine import SAMEngine
-from lightning_slsam.core.frontend import check_parallelism, check_sharded, follow_trainable
+from lightning_slsam.core.frontend import (
+    check_parallelism,
+    check_sharded,
+    follow_trainable,
+    run_seed,
+)
 from lightning_slsam.core.passes import (
     PassRunner,
     loss_scale_reader,
@@ -139,9 +144,8 @@ class FabricSAM:
             method, options, owner="FabricSAM",
             instead="call `fabric.backward(loss)` and `optimizer.step()`.",
         )  # fmt: skip
-        seed = self.spec.seed if self.spec.seed is not None else default_seed()
-        if fabric.world_size > 1:  # rank 0's seed: every process draws the same layers
-            seed = fabric.broadcast(seed)
+        broadcast = fabric.broadcast if fabric.world_size > 1 else None
+        seed = run_seed(self.spec.seed, default_seed, broadcast)
         module = model.module
         if self.spec.samples_layers:  # as the callback: each compiled block one layer
             compile_blocks_instead(model._forward_module)
