@@ -25,7 +25,7 @@ from lightning_slsam.core.passes import (
 from lightning_slsam.core.regions import compile_blocks_instead, compiled_whole
 from lightning_slsam.core.state import apply_method_state, method_state
 from lightning_slsam.core.step import LoopHooks, StepResult
-from lightning_slsam.lightning.setup_checks import check_compiled_sampling
+from lightning_slsam.lightning.setup_checks import check_clip, check_compiled_sampling
 from lightning_slsam.methods.registry import spec_from
 from lightning_slsam.methods.spec import MethodSpec, default_seed
 from lightning_slsam.parallel.ddp import GradientAverager
@@ -129,16 +129,9 @@ class FabricSAM:
             fix="Use strategy='ddp', FSDP2 through ModelParallelStrategy (fully_shard in its"
             " parallelize_fn), or one device.", docs="docs/fabric.md",
         )  # fmt: skip
-        if gradient_clip_algorithm not in ("norm", "value"):
-            raise ValueError(
-                "`gradient_clip_algorithm` must be 'norm' or 'value', got"
-                f" {gradient_clip_algorithm!r}."
-            )
-        clip = gradient_clip_val
-        if clip is not None and not (isinstance(clip, (int, float)) and clip >= 0):
-            raise ValueError(f"`gradient_clip_val` must be None or a number >= 0, got {clip!r}.")
+        clip, algorithm = check_clip(gradient_clip_val, gradient_clip_algorithm)
         self.fabric, self.model, self.optimizer = fabric, model, optimizer
-        self.gradient_clip_val, self.gradient_clip_algorithm = clip, gradient_clip_algorithm
+        self.gradient_clip_val, self.gradient_clip_algorithm = clip, algorithm
         self.method = method if isinstance(method, str) else type(method).name
         self.spec = spec_from(
             method, options, owner="FabricSAM",

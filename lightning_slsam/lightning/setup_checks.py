@@ -73,17 +73,23 @@ def check_lightning_options(
     gradient_clip_val: Any, gradient_clip_algorithm: Any, accumulate_grad_batches: Any, plot: Any
 ) -> dict[str, Any]:
     """The Lightning options, validated (a ``ValueError`` naming the option otherwise)."""
-    clip = gradient_clip_val
-    if clip is not None and not (isinstance(clip, (int, float)) and clip >= 0):
-        raise ValueError(f"`gradient_clip_val` must be None or a number >= 0, got {clip!r}.")
+    clip, algorithm = check_clip(gradient_clip_val, gradient_clip_algorithm)
     return {
         "gradient_clip_val": clip,
-        "gradient_clip_algorithm": check_choice(
-            "gradient_clip_algorithm", gradient_clip_algorithm, ("norm", "value")
-        ),
+        "gradient_clip_algorithm": algorithm,
         "accumulate_grad_batches": check_int("accumulate_grad_batches", accumulate_grad_batches, 1),
         "plot": check_flag("plot", plot),
     }
+
+
+def check_clip(gradient_clip_val: Any, gradient_clip_algorithm: Any) -> tuple[Any, str]:
+    """The clipping options of the callback and Fabric, validated: ``None`` or a number
+    >= 0, and ``"norm"`` or ``"value"`` (a ``ValueError`` naming the option otherwise)."""
+    clip = gradient_clip_val
+    if clip is not None and not (isinstance(clip, (int, float)) and clip >= 0):
+        raise ValueError(f"`gradient_clip_val` must be None or a number >= 0, got {clip!r}.")
+    algorithm = check_choice("gradient_clip_algorithm", gradient_clip_algorithm, ("norm", "value"))
+    return clip, algorithm
 
 
 def _strategy_names(strategy: Any) -> set[str]:
