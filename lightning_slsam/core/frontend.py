@@ -13,9 +13,21 @@ perturbed a layer at a time. Use FSDP2. See docs/huggingface.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-__all__ = ["FSDP2_STRATEGY", "check_parallelism", "check_sharded", "follow_trainable", "run_seed"]
+from lightning_slsam.core.passes import PassRunner, loss_scale_reader
+from lightning_slsam.core.step import LoopHooks, StepResult
+from lightning_slsam.parallel.ddp import GradientAverager
+
+__all__ = [
+    "FSDP2_STRATEGY",
+    "check_parallelism",
+    "check_sharded",
+    "follow_trainable",
+    "run_seed",
+    "run_step",
+]
 
 #: Why each parallel wrapper is refused.
 _WHY = {
@@ -88,6 +100,31 @@ def check_sharded(
             f"{owner} under {FSDP2_STRATEGY} needs the model sharded with FSDP2, but no"
             f" parameter is a sharded DTensor: {fix} See {docs}."
         )
+
+
+def run_step(
+    engine: Any,
+    passes: PassRunner,
+    zero_grad: Callable[[], None],
+    optimizer_step: Callable[[bool], None],
+    optimizer: Any,
+    *,
+    scaler: Any = None,
+    averager: GradientAverager | None = None,
+    check_draw: bool = False,
+    after_update: Callable[[Callable[[], None]], None] | None = None,
+    no_sync: AbstractContextManager[Any] | None = None,
+) -> StepResult:
+    """One step of ``engine`` over ``passes`` with a loop's hooks
+    (:class:`~lightning_slsam.core.step.LoopHooks`: ``scaler`` a gradient scaler or
+    ``None``), inside ``no_sync`` (the framework's gradient synchronisation turned off while
+    ``averager`` averages the active layers)."""
+    loop = LoopHooks(
+        passes, zero_grad, optimizer_step, loss_scale_reader(scaler), averager,
+        check_draw=check_draw, after_update=after_update, optimizer=optimizer,
+    )  # fmt: skip
+    with no_sync if no_sync is not None else nullcontext():
+        return engine.step(loop)
 
 
 def run_seed(

@@ -13,7 +13,6 @@ import functools
 import math
 import os
 from collections.abc import Mapping
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -23,18 +22,17 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from lightning_slsam.core.caller import warn
 from lightning_slsam.core.engine import SAMEngine
-from lightning_slsam.core.frontend import check_parallelism, follow_trainable, run_seed
+from lightning_slsam.core.frontend import check_parallelism, follow_trainable, run_seed, run_step
 from lightning_slsam.core.passes import (
     PER_SAMPLE_NEEDED,
     LossOutput,
     PassRunner,
-    loss_scale_reader,
     skip_with_scaler,
     split_per_sample,
 )
 from lightning_slsam.core.record import fresh_stem, write_record
 from lightning_slsam.core.state import apply_method_state, method_state
-from lightning_slsam.core.step import LoopHooks, StepResult
+from lightning_slsam.core.step import StepResult
 from lightning_slsam.methods.registry import spec_from
 from lightning_slsam.methods.spec import MethodSpec
 from lightning_slsam.parallel.ddp import DDPAverager
@@ -165,15 +163,14 @@ class SAMTrainerMixin:
         scaler = getattr(trainer.accelerator, "scaler", None)
         ddp = _ddp(model)
         averager, first = self._sam_averager(ddp, unwrapped) if ddp is not None else (None, False)
-        loop = LoopHooks(
-            passes, functools.partial(model.zero_grad, set_to_none=True),
-            functools.partial(self._sam_optimizer_step, scaler=scaler),
-            loss_scale_reader(scaler), averager, check_draw=first,
-            after_update=self._sam_after_update, optimizer=self.optimizer,
-        )  # fmt: skip
         try:
-            with ddp.no_sync() if ddp is not None else nullcontext():
-                return engine.step(loop)
+            return run_step(
+                engine, passes, functools.partial(model.zero_grad, set_to_none=True),
+                functools.partial(self._sam_optimizer_step, scaler=scaler), self.optimizer,
+                scaler=scaler, averager=averager, check_draw=first,
+                after_update=self._sam_after_update,
+                no_sync=ddp.no_sync() if ddp is not None else None,
+            )  # fmt: skip
         finally:
             self._sam_model = self._sam_items = self._sam_passes = None
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -15,16 +14,16 @@ from lightning_slsam.core.frontend import (
     check_sharded,
     follow_trainable,
     run_seed,
+    run_step,
 )
 from lightning_slsam.core.passes import (
     PassRunner,
-    loss_scale_reader,
     read_output,
     skip_with_scaler,
 )
 from lightning_slsam.core.regions import compile_blocks_instead, compiled_whole
 from lightning_slsam.core.state import apply_method_state, method_state
-from lightning_slsam.core.step import LoopHooks, StepResult
+from lightning_slsam.core.step import StepResult
 from lightning_slsam.lightning.setup_checks import check_clip, check_compiled_sampling
 from lightning_slsam.methods.registry import spec_from
 from lightning_slsam.methods.spec import MethodSpec, default_seed
@@ -205,15 +204,13 @@ class FabricSAM:
             scale=1.0 / len(batches), needs_per_sample=self.engine.needs_per_sample,
         )  # fmt: skip
         scaler = getattr(self.fabric.strategy.precision, "scaler", None)
-        loop = LoopHooks(
-            passes, self._zero_grad, lambda skip: self._optimizer_step(skip, scaler),
-            loss_scale_reader(scaler), self.averager,
-            check_draw=self.averager is not None and not self._checked_draw,
-            optimizer=self.optimizer,
-        )  # fmt: skip
+        check_draw = self.averager is not None and not self._checked_draw
         self._checked_draw = True
-        with self.fabric.no_backward_sync(self.model) if self.ddp else nullcontext():
-            return self.engine.step(loop)
+        return run_step(
+            self.engine, passes, self._zero_grad, lambda skip: self._optimizer_step(skip, scaler),
+            self.optimizer, scaler=scaler, averager=self.averager, check_draw=check_draw,
+            no_sync=self.fabric.no_backward_sync(self.model) if self.ddp else None,
+        )  # fmt: skip
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
