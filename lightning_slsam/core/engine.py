@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_slsam.core.frontend import run_step
 from lightning_slsam.core.isolation import PassIsolation, RunningStats
 from lightning_slsam.core.partition import LayerFreezer, LayerPartition, by_position
 from lightning_slsam.core.passes import LossOutput, PassRunner, read_output
@@ -256,13 +257,10 @@ class SAMEngine:
                 optimizer.step()
 
         if ddp is None:
-            return self.step(LoopHooks(passes, zero_grad, optimizer_step, optimizer=optimizer))
+            return run_step(self, passes, zero_grad, optimizer_step, optimizer)
         averager, first = self._ddp(ddp, self._module)
-        with ddp.no_sync():  # type: ignore[operator]
-            loop = LoopHooks(
-                passes, zero_grad, optimizer_step, None, averager, first, optimizer=optimizer
-            )
-            return self.step(loop)
+        return run_step(self, passes, zero_grad, optimizer_step, optimizer, averager=averager,
+                        check_draw=first, no_sync=ddp.no_sync())  # type: ignore[operator]  # fmt: skip
 
     # -- counters -----------------------------------------------------------------------
     def reset_counters(self, num_layers: int) -> None:

@@ -13,7 +13,6 @@ import functools
 import math
 import os
 from collections.abc import Mapping
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -23,17 +22,17 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from lightning_slsam.core.caller import warn
 from lightning_slsam.core.engine import SAMEngine
+from lightning_slsam.core.frontend import check_parallelism, follow_trainable, run_seed, run_step
 from lightning_slsam.core.passes import (
     PER_SAMPLE_NEEDED,
     LossOutput,
     PassRunner,
-    loss_scale_reader,
     skip_with_scaler,
     split_per_sample,
 )
 from lightning_slsam.core.record import fresh_stem, write_record
 from lightning_slsam.core.state import apply_method_state, method_state
-from lightning_slsam.core.step import LoopHooks, StepResult
+from lightning_slsam.core.step import StepResult
 from lightning_slsam.methods.registry import spec_from
 from lightning_slsam.methods.spec import MethodSpec
 from lightning_slsam.parallel.ddp import DDPAverager
@@ -85,7 +84,7 @@ class SAMTrainerMixin:
         self.sam_method = sam if isinstance(sam, str) else type(sam).name
         self.sam_spec = spec
         model = trainer.model
-        seed = spec.seed if spec.seed is not None else int(trainer.args.seed)
+        seed = run_seed(spec.seed, lambda: int(trainer.args.seed))
         self._sam_seed = seed
         self.sam_engine: SAMEngine = spec.build_engine(model, seed=seed, warn=warn)
         if self.sam_engine.needs_per_sample and not _gives_per_sample(self, model):
@@ -146,11 +145,12 @@ class SAMTrainerMixin:
         trainer: Any = self
         unwrapped = trainer.accelerator.unwrap_model(model)
         engine = self._sam_engine_on(unwrapped)
-        if engine.freezer.trainable_changed(unwrapped):
-            # Tensors unfrozen (or frozen) since the last step are sampled from now on.
-            self.sam_engine, change = self.sam_spec.follow_trainable(engine, unwrapped, warn)
-            engine = self.sam_engine
-            _info(f"SAMTrainer({self.sam_spec.label}), before step {engine.num_steps}: {change}")
+        # Tensors unfrozen (or frozen) since the last step are sampled from now on.
+        name = f"SAMTrainer({self.sam_spec.label})"
+        followed = follow_trainable(self.sam_spec, engine, unwrapped, warn, name, engine.num_steps)
+        if followed is not None:
+            self.sam_engine = engine = followed[0]
+            _info(followed[1])
         self._sam_hook_optimizer()
         self._sam_pending = []
         self._sam_model, self._sam_items = model, items
@@ -163,15 +163,14 @@ class SAMTrainerMixin:
         scaler = getattr(trainer.accelerator, "scaler", None)
         ddp = _ddp(model)
         averager, first = self._sam_averager(ddp, unwrapped) if ddp is not None else (None, False)
-        loop = LoopHooks(
-            passes, functools.partial(model.zero_grad, set_to_none=True),
-            functools.partial(self._sam_optimizer_step, scaler=scaler),
-            loss_scale_reader(scaler), averager, check_draw=first,
-            after_update=self._sam_after_update, optimizer=self.optimizer,
-        )  # fmt: skip
         try:
-            with ddp.no_sync() if ddp is not None else nullcontext():
-                return engine.step(loop)
+            return run_step(
+                engine, passes, functools.partial(model.zero_grad, set_to_none=True),
+                functools.partial(self._sam_optimizer_step, scaler=scaler), self.optimizer,
+                scaler=scaler, averager=averager, check_draw=first,
+                after_update=self._sam_after_update,
+                no_sync=ddp.no_sync() if ddp is not None else None,
+            )  # fmt: skip
         finally:
             self._sam_model = self._sam_items = self._sam_passes = None
 
@@ -410,18 +409,14 @@ _FSDP2 = ("FSDP2, TrainingArguments(fsdp='full_shard auto_wrap', fsdp_config={'f
 
 def _check_supported(trainer: Any) -> None:
     """Refuse, before anything trains, what the method's step cannot run inside."""
+    check_parallelism(
+        "SAMTrainer", deepspeed=getattr(trainer, "is_deepspeed_enabled", False),
+        fsdp1=_fsdp_version(trainer) == 1,
+        fix=f"FSDP2 shards each parameter on its own: use {_FSDP2}.", docs="docs/huggingface.md",
+    )  # fmt: skip
     args = trainer.args
     problem = fix = None
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        problem = (
-            "DeepSpeed: ZeRO steps every trainable tensor, drawn or not, and accelerate's"
-            " DeepSpeedEngineWrapper.backward steps after SAM's first pass"
-        )
-        fix = f"FSDP2 shards each parameter on its own: use {_FSDP2}."
-    elif _fsdp_version(trainer) == 1:
-        problem = "FSDP1: its flat parameters cannot be frozen or perturbed a layer at a time"
-        fix = f"FSDP2 shards each parameter on its own: use {_FSDP2}."
-    elif int(args.n_gpu) > 1:
+    if int(args.n_gpu) > 1:
         problem = f"DataParallel over {args.n_gpu} GPUs in one process"
         fix = f"Run one process per GPU: {_FSDP2}."
     elif str(getattr(args.optim, "value", args.optim)) in _FUSED_OPTIMIZERS:

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from lightning_slsam.core.caller import warn
 from lightning_slsam.core.engine import SAMEngine
+from lightning_slsam.core.frontend import follow_trainable, run_seed
 from lightning_slsam.core.partition import LayerPartition
 from lightning_slsam.core.perturbation import BackupPool
 from lightning_slsam.core.record import (
@@ -252,11 +253,11 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
             self._check_coverage(trainer)
 
     def _build_engine(self, partition: LayerPartition, module: torch.nn.Module) -> SAMEngine:
-        seed = self.spec.seed if self.spec.seed is not None else default_seed()
         trainer = attached_trainer(module)
-        if trainer is not None and trainer.world_size > 1:
-            # Every process must draw the same layers and coins: rank 0's seed for all.
-            seed = trainer.strategy.broadcast(seed)
+        several = trainer is not None and trainer.world_size > 1
+        seed = run_seed(
+            self.spec.seed, default_seed, trainer.strategy.broadcast if several else None
+        )
         try:
             return self.spec.build_engine(module, seed=seed, partition=partition, warn=_warn)
         except ValueError as err:  # options that do not fit this model or run
@@ -303,16 +304,14 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
 
     def _follow_trainable(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.engine is not None
-        try:
-            engine, change = self.spec.follow_trainable(self.engine, pl_module, _warn)
-        except ValueError as err:  # no layer left to sample, a pattern matching nothing
-            raise MisconfigurationException(
-                f"{type(self).__name__}: the model's trainable parameters changed before step"
-                f" {trainer.global_step} and no longer fit the layer options: {err}"
-            ) from None
+        followed = follow_trainable(self.spec, self.engine, pl_module, _warn, type(self).__name__,
+                                    trainer.global_step, MisconfigurationException)  # fmt: skip
+        if followed is None:
+            return
+        engine, line = followed
         check_engine(self, trainer, pl_module, engine)
         self.engine, self.partition = engine, engine.partition
-        rank_zero_info(f"{type(self).__name__}, before step {trainer.global_step}: {change}")
+        rank_zero_info(line)
 
     # -- logging ------------------------------------------------------------------------
     def on_train_batch_end(

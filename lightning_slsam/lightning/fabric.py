@@ -3,38 +3,33 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_slsam.core.engine import SAMEngine
+from lightning_slsam.core.frontend import (
+    check_parallelism,
+    check_sharded,
+    follow_trainable,
+    run_seed,
+    run_step,
+)
 from lightning_slsam.core.passes import (
     PassRunner,
-    loss_scale_reader,
     read_output,
     skip_with_scaler,
 )
 from lightning_slsam.core.regions import compile_blocks_instead, compiled_whole
 from lightning_slsam.core.state import apply_method_state, method_state
-from lightning_slsam.core.step import LoopHooks, StepResult
-from lightning_slsam.lightning.setup_checks import check_compiled_sampling
+from lightning_slsam.core.step import StepResult
+from lightning_slsam.lightning.setup_checks import check_clip, check_compiled_sampling
 from lightning_slsam.methods.registry import spec_from
 from lightning_slsam.methods.spec import MethodSpec, default_seed
 from lightning_slsam.parallel.ddp import GradientAverager
 
 __all__ = ["FabricSAM"]
-
-#: Fabric strategies whose wrapping SAM cannot run (flat parameters, ZeRO partitions, XLA).
-_REFUSED = {
-    "FSDPStrategy": "FSDP1 flattens parameters into flat buffers, so a layer cannot be frozen"
-    " or perturbed alone",
-    "DeepSpeedStrategy": "DeepSpeed fixes which parameters train when it initialises, reduces"
-    " the gradients of all of them itself and runs the optimizer step SAM must control",
-    "XLAStrategy": "XLA's lazy tensors are not supported",
-    "XLAFSDPStrategy": "XLA's lazy tensors are not supported",
-}
 
 
 def _names(obj: Any) -> set[str]:
@@ -128,31 +123,21 @@ class FabricSAM:
                 " optimizer)`."
             )
         strategy = fabric.strategy
-        refused = sorted(_names(strategy) & set(_REFUSED))
-        if refused:
-            raise ValueError(
-                f"FabricSAM does not support {type(strategy).__name__}: {_REFUSED[refused[0]]}."
-                " Use strategy='ddp', FSDP2 through ModelParallelStrategy (fully_shard in its"
-                " parallelize_fn), or one device. See docs/fabric.md."
-            )
-        if gradient_clip_algorithm not in ("norm", "value"):
-            raise ValueError(
-                "`gradient_clip_algorithm` must be 'norm' or 'value', got"
-                f" {gradient_clip_algorithm!r}."
-            )
-        clip = gradient_clip_val
-        if clip is not None and not (isinstance(clip, (int, float)) and clip >= 0):
-            raise ValueError(f"`gradient_clip_val` must be None or a number >= 0, got {clip!r}.")
+        check_parallelism(
+            "FabricSAM", classes=_names(strategy), strategy=type(strategy).__name__,
+            fix="Use strategy='ddp', FSDP2 through ModelParallelStrategy (fully_shard in its"
+            " parallelize_fn), or one device.", docs="docs/fabric.md",
+        )  # fmt: skip
+        clip, algorithm = check_clip(gradient_clip_val, gradient_clip_algorithm)
         self.fabric, self.model, self.optimizer = fabric, model, optimizer
-        self.gradient_clip_val, self.gradient_clip_algorithm = clip, gradient_clip_algorithm
+        self.gradient_clip_val, self.gradient_clip_algorithm = clip, algorithm
         self.method = method if isinstance(method, str) else type(method).name
         self.spec = spec_from(
             method, options, owner="FabricSAM",
             instead="call `fabric.backward(loss)` and `optimizer.step()`.",
         )  # fmt: skip
-        seed = self.spec.seed if self.spec.seed is not None else default_seed()
-        if fabric.world_size > 1:  # rank 0's seed: every process draws the same layers
-            seed = fabric.broadcast(seed)
+        broadcast = fabric.broadcast if fabric.world_size > 1 else None
+        seed = run_seed(self.spec.seed, default_seed, broadcast)
         module = model.module
         if self.spec.samples_layers:  # as the callback: each compiled block one layer
             compile_blocks_instead(model._forward_module)
@@ -170,13 +155,11 @@ class FabricSAM:
                 )
             check_compiled_sampling(self.name, module, self.engine)
         self.ddp = fabric.world_size > 1 and "DDPStrategy" in _names(strategy)
-        sharded = "ModelParallelStrategy" in _names(strategy)
-        if sharded and fabric.world_size > 1 and not self.engine.shards.sharded:
-            raise ValueError(
-                "FabricSAM under ModelParallelStrategy needs the model sharded with FSDP2,"
-                " but no parameter is a sharded DTensor: apply fully_shard in the strategy's"
-                " parallelize_fn, or use strategy='ddp'."
-            )
+        check_sharded(
+            "FabricSAM", _names(strategy), fabric.world_size, self.engine.shards.sharded,
+            fix="apply fully_shard in the strategy's parallelize_fn, or use strategy='ddp'.",
+            docs="docs/fabric.md",
+        )  # fmt: skip
         self.averager = GradientAverager() if fabric.world_size > 1 else None
         self._checked_draw = False
 
@@ -208,25 +191,26 @@ class FabricSAM:
         if not batches:
             raise ValueError("FabricSAM.step needs at least one batch: `sam.step(loss_fn, batch)`.")
         module = self.model.module
-        if self.engine.freezer.trainable_changed(module):
-            # Tensors unfrozen (or frozen) since the last step are sampled from now on.
-            self.engine, change = self.spec.follow_trainable(self.engine, module, _warn)
+        # Tensors unfrozen (or frozen) since the last step are sampled from now on.
+        followed = follow_trainable(
+            self.spec, self.engine, module, _warn, self.name, self.engine.num_steps
+        )
+        if followed is not None:
+            self.engine, line = followed
             self.partition = self.engine.partition
-            _info(f"{self.name}, before step {self.engine.num_steps}: {change}")
+            _info(line)
         passes = PassRunner(
             batches, lambda batch: read_output(loss_fn(batch)), self.fabric.backward,
             scale=1.0 / len(batches), needs_per_sample=self.engine.needs_per_sample,
         )  # fmt: skip
         scaler = getattr(self.fabric.strategy.precision, "scaler", None)
-        loop = LoopHooks(
-            passes, self._zero_grad, lambda skip: self._optimizer_step(skip, scaler),
-            loss_scale_reader(scaler), self.averager,
-            check_draw=self.averager is not None and not self._checked_draw,
-            optimizer=self.optimizer,
-        )  # fmt: skip
+        check_draw = self.averager is not None and not self._checked_draw
         self._checked_draw = True
-        with self.fabric.no_backward_sync(self.model) if self.ddp else nullcontext():
-            return self.engine.step(loop)
+        return run_step(
+            self.engine, passes, self._zero_grad, lambda skip: self._optimizer_step(skip, scaler),
+            self.optimizer, scaler=scaler, averager=self.averager, check_draw=check_draw,
+            no_sync=self.fabric.no_backward_sync(self.model) if self.ddp else None,
+        )  # fmt: skip
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

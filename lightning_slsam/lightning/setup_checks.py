@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_slsam.core.frontend import FSDP2_STRATEGY, check_parallelism, check_sharded
 from lightning_slsam.core.regions import (
     MIN_TORCH,
     compile_blocks_instead,
@@ -59,10 +60,6 @@ LIGHTNING_OPTIONS: dict[str, tuple[Any, Any]] = {
     f.name: (f.type, f.default) for f in fields(LightningOptions)
 }
 
-#: Strategies that shard or wrap parameters, refused at setup on any number of devices.
-_SHARDED_STRATEGIES = {"DeepSpeedStrategy", "XLAStrategy", "FSDPStrategy"}
-#: Strategies whose sharding (FSDP2's fully_shard in configure_model) the engine supports.
-_FSDP2_STRATEGIES = {"ModelParallelStrategy"}
 
 #: Lightning warnings that do not apply under a SAM callback, silenced during its fit only:
 #: checkpoints hold the unperturbed weights, and the driver honours `monitor` / `strict`.
@@ -76,17 +73,23 @@ def check_lightning_options(
     gradient_clip_val: Any, gradient_clip_algorithm: Any, accumulate_grad_batches: Any, plot: Any
 ) -> dict[str, Any]:
     """The Lightning options, validated (a ``ValueError`` naming the option otherwise)."""
-    clip = gradient_clip_val
-    if clip is not None and not (isinstance(clip, (int, float)) and clip >= 0):
-        raise ValueError(f"`gradient_clip_val` must be None or a number >= 0, got {clip!r}.")
+    clip, algorithm = check_clip(gradient_clip_val, gradient_clip_algorithm)
     return {
         "gradient_clip_val": clip,
-        "gradient_clip_algorithm": check_choice(
-            "gradient_clip_algorithm", gradient_clip_algorithm, ("norm", "value")
-        ),
+        "gradient_clip_algorithm": algorithm,
         "accumulate_grad_batches": check_int("accumulate_grad_batches", accumulate_grad_batches, 1),
         "plot": check_flag("plot", plot),
     }
+
+
+def check_clip(gradient_clip_val: Any, gradient_clip_algorithm: Any) -> tuple[Any, str]:
+    """The clipping options of the callback and Fabric, validated: ``None`` or a number
+    >= 0, and ``"norm"`` or ``"value"`` (a ``ValueError`` naming the option otherwise)."""
+    clip = gradient_clip_val
+    if clip is not None and not (isinstance(clip, (int, float)) and clip >= 0):
+        raise ValueError(f"`gradient_clip_val` must be None or a number >= 0, got {clip!r}.")
+    algorithm = check_choice("gradient_clip_algorithm", gradient_clip_algorithm, ("norm", "value"))
+    return clip, algorithm
 
 
 def _strategy_names(strategy: Any) -> set[str]:
@@ -115,25 +118,18 @@ def check_fit_setup(callback: Any, trainer: Any, pl_module: Any) -> None:
         )
     strategy = trainer.strategy
     bases = _strategy_names(strategy)
-    sharded = bases & _SHARDED_STRATEGIES
-    # Refused on one device too: the wrapping is there whatever the world size.
-    fsdp2 = bool(bases & _FSDP2_STRATEGIES)
+    label = type(strategy).__name__
     if "DeepSpeedStrategy" in bases:
         config = getattr(strategy, "config", None) or {}
-        stage = (config.get("zero_optimization") or {}).get("stage", "?")
-        raise MisconfigurationException(
-            f"{name} does not support DeepSpeedStrategy (ZeRO stage {stage}): it cannot freeze"
-            " layers per step and runs the optimizer step itself. Use FSDP2"
-            " (ModelParallelStrategy with fully_shard in configure_model) or strategy='ddp'."
-            " See docs/training-features.md."
-        )
-    if sharded or (trainer.world_size > 1 and not isinstance(strategy, DDPStrategy) and not fsdp2):
-        raise MisconfigurationException(
-            f"{name} does not support {type(strategy).__name__}: it cannot freeze or perturb"
-            " one layer's tensors. Use strategy='ddp' or 'ddp_spawn', FSDP2 through"
-            " ModelParallelStrategy (fully_shard in configure_model), or a single device."
-            " See docs/training-features.md."
-        )
+        label += f" (ZeRO stage {(config.get('zero_optimization') or {}).get('stage', '?')})"
+    # DeepSpeed, FSDP1 and XLA are refused on one device too: the wrapping is there anyway.
+    ddp_or_fsdp2 = isinstance(strategy, DDPStrategy) or FSDP2_STRATEGY in bases
+    check_parallelism(
+        name, classes=bases, several=trainer.world_size > 1 and not ddp_or_fsdp2, strategy=label,
+        fix="Use strategy='ddp' or 'ddp_spawn', FSDP2 through ModelParallelStrategy"
+        " (fully_shard in configure_model), or a single device.",
+        docs="docs/training-features.md", error=MisconfigurationException,
+    )  # fmt: skip
     others = [cb for cb in trainer.callbacks if isinstance(cb, SAMCallbackBase)]
     if len(others) > 1:
         raise MisconfigurationException(
@@ -154,13 +150,11 @@ def check_one_optimizer(callback: Any, trainer: Any) -> None:
 def check_engine(callback: Any, trainer: Any, pl_module: Any, engine: Any) -> None:
     """At fit start, with the engine built: ModelParallelStrategy needs sharded parameters,
     and layer sampling a model compiled by blocks (:func:`check_compiled_sampling`)."""
-    fsdp2 = _strategy_names(trainer.strategy) & _FSDP2_STRATEGIES
-    if fsdp2 and trainer.world_size > 1 and not engine.shards.sharded:
-        raise MisconfigurationException(
-            f"{type(callback).__name__} under ModelParallelStrategy needs the model sharded"
-            " with FSDP2, but no parameter is a sharded DTensor: apply fully_shard in"
-            " configure_model (tensor_parallel_size=1), or use strategy='ddp'."
-        )
+    check_sharded(
+        type(callback).__name__, _strategy_names(trainer.strategy), trainer.world_size,
+        engine.shards.sharded, docs="docs/training-features.md", error=MisconfigurationException,
+        fix="apply fully_shard in configure_model (tensor_parallel_size=1), or use strategy='ddp'.",
+    )  # fmt: skip
     if not engine.selection.always_all:
         check_compiled_sampling(type(callback).__name__, pl_module, engine)
 

@@ -162,7 +162,9 @@ def test_bad_input_is_refused_naming_the_fix_before_any_weight_changes():
         FabricSAM(fabric, model, fabric_opt, "adamw")
     with pytest.raises(ValueError, match=r"`layer_ratio` must be in \(0, 1\], got 1\.5"):
         FabricSAM(fabric, model, fabric_opt, "slsam", layer_ratio=1.5)
-    with pytest.raises(ValueError, match=r"`gradient_clip_algorithm` must be 'norm' or 'value'"):
+    with pytest.raises(
+        ValueError, match=r"`gradient_clip_algorithm` must be one of \('norm', 'value'\)"
+    ):
         FabricSAM(fabric, model, fabric_opt, "slsam", gradient_clip_algorithm="l2")
     other = fabric.setup_optimizers(torch.optim.AdamW(make_mlp().parameters()))
     with pytest.raises(ValueError, match=r"not the model's parameters"):
