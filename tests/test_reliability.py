@@ -464,7 +464,7 @@ def test_ddp_divergent_masks_are_reported_by_the_debug_check():
     done = _worker("diverge", "--check-masks", timeout=180)
     assert done.returncode != 0
     assert "check_masks: at step 0 process(es) [1] drew other layers" in done.stderr
-    assert "keep the seed the same on every process (the callback's `seed`" in done.stderr
+    assert "Use the same `seed` on every process" in done.stderr
 
 
 def test_ddp_spawn_worker_killed_ends_the_run_with_an_error():
