@@ -3,9 +3,9 @@
 ``tests/fixtures/saved_configs.pt`` holds, for each distinct SAM callback entry of the
 committed configs, what the code of commit f94ff83 trained on a small MLP
 (``tests/fixtures/make_saved_config_runs.py``, made on another machine);
-``tests/fixtures/configurations.json`` holds each entry as today's options write it. Today's
-callback must draw the same layers (the counts exactly) and train to the same weights up to
-the rounding of this machine's kernels (tests/tolerance.py).
+``stored_configurations.json`` (beside this file) holds each entry as today's options
+write it. Today's callback must draw the same layers (the counts exactly) and train to the
+same weights up to the rounding of this machine's kernels (tests/tolerance.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from make_saved_config_runs import FIXTURE, train  # noqa: E402
 pytestmark = pytest.mark.kernels  # stored references: run again under other kernels
 
 RUNS = load_stored(FIXTURE, weights_only=False)
-TODAY = json.loads((ROOT / "tests" / "fixtures" / "configurations.json").read_text())
+TODAY = json.loads((Path(__file__).parent / "stored_configurations.json").read_text())
 
 
 def test_every_stored_configuration_has_its_entry_of_today():
