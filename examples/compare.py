@@ -308,7 +308,8 @@ def _method_config(
     recorder = {"path": os.path.join(run_dir, "run.json"), "monitor": monitor, "mode": mode}
     if report is not None:
         recorder["report"] = report
-    callbacks.append({"class_path": f"{__name__}.RunRecorder", "init_args": recorder})
+    # By its importable path: under ``python -m examples.compare`` this module is ``__main__``.
+    callbacks.append({"class_path": "examples.compare.RunRecorder", "init_args": recorder})
     return {
         "seed_everything": seed,
         "trainer": {

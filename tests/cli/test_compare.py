@@ -303,3 +303,20 @@ def test_compare_refuses_two_sam_callbacks_or_bad_options_in_the_config(tmp_path
         with pytest.raises(SystemExit) as done:
             compare_main(["--config", TASK, "--config", str(config), "--out", str(tmp_path)])
         assert done.value.code == 2 and started == [], config  # before any run
+
+
+def test_compare_as_a_module_command_runs_from_the_repository(tmp_path):
+    # `python -m examples.compare`, as the plans run it: this module is then `__main__`, and
+    # each run's config must still name the recorder by its importable path.
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "cmp"
+    args = ["--config", TASK, "--methods", "adamw", "--seeds", "1", "--out", str(out), "--",
+            *TINY]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "examples.compare", *args], cwd=root,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (run,) = json.loads((out / "comparison.json").read_text())["runs"]["adamw"]
+    assert run["global_step"] == 4 and len(run["values"]) == 2
