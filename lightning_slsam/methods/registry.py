@@ -6,60 +6,6 @@ A method is one module of :mod:`lightning_slsam.methods` and one line of :data:`
 >>> spec = method_spec("slsam", layer_ratio=0.3)
 >>> type(spec).__name__, spec.layer_ratio, spec.preset
 ('SLSAMSpec', 0.3, 'default')
-
-``steps`` below trains a two-layer net in a plain loop and prints each step's kind, the
-layers updated and the parameters each backward pass computed (58: all of them):
-
->>> import torch
->>> from lightning_slsam import make_engine
->>> def steps(name, n=4, **options):
-...     torch.manual_seed(0)
-...     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-...     x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
-...     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-...     engine = make_engine(name, net, seed=0, **options)
-...     def loss(index=slice(None)):  # per-sample losses: ESAM and SSAM-F pick samples
-...         return torch.nn.functional.cross_entropy(net(x[index]), y[index], reduction="none")
-...     for _ in range(n):
-...         r = engine.train_step(loss, opt, batch_size=16)
-...         print(r.kind, r.active_mask.int().tolist(), r.pass_numel)
-
-The methods that train every layer:
-
->>> steps("sam", 2)  # two passes on every layer
-sam [1, 1, 1, 1] [58, 58]
-sam [1, 1, 1, 1] [58, 58]
->>> steps("s2sam", 3)  # one pass, perturbed along the last step's gradient
-plain [1, 1, 1, 1] [58]
-single [1, 1, 1, 1] [58]
-single [1, 1, 1, 1] [58]
->>> steps("looksam", 3, interval=2)  # SAM every 2 steps, reuse in between
-sam [1, 1, 1, 1] [58, 58]
-reuse [1, 1, 1, 1] [58]
-sam [1, 1, 1, 1] [58, 58]
->>> steps("esam", 2)  # the first pass on a random half of the layers
-sam [1, 1, 1, 1] [16, 58]
-sam [1, 1, 1, 1] [18, 58]
->>> steps("rst", 5)  # RST's coin: SAM with probability 0.5, else a plain step
-sam [1, 1, 1, 1] [58, 58]
-sam [1, 1, 1, 1] [58, 58]
-sam [1, 1, 1, 1] [58, 58]
-sam [1, 1, 1, 1] [58, 58]
-plain [1, 1, 1, 1] [58]
-
-The methods that train a subset of layers:
-
->>> steps("slsam_paper", 3, layer_ratio=0.5)  # both passes on the sampled layers only
-sam [0, 0, 1, 0] [16, 16]
-sam [0, 0, 1, 1] [18, 18]
-sam [0, 1, 1, 1] [26, 26]
->>> steps("top_slsam", 2, layer_ratio=0.5)  # first pass dense, then the 2 largest norms
-sam [0, 0, 1, 1] [58, 18]
-sam [0, 0, 1, 1] [58, 18]
->>> steps("sl_s2sam", 3, layer_ratio=0.5)  # a dense first step, then one sparse pass
-plain [1, 1, 1, 1] [58]
-single [0, 0, 1, 0] [16]
-single [0, 0, 1, 1] [18]
 """
 
 from __future__ import annotations

@@ -106,3 +106,55 @@ def test_each_name_builds_the_engine_of_its_parts():
     assert type(built("slsam_rst").parts) is Coin
     assert type(built("slsam_looksam").parts) is Lookahead
     assert type(built("slsam_depth").selection) is DepthCut
+
+
+def _steps(name: str, n: int, **options) -> list[tuple[str, list[int], list[int]]]:
+    # A two-layer net (58 parameters) in a plain loop: each step's kind, the layers updated
+    # and the parameters each backward pass computed.
+    import torch
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    engine = make_engine(name, net, seed=0, **options)
+
+    def loss(index=slice(None)):  # per-sample losses: ESAM and SSAM-F pick samples
+        return torch.nn.functional.cross_entropy(net(x[index]), y[index], reduction="none")
+
+    out = []
+    for _ in range(n):
+        r = engine.train_step(loss, opt, batch_size=16)
+        out.append((r.kind, r.active_mask.int().tolist(), list(r.pass_numel)))
+    return out
+
+
+ALL = [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "expected"),
+    [
+        ("sam", {}, [("sam", ALL, [58, 58])] * 2),  # two passes on every layer
+        # one pass, perturbed along the last step's gradient
+        ("s2sam", {}, [("plain", ALL, [58]), ("single", ALL, [58]), ("single", ALL, [58])]),
+        # SAM every 2 steps, reuse in between
+        ("looksam", {"interval": 2},
+         [("sam", ALL, [58, 58]), ("reuse", ALL, [58]), ("sam", ALL, [58, 58])]),
+        # the first pass on a random half of the layers
+        ("esam", {}, [("sam", ALL, [16, 58]), ("sam", ALL, [18, 58])]),
+        # RST's coin: SAM with probability 0.5, else a plain step
+        ("rst", {}, [("sam", ALL, [58, 58])] * 4 + [("plain", ALL, [58])]),
+        # both passes on the sampled layers only
+        ("slsam_paper", {"layer_ratio": 0.5},
+         [("sam", [0, 0, 1, 0], [16, 16]), ("sam", [0, 0, 1, 1], [18, 18]),
+          ("sam", [0, 1, 1, 1], [26, 26])]),
+        # first pass dense, then the 2 largest norms
+        ("top_slsam", {"layer_ratio": 0.5}, [("sam", [0, 0, 1, 1], [58, 18])] * 2),
+        # a dense first step, then one sparse pass
+        ("sl_s2sam", {"layer_ratio": 0.5},
+         [("plain", ALL, [58]), ("single", [0, 0, 1, 0], [16]), ("single", [0, 0, 1, 1], [18])]),
+    ],
+)  # fmt: skip
+def test_each_method_steps_with_its_kinds_layers_and_pass_sizes(name, options, expected):
+    assert _steps(name, len(expected), **options) == expected
