@@ -31,17 +31,10 @@ class ForgettingMonitor(pl.Callback):
 
     Logged against the global step: ``forgetting/loss``, ``forgetting/accuracy``,
     ``forgetting/kl``, and at the end ``forgetting/seconds`` and ``forgetting/fraction``.
-    See docs/forgetting.md.
+    A reference set cut from a book, and what the metrics mean: docs/forgetting.md.
 
-    Example::
-
-        from lightning_slsam import ForgettingMonitor, SparseLayerSAM
-        from lightning_slsam.monitor import reference_windows
-
-        reference = reference_windows(tokenizer(book_text)["input_ids"], 128, 8, 32)
-        trainer = L.Trainer(callbacks=[SparseLayerSAM(), ForgettingMonitor(reference, 50)])
-
-    A tiny next-token model, measured at fit start and every 2 steps:
+    Example:
+        A tiny next-token model, measured at fit start and every 2 steps:
 
         >>> import lightning as L, torch
         >>> class TinyLM(L.LightningModule):
