@@ -114,11 +114,6 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
     :attr:`spec`. A subclass that adds options is decorated with ``@options_class`` too.
 
     Attributes:
-        layer_names: names of the layers, in model order (after setup).
-        probs: the selection's current probabilities (float64).
-        active_mask: bool mask of the layers updated in the last step.
-        mean_active_ratio: mean over steps of the parameter fraction with a gradient,
-            summed over the passes (the paper's "Active Ratio": AdamW 1.0, SAM 2.0).
         frequency_csv_path, frequency_plot_path: where the end-of-fit record went.
     """
 
@@ -177,7 +172,7 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
     # -- public views -------------------------------------------------------------------
     @property
     def layer_names(self) -> list[str]:
-        """Names of the layers (empty before setup)."""
+        """Names of the layers, in model order (empty before setup)."""
         return list(self.partition.names) if self.partition is not None else []
 
     @property
@@ -200,7 +195,8 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
 
     @property
     def mean_active_ratio(self) -> float:
-        """The run's mean "Active Ratio" (parameter fraction, summed over the passes)."""
+        """The run's mean "Active Ratio": the parameter fraction with a gradient, summed over
+        the passes (the paper's measure: AdamW 1.0, SAM 2.0)."""
         return self.engine.mean_active_ratio if self.engine is not None else math.nan
 
     # -- setup --------------------------------------------------------------------------

@@ -150,10 +150,9 @@ class RandomSLSAM(SAMCallback, random_slsam.RandomSLSAMOptions):
 @options_class
 class TopSLSAM(SAMCallback, top_slsam.TopSLSAMOptions):
     """Top-SL-SAM, the SL-SAM paper's greedy ablation: the first pass computes every
-    layer's gradient, then SAM's ascent and second pass run on the ``k`` layers with the
-    largest gradient norms (``k = round(layer_ratio * N)``, at least 1), which alone are
-    updated. No exploration: ``slsam/never_selected`` logs how many layers were never
-    selected.
+    layer's gradient, then SAM's ascent, second pass and update run on the ``k =
+    round(layer_ratio * N)`` (at least 1) layers of largest norm. No exploration:
+    ``slsam/never_selected`` logs how many layers were never selected.
 
     Example:
         >>> TopSLSAM(layer_ratio=0.3).layer_ratio
@@ -182,11 +181,10 @@ class S2SAM(SAM):
 
 @options_class
 class MomentumSAM(SAM, momentum_sam.MomentumSAMOptions):
-    """Momentum-SAM (Becker, Altrock and Risse, 2024): one forward/backward per step at the
-    weights moved by ``rho`` against the optimizer's normalised momentum (AdamW's
-    ``exp_avg``, SGD's ``momentum_buffer``); the optimizer updates the true weights with
-    that gradient. One pass per step (Active Ratio 1.0x), the first step plain. The move
-    is undone before the update: validation and checkpoints see the true weights.
+    """Momentum-SAM (Becker, Altrock and Risse, 2024): one pass per step (Active Ratio 1.0x,
+    the first step plain) at the weights moved by ``rho`` against the optimizer's normalised
+    momentum (AdamW's ``exp_avg``, SGD's ``momentum_buffer``). The move is undone before the
+    optimizer updates the true weights, which validation and checkpoints see.
 
     Example:
         >>> MomentumSAM().rho, MomentumSAM(rho=3.0).rho
@@ -203,12 +201,11 @@ class MomentumSAM(SAM, momentum_sam.MomentumSAMOptions):
 
 @options_class
 class ARWP(SAM, arwp.ARWPOptions):
-    """ARWP (Li et al., 2024, "Revisiting Random Weight Perturbation"): one forward/backward
-    per step at the weights moved by Gaussian noise, each row's scaled by its norm and shrunk
-    where the running squared gradients are large; the optimizer updates the true weights
-    with that gradient. One pass per step (Active Ratio 1.0x). The noise grows from ``rho``
-    to ``rho * (1 + growth)`` over the run (the trainer's planned steps). The move is undone
-    before the update: validation and checkpoints see the true weights.
+    """ARWP (Li et al., 2024, "Revisiting Random Weight Perturbation"): one pass per step
+    (Active Ratio 1.0x) at the weights moved by Gaussian noise, each row's scaled by its norm
+    and shrunk where the running squared gradients are large, growing from ``rho`` to ``rho *
+    (1 + growth)`` over the trainer's planned steps. The move is undone before the optimizer
+    updates the true weights, which validation and checkpoints see.
 
     Example:
         >>> ARWP().rho, ARWP().growth, ARWP(rho=0.01, growth=0).rho
