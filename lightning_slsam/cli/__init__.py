@@ -1,3 +1,3 @@
 """The ``lightning-slsam`` command: LightningCLI with the demo (:mod:`.command`), what it
-checks first (:mod:`.checks`), its one-line errors (:mod:`.errors`) and ``compare`` with its
-report (:mod:`.compare`, :mod:`.report`)."""
+checks first (:mod:`.checks`), its one-line errors (:mod:`.errors`) and its progress lines
+(:mod:`.progress`)."""

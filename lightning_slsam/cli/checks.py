@@ -76,7 +76,7 @@ def missing_run(args: list[str]) -> str | None:
 
 
 def check_callback_options(args: list[str]) -> str | None:
-    """Build every SAM callback that ``args`` configure (``--config`` files, then flags);
+    """Build every SAM callback that ``args`` configure (``--config`` files, then flags):
     the first error, prefixed with where the callback came from, or ``None``."""
     entries: list[tuple[str, dict[str, Any]]] = []  # (where, {class_path, init_args})
     i = 0
@@ -181,9 +181,9 @@ def config_callbacks(loaded: Any) -> list[Any] | None:
 
 
 def stack_callbacks(args: list[str]) -> list[str]:
-    """``args`` with the ``trainer.callbacks`` of two or more ``--config`` files combined
-    by :func:`stacked` (jsonargparse keeps only the last list), as
-    ``--trainer.callbacks=[...]`` after the last such file; otherwise ``args`` unchanged."""
+    """``args`` with the ``trainer.callbacks`` of two or more ``--config`` files combined by
+    :func:`stacked` (jsonargparse keeps only the last list) into a ``--trainer.callbacks=[...]``
+    after the last such file; otherwise ``args`` unchanged."""
     found: list[tuple[int, Listed]] = []
     for at, path, loaded in config_files(args):
         listed = config_callbacks(loaded)

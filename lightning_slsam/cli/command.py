@@ -76,8 +76,8 @@ VALIDATED_AT = "slsam/validated_at_step"
 
 
 class SLSAMCLI(LightningCLI):
-    """``LightningCLI`` with ``--demo``, one-line errors for SAM callback options, and a
-    run summary after ``fit`` (printed on global rank zero)."""
+    """``LightningCLI`` with ``--demo``, one-line errors for SAM callback options and a run
+    summary after ``fit`` (on global rank zero)."""
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
         parser.description = DESCRIPTION

@@ -16,14 +16,14 @@ __all__ = ["ForgettingCallback"]
 
 class ForgettingCallback(TrainerCallback):
     """Logs how much a language model forgets while a ``transformers.Trainer`` fine-tunes
-    it: at the start, every ``every_n_steps`` optimizer steps and at the end,
-    ``forgetting/loss``, ``forgetting/accuracy``, ``forgetting/kl``
-    (:class:`~lightning_slsam.monitor.forgetting.ForgettingProbe`), and at the end
-    ``forgetting/seconds`` and ``forgetting/fraction``, through ``trainer.log``.
+    it, through ``trainer.log``: ``forgetting/loss``, ``forgetting/accuracy`` and
+    ``forgetting/kl`` at the start, every ``every_n_steps`` optimizer steps and at the end,
+    then ``forgetting/seconds`` and ``forgetting/fraction`` (docs/forgetting.md).
 
     Args:
         trainer: the Trainer it reports through.
-        reference: batches of reference text (see ``ForgettingProbe``).
+        reference: batches of reference text (as
+            :class:`~lightning_slsam.monitor.forgetting.ForgettingProbe` takes them).
         every_n_steps: measure after every this many optimizer steps (>= 1). Default 50.
         top_k: next tokens kept per reference position at the start. Default 64.
         forward: ``forward(model, batch) -> logits``; default ``model(input_ids=...,

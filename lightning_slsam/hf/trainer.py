@@ -1,9 +1,9 @@
 """SAM methods inside the Hugging Face ``Trainer``: :class:`SAMTrainer` and its mixin.
 
-The mixin runs the method's whole step when an optimizer step's last micro-batch reaches
-``training_step``, every pass over all of the step's micro-batches with the Trainer's own
-loss and ``accelerator.backward``; the Trainer then clips, steps and zeroes as always.
-See docs/huggingface.md.
+The mixin runs the method's whole step at an optimizer step's last micro-batch, each pass
+over all of the step's micro-batches with the Trainer's own loss and
+``accelerator.backward``; the Trainer then clips, steps and zeroes as always
+(docs/huggingface.md).
 """
 
 from __future__ import annotations
@@ -56,11 +56,10 @@ class SAMTrainerMixin:
 
     Args:
         *args: the Trainer's positional arguments.
-        sam: the method: a name of :data:`~lightning_slsam.METHODS` (``"slsam"``, what
-            ``SparseLayerSAM()`` runs; ``"slsam_paper"``, the paper's SL-SAM; ``"sam"``,
-            ``"rst"``, ...) or a specification, ``method_spec("slsam", rho=0.05)``
-            (:func:`~lightning_slsam.methods.registry.method_spec`). Its ``seed`` defaults
-            to ``TrainingArguments.seed``.
+        sam: a method name of :data:`~lightning_slsam.METHODS` (default ``"slsam"``, what
+            ``SparseLayerSAM()`` runs; ``"slsam_paper"``, ``"sam"``, ...) or a specification,
+            ``method_spec("slsam", rho=0.05)``; its ``seed`` defaults to
+            ``TrainingArguments.seed``.
         **kwargs: the Trainer's keyword arguments.
 
     Attributes:
@@ -71,9 +70,8 @@ class SAMTrainerMixin:
             method that sampled layers (``None`` otherwise).
     """
 
-    #: Attributes the loss updates on every call for the logs (TRL's by default): what a
-    #: later pass changes in them is undone, so each micro-batch counts once. Names the
-    #: trainer lacks are ignored. See docs/huggingface.md.
+    #: Attributes the loss updates for the logs (TRL's by default), undone after a later
+    #: pass so each micro-batch counts once; names the trainer lacks are ignored.
     sam_first_pass_attributes: tuple[str, ...] = ("_metrics", "_total_train_tokens")
 
     def __init__(self, *args: Any, sam: str | MethodSpec = "slsam", **kwargs: Any) -> None:

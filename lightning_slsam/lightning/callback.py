@@ -1,13 +1,7 @@
-"""``SAMCallback``: what every SAM method of the plugin shares on the Lightning side.
-
-Each method (:mod:`lightning_slsam.lightning.callbacks`: SL-SAM, SAM, RST, ESAM, ...) is a
-thin shell over its pure-PyTorch specification (:mod:`lightning_slsam.methods.spec`). This
-base class owns what is Lightning's: the setup checks, building the engine at fit start
-(seeded the same on every process), the per-step logging (the engine's ``step_metrics``), the
-end-of-fit record (:mod:`~lightning_slsam.core.record`) and the checkpointed state.
-The training step itself is run by the module's
-:class:`~lightning_slsam.lightning.driver.StepDriver` (created by
-:class:`~lightning_slsam.SAMMixin`), which reads this callback's public options.
+"""``SAMCallback``, the Lightning side every SAM method shares: the setup checks, the engine
+built at fit start (seeded alike on every process), per-step logging, the end-of-fit record
+and the checkpointed state. The step itself is run by the module's
+:class:`~lightning_slsam.lightning.driver.StepDriver`, which reads the callback's options.
 
 Example:
 
@@ -113,29 +107,18 @@ class _Count(int):
 class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMCallbackBase):
     """Base of the plugin's SAM methods; use a method class such as ``SparseLayerSAM``.
 
-    A thin Lightning shell over the method's specification (:attr:`spec_class`, pure
-    PyTorch), and a keyword-only dataclass
-    (:func:`~lightning_slsam.lightning.signatures.options_class`): its options are fields,
-    inherited from the method's option dataclass
-    (:class:`~lightning_slsam.methods.spec.MethodOptions` here, ``SLSAMOptions`` for
-    ``SparseLayerSAM``, ...; the one its spec inherits too) and
-    :class:`~lightning_slsam.lightning.setup_checks.LightningOptions` (clipping,
-    accumulation, the chart). They are checked by building the spec (:attr:`spec`), and
-    read as attributes (``callback.rho``, ``callback.layer_ratio``, ...). A subclass that
-    adds options is decorated with ``@options_class`` too.
+    A keyword-only dataclass (:func:`~lightning_slsam.lightning.signatures.options_class`)
+    over the method's pure-PyTorch specification (:attr:`spec_class`): its fields are those
+    of the method's option dataclass (``SLSAMOptions`` for ``SparseLayerSAM``, ...) and of
+    :class:`~lightning_slsam.lightning.setup_checks.LightningOptions`, checked by building
+    :attr:`spec`. A subclass that adds options is decorated with ``@options_class`` too.
 
     Attributes:
-        layer_names: names of the layers, in model order (after setup).
-        probs: the selection's current probabilities (float64).
-        active_mask: bool mask of the layers updated in the last step.
-        mean_active_ratio: mean over steps of the parameter fraction with a gradient,
-            summed over the passes (the paper's "Active Ratio": AdamW 1.0, SAM 2.0).
         frequency_csv_path, frequency_plot_path: where the end-of-fit record went.
     """
 
     _options_root: ClassVar[bool] = True  # where accepted_options stops looking
-    # The line logged at the end of fit; off where a run summary is printed instead (the
-    # lightning-slsam command's, which says the same and more).
+    # The end-of-fit line; off where the lightning-slsam command prints its run summary.
     _fit_message: ClassVar[bool] = True
     #: The method's specification class (its options and how it builds its engine).
     spec_class: ClassVar[type[MethodSpec]] = SAMSpec
@@ -146,8 +129,7 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
         return self.spec_class.name
 
     def __post_init__(self) -> None:
-        # A bad option's message names the class written (a user's subclass too): the
-        # spec's name its label, the Lightning options' checks no class.
+        # A bad option's message names the class written (a user's subclass too).
         label, name = self.spec_class.label, type(self).__name__
         missing = [n for n in self.spec_class.option_names() if n not in self.__dataclass_fields__]
         if missing:
@@ -190,7 +172,7 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
     # -- public views -------------------------------------------------------------------
     @property
     def layer_names(self) -> list[str]:
-        """Names of the layers (empty before setup)."""
+        """Names of the layers, in model order (empty before setup)."""
         return list(self.partition.names) if self.partition is not None else []
 
     @property
@@ -213,7 +195,8 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
 
     @property
     def mean_active_ratio(self) -> float:
-        """The run's mean "Active Ratio" (parameter fraction, summed over the passes)."""
+        """The run's mean "Active Ratio": the parameter fraction with a gradient, summed over
+        the passes (the paper's measure: AdamW 1.0, SAM 2.0)."""
         return self.engine.mean_active_ratio if self.engine is not None else math.nan
 
     # -- setup --------------------------------------------------------------------------
@@ -241,8 +224,8 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
             self.engine.parts.check_optimizer(trainer.optimizers[0])
         except ValueError as err:
             raise MisconfigurationException(str(err)) from None
-        # A checkpoint saved with other trainable tensors waits for the first batch: the
-        # epoch-start hooks (a finetuning callback's unfreezing) set the trainable set.
+        # A checkpoint of other trainable tensors waits for the first batch (epoch-start
+        # hooks, such as a finetuning callback's unfreezing, set the trainable set).
         if self._pending_state is not None and not differs_by_trainable(
             self._pending_state, self.partition
         ):
@@ -270,8 +253,7 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
             self._check_coverage(trainer)
 
     def _check_coverage(self, trainer: pl.Trainer) -> None:
-        # Too few updates per sampled layer for the run's length
-        # (lightning_slsam.selection.coverage); kept for the end-of-fit summary.
+        # Too few updates per sampled layer (selection.coverage); kept for the summary.
         self.coverage_note = None
         if self.engine is None:
             return
@@ -330,9 +312,8 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
         metrics.update(self.selection_metrics())
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
-        # Short names for the progress bar only (loggers get the namespaced ones above). A
-        # logged number turns into a float: the counts go to the bar's dict as ints (a name
-        # logged without prog_bar=True stays there as written until the next fit).
+        # Short names for the progress bar only. log() makes floats, so the counts go into
+        # the bar's dict as ints (kept there until the next fit).
         for name, key in PROGRESS_BAR.items():
             count = name in PROGRESS_BAR_COUNTS
             pl_module.log(name, metrics[key], prog_bar=not count, logger=False, batch_size=1)
@@ -354,8 +335,7 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
                 title=f"{type(self).__name__}: how often each layer was trained",
                 layer_ratio=getattr(self.spec, "layer_ratio", None),
             )
-        # The summary also goes to callback_metrics: under ddp_spawn they are what the
-        # launching process gets back (see summary()).
+        # Also in callback_metrics: under ddp_spawn, what the launching process gets back.
         trainer.callback_metrics[RATIO_METRIC] = torch.tensor(self.mean_active_ratio)
         if self._fit_message:
             rank_zero_info(fit_message(type(self).__name__, self.engine, self.frequency_plot_path))
@@ -409,13 +389,9 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMC
 
 
 def estimated_stepping_batches(trainer: pl.Trainer) -> float:
-    """``trainer.estimated_stepping_batches``, counting the SAM callback's accumulation.
-
-    Lightning's estimate divides by ``Trainer(accumulate_grad_batches)``, which must stay 1
-    with a SAM callback; the callback's ``accumulate_grad_batches`` also merges micro-batches
-    into one optimizer step. Use this to size step-based LR schedules
-    (``math.inf`` when the run has no finite length).
-    """
+    """``trainer.estimated_stepping_batches``, counting the SAM callback's own
+    ``accumulate_grad_batches`` (the Trainer's stays 1): use it to size step-based LR
+    schedules. ``math.inf`` for a run of no finite length."""
     total = trainer.estimated_stepping_batches  # also sets up the train dataloader
     sam = find_sam_callback(trainer)
     k = sam.accumulate_grad_batches if sam is not None else 1

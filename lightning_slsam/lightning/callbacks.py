@@ -88,21 +88,13 @@ class SAM(SAMCallback):
 class SparseLayerSAM(SAMCallback, slsam.SLSAMOptions):
     """Sparse Layer SAM (SL-SAM): SAM on a bandit-sampled subset of layers each step.
 
-    Each step samples the active layers (independent Bernoulli draws with the bandit's
-    probabilities), freezes the rest, runs SAM's two passes on the active layers only,
-    steps the optimizer on the second-pass gradients and feeds the first-pass per-layer
-    gradient norms back to the EXP3 bandit (the SL-SAM paper's Algorithms 1 and 2).
-
-    ``preset`` chooses between two configurations, one argument apart:
-
-    * ``"default"`` (``SparseLayerSAM()``; beyond the paper, see ``docs/results.md``): the
-      bandit's budget counts parameters rather than layers (a vocabulary embedding costs its
-      size, a LayerNorm bias almost nothing), with a scale-free bandit loss, the fresh task
-      head trained every step and each drawn layer's update scaled by ``1 / q`` up to 3;
-    * ``"paper"``: the SL-SAM paper's exact method (``make_callback("slsam_paper")``).
-
-    SL-SAM on RST's coin, on LookSAM's interval, and cost-aware SL-SAM are classes of their
-    own: :class:`SLSAMRST`, :class:`SLSAMLookSAM`, :class:`CostAwareSLSAM`.
+    Each step the EXP3 bandit draws the active layers and the rest are frozen; SAM's two
+    passes run on the active layers, whose first-pass gradient norms the bandit learns from
+    (the SL-SAM paper's Algorithms 1 and 2; docs/algorithm.md). ``preset="default"`` goes
+    beyond the paper: a parameter budget, a scale-free bandit loss, the fresh task head
+    trained every step, updates scaled by ``1 / q`` up to 3 (docs/methods.md#the-presets);
+    ``preset="paper"`` is the paper's exact method. Variants: :class:`SLSAMRST`,
+    :class:`SLSAMLookSAM`, :class:`CostAwareSLSAM`.
 
     Example:
         ``trainer = L.Trainer(callbacks=[SparseLayerSAM(rho=0.01, layer_ratio=0.2)])``
@@ -158,10 +150,9 @@ class RandomSLSAM(SAMCallback, random_slsam.RandomSLSAMOptions):
 @options_class
 class TopSLSAM(SAMCallback, top_slsam.TopSLSAMOptions):
     """Top-SL-SAM, the SL-SAM paper's greedy ablation: the first pass computes every
-    layer's gradient, then SAM's ascent and second pass run on the ``k`` layers with the
-    largest gradient norms (``k = round(layer_ratio * N)``, at least 1), which alone are
-    updated. No exploration: ``slsam/never_selected`` logs how many layers were never
-    selected.
+    layer's gradient, then SAM's ascent, second pass and update run on the ``k =
+    round(layer_ratio * N)`` (at least 1) layers of largest norm. No exploration:
+    ``slsam/never_selected`` logs how many layers were never selected.
 
     Example:
         >>> TopSLSAM(layer_ratio=0.3).layer_ratio
@@ -190,11 +181,10 @@ class S2SAM(SAM):
 
 @options_class
 class MomentumSAM(SAM, momentum_sam.MomentumSAMOptions):
-    """Momentum-SAM (Becker, Altrock and Risse, 2024): one forward/backward per step at the
-    weights moved by ``rho`` against the optimizer's normalised momentum (AdamW's
-    ``exp_avg``, SGD's ``momentum_buffer``); the optimizer updates the true weights with
-    that gradient. One pass per step (Active Ratio 1.0x), the first step plain. The move
-    is undone before the update: validation and checkpoints see the true weights.
+    """Momentum-SAM (Becker, Altrock and Risse, 2024): one pass per step (Active Ratio 1.0x,
+    the first step plain) at the weights moved by ``rho`` against the optimizer's normalised
+    momentum (AdamW's ``exp_avg``, SGD's ``momentum_buffer``). The move is undone before the
+    optimizer updates the true weights, which validation and checkpoints see.
 
     Example:
         >>> MomentumSAM().rho, MomentumSAM(rho=3.0).rho
@@ -211,12 +201,11 @@ class MomentumSAM(SAM, momentum_sam.MomentumSAMOptions):
 
 @options_class
 class ARWP(SAM, arwp.ARWPOptions):
-    """ARWP (Li et al., 2024, "Revisiting Random Weight Perturbation"): one forward/backward
-    per step at the weights moved by Gaussian noise, each row's scaled by its norm and shrunk
-    where the running squared gradients are large; the optimizer updates the true weights
-    with that gradient. One pass per step (Active Ratio 1.0x). The noise grows from ``rho``
-    to ``rho * (1 + growth)`` over the run (the trainer's planned steps). The move is undone
-    before the update: validation and checkpoints see the true weights.
+    """ARWP (Li et al., 2024, "Revisiting Random Weight Perturbation"): one pass per step
+    (Active Ratio 1.0x) at the weights moved by Gaussian noise, each row's scaled by its norm
+    and shrunk where the running squared gradients are large, growing from ``rho`` to ``rho *
+    (1 + growth)`` over the trainer's planned steps. The move is undone before the optimizer
+    updates the true weights, which validation and checkpoints see.
 
     Example:
         >>> ARWP().rho, ARWP().growth, ARWP(rho=0.01, growth=0).rho
@@ -312,19 +301,14 @@ class LookSAM(SAM, looksam.LookSAMOptions):
 @options_class
 class ESAM(SAMCallback, esam.ESAMOptions):
     """ESAM (Du et al., 2022, "Efficient Sharpness-aware Minimization for Improved
-    Training of Neural Networks").
+    Training of Neural Networks"): the first pass computes and perturbs a random
+    ``weight_ratio`` of the layers; a forward at the perturbed point ranks the samples by
+    loss increase, and the second pass runs on the ``data_ratio`` of the batch whose loss
+    rose most, updating every layer (Active Ratio ``weight_ratio + 1``: 1.5x at 0.5).
 
-    * Stochastic weight perturbation: the first pass computes the gradient of a random
-      ``weight_ratio`` of the layers (each independently), and only they are perturbed.
-    * Sharpness-sensitive data selection: a forward pass at the perturbed point (no
-      gradient) measures each sample's loss increase; the second pass runs on the
-      ``data_ratio`` fraction of the batch whose loss rose most. It updates every layer.
-
-    Active Ratio ``weight_ratio + 1`` (1.5x at the paper's 0.5). The data selection needs
-    per-sample losses: ``training_step`` returns a 1-D tensor of them (the mixin averages
-    it for the update), or ``{"loss": ..., "per_sample_loss": ...}``; the batch is cut to
-    the selected samples by ``SAMMixin.sam_subset_batch`` (override it for custom batch
-    types). ``data_ratio=1.0`` turns the selection off.
+    ``training_step`` returns per-sample losses: a 1-D tensor (averaged for the update) or
+    ``{"loss": ..., "per_sample_loss": ...}``; ``SAMMixin.sam_subset_batch`` cuts the batch
+    (override it for other batch types). ``data_ratio=1.0`` turns the selection off.
 
     Example:
         >>> ESAM().weight_ratio, ESAM().data_ratio  # the paper's values
@@ -341,10 +325,9 @@ class SSAMF(SAMCallback, ssamf.SSAMFOptions):
     with the largest empirical Fisher information (squared per-sample gradients), keeping
     ``1 - sparsity`` of all coordinates. The mask is recomputed every ``mask_interval``
     steps from ``fisher_samples`` samples of the current batch (one backward each,
-    counted in ``slsam/backward_passes``). Both passes are dense: Active Ratio 2.0x.
-
-    The defaults refresh the mask more often, from fewer samples, than the reference
-    implementation (1024 samples every 5 epochs), for fine-tuning runs of a few epochs.
+    counted in ``slsam/backward_passes``). Both passes are dense: Active Ratio 2.0x. The
+    defaults refresh the mask more often, from fewer samples, than the reference code, for
+    fine-tuning runs of a few epochs (docs/paper-and-code.md#ssam-f-and-its-official-code).
 
     Example:
         >>> SSAMF().sparsity, SSAMF().mask_interval
@@ -403,9 +386,8 @@ class CostAwareSLSAM(SparseLayerSAM, slsam_depth.CostAwareSLSAMOptions):
 class SLSAMAblation(SparseLayerSAM, slsam_ablation.SLSAMAblationOptions):
     """SL-SAM with each setting of its presets given alone (``None``: the preset's).
 
-    The settings: the budget, the bandit's loss and step size, the head rule and the
-    update-scaling cap, for measuring each part of a preset; users choose a ``preset`` of
-    :class:`SparseLayerSAM`.
+    For measuring each part of a preset (the results scripts); users choose a ``preset``
+    of :class:`SparseLayerSAM`.
 
     Example:
         >>> SLSAMAblation(preset="paper", bandit_loss="rank").spec.setting("alpha_p")
@@ -430,9 +412,8 @@ _Callback = TypeVar("_Callback", bound=type[SAMCallback])
 
 def register_callback(cls: _Callback) -> _Callback:
     """Make ``cls`` the callback class of its ``spec_class`` for :func:`make_callback` and
-    :data:`METHODS` (a method of one's own, registered with
-    :func:`~lightning_slsam.methods.registry.register_method`). Returns ``cls`` (usable as a
-    decorator).
+    :data:`METHODS` (a method registered with ``register_method``); returns ``cls``, so it
+    works as a decorator.
 
     Example:
         >>> from lightning_slsam.methods.sam import SAMSpec
@@ -474,9 +455,8 @@ def callback_for(spec_class: type[MethodSpec]) -> type[SAMCallback]:
 
 
 class _Methods(Mapping):
-    """Method name -> (callback class or ``None`` for plain AdamW, the options the name
-    implies): a live view of :data:`~lightning_slsam.methods.registry.SPECS`, so methods added with
-    :func:`~lightning_slsam.methods.registry.register_method` appear too."""
+    """:data:`METHODS`: a live view of :data:`~lightning_slsam.methods.registry.SPECS`, so
+    methods added with ``register_method`` appear too."""
 
     def __getitem__(self, name: str) -> tuple[type[SAMCallback] | None, dict[str, Any]]:
         spec, implied = SPECS[name]
@@ -499,8 +479,7 @@ METHODS: Mapping[str, tuple[type[SAMCallback] | None, dict[str, Any]]] = _Method
 
 def class_path(cls: type[SAMCallback]) -> str:
     """The class path a YAML config names ``cls`` by: ``lightning_slsam.<Class>`` for the
-    classes the package exports, else the module's path (a class of one's own, the results
-    scripts' :class:`SLSAMAblation`).
+    classes the package exports, else the module's path.
 
     Example:
         >>> class_path(SparseLayerSAM), class_path(SLSAMAblation)
@@ -514,11 +493,8 @@ def class_path(cls: type[SAMCallback]) -> str:
 
 
 def make_callback(name: str, **kwargs: Any) -> SAMCallback:
-    """The callback of method ``name`` (see :data:`METHODS`).
-
-    ``kwargs`` override the method's defaults, e.g. ``make_callback("slsam", layer_ratio=0.3)``.
-    Plain AdamW has no callback: ``make_callback("adamw")`` raises, and
-    :func:`make_callbacks` gives a list that is empty for it.
+    """The callback of method ``name`` (see :data:`METHODS`), ``kwargs`` overriding its
+    defaults. Plain AdamW has none: ``"adamw"`` raises (:func:`make_callbacks` gives ``[]``).
 
     Example:
         >>> callback = make_callback("slsam_paper", layer_ratio=0.3)
@@ -539,8 +515,7 @@ def make_callback(name: str, **kwargs: Any) -> SAMCallback:
 
 
 def make_callbacks(name: str, **kwargs: Any) -> list[SAMCallback]:
-    """``[make_callback(name, **kwargs)]``, or ``[]`` for plain AdamW: ready for
-    ``Trainer(callbacks=...)`` whatever the method.
+    """``[make_callback(name, **kwargs)]``, or ``[]`` for plain AdamW (``Trainer(callbacks=...)``).
 
     Example:
         >>> make_callbacks("adamw"), [type(c).__name__ for c in make_callbacks("rst")]

@@ -1,8 +1,5 @@
-"""Every use of private Lightning and torch internals, in one place.
-
-Each is wrapped here with the version it was checked against (Lightning 2.6.6, torch
-2.14.1): a release that breaks one changes this module only.
-"""
+"""Every use of private Lightning internals, each with the version it was checked against
+(Lightning 2.6.6), so that a release that breaks one changes this module only."""
 
 from __future__ import annotations
 
@@ -23,8 +20,7 @@ __all__ = [
 def attached_trainer(module: Any) -> Any:
     """The Trainer ``module`` is attached to, or ``None``.
 
-    Lightning 2.6.6: ``LightningModule._trainer``; the public ``trainer`` property raises
-    when none is attached.
+    Lightning 2.6.6: ``LightningModule._trainer`` (the ``trainer`` property raises without one).
     """
     return getattr(module, "_trainer", None) if module is not None else None
 
@@ -49,12 +45,11 @@ def gradient_scaler(trainer: Any) -> Any:
 
 def automatic_scheduler_configs(raw: Any, current: list[Any]) -> list[Any]:
     """The LR scheduler configs automatic optimization would build from
-    ``configure_optimizers``'s raw output ``raw``: ``current``'s scheduler objects (the
-    Trainer's, under manual optimization) with ``monitor``, ``strict`` and
-    ``reduce_on_plateau`` kept.
+    ``configure_optimizers``'s output ``raw``: ``current``'s schedulers (the Trainer's, under
+    manual optimization) with ``monitor``, ``strict`` and ``reduce_on_plateau`` kept.
 
     Lightning 2.6.6: ``lightning.pytorch.core.optimizer._configure_optimizers`` and
-    ``_configure_schedulers_automatic_opt``. Without them ``current`` is returned.
+    ``_configure_schedulers_automatic_opt`` (without them: ``current``).
     """
     if raw is None or not current:
         return current
@@ -90,10 +85,9 @@ def with_subcommand_help(
     add_lightning_subcommands: Callable[[], None], parser: Any, helps: dict[str, str]
 ) -> None:
     """Run ``LightningCLI._add_subcommands`` (``add_lightning_subcommands``) with ``helps``
-    replacing the line ``--help`` shows for Lightning's subcommands (by name).
+    (by name) as the ``--help`` line of Lightning's subcommands.
 
-    Lightning 2.6.6: ``_add_subcommands`` adds its subcommands to the action returned by
-    ``parser.add_subcommands()``, captured here.
+    Lightning 2.6.6: it adds them to the action ``parser.add_subcommands()`` returns, captured here.
     """
     added: list[Any] = []
     original = parser.add_subcommands
@@ -121,12 +115,11 @@ def with_subcommand_help(
 
 
 def carry_step_progress(checkpoint: dict[str, Any], automatic: bool) -> None:
-    """Copy the optimizer-step count of the optimization mode that ran last into the mode
-    that resumes (``automatic``), in a checkpoint being loaded.
+    """Copy, in a checkpoint being loaded, the optimizer-step count of the optimization mode
+    that ran last into the mode that resumes (``automatic``).
 
-    Lightning 2.6.6 counts steps separately in the loop state under
-    ``epoch_loop.automatic_optimization.optim_progress`` and
-    ``epoch_loop.manual_optimization.optim_step_progress``.
+    Lightning 2.6.6 counts them apart: ``epoch_loop.automatic_optimization.optim_progress``
+    and ``epoch_loop.manual_optimization.optim_step_progress``.
     """
     loop = checkpoint.get("loops", {}).get("fit_loop", {})
     auto = loop.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer")

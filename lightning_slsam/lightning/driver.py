@@ -2,10 +2,9 @@
 module, from the Trainer's batch to the stepped optimizer and LR schedulers.
 
 A :class:`StepDriver` (made by the mixin at a fit's first SAM step) does what automatic
-optimization would: gradient accumulation, the gradient scaler, clipping after unscaling,
-DDP's ``no_sync``, and LR schedulers at Lightning's points, ``monitor`` and ``strict``
-included. It reads only the callback's public options (:class:`SAMCallbackBase`).
-See docs/training.md.
+optimization would (accumulation, the gradient scaler, clipping after unscaling, DDP's
+``no_sync``, LR schedulers with ``monitor`` and ``strict``), reading only the callback's
+public options (:class:`SAMCallbackBase`). See docs/training.md.
 """
 
 from __future__ import annotations

@@ -37,48 +37,27 @@ def _names(obj: Any) -> set[str]:
 
 
 class FabricSAM:
-    """A SAM method of the registry in a Lightning Fabric loop.
+    """A SAM method of the registry in a Lightning Fabric loop; a whole loop, DDP, FSDP2 and
+    checkpoints (``fabric.save`` with ``"sam": sam``): docs/fabric.md.
 
     Args:
         fabric: the launched ``lightning.fabric.Fabric``.
         model: the model returned by ``fabric.setup`` (or ``fabric.setup_module``).
         optimizer: the optimizer returned by ``fabric.setup`` (or
             ``fabric.setup_optimizers``), over the model's parameters; under FSDP2 made
-            after ``fabric.setup_module`` (see the second example).
-        method: a method name of :data:`~lightning_slsam.METHODS` (``"slsam"`` is what
-            ``SparseLayerSAM()`` runs, ``"slsam_paper"`` the paper's SL-SAM, ``"sam"``, ...)
-            or a :class:`~lightning_slsam.methods.spec.MethodSpec`.
+            after ``fabric.setup_module`` (docs/fabric.md#fsdp2-setup-order).
+        method: a method name of :data:`~lightning_slsam.METHODS` (default ``"slsam"``,
+            what ``SparseLayerSAM()`` runs; ``"slsam_paper"``, ``"sam"``, ...) or a
+            :class:`~lightning_slsam.methods.spec.MethodSpec`.
         gradient_clip_val: clip the update gradient with ``fabric.clip_gradients``
-            (``None`` or 0: no clipping).
-        gradient_clip_algorithm: ``"norm"`` (``max_norm``) or ``"value"`` (``clip_val``).
+            (default ``None``; ``None`` or 0: no clipping).
+        gradient_clip_algorithm: ``"norm"`` (default; ``max_norm``) or ``"value"``
+            (``clip_val``).
         **options: the method's options (``layer_ratio``, ``rho``, ``seed``, ...); ``seed``
             defaults to rank 0's run seed (:func:`~lightning_slsam.methods.spec.default_seed`).
 
-    Example::
-
-        fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp")
-        fabric.launch()
-        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters()))
-        sam = FabricSAM(fabric, model, optimizer, "slsam", layer_ratio=0.2)
-        for x, y in fabric.setup_dataloaders(loader):
-            result = sam.step(lambda batch: F.cross_entropy(model(batch[0]), batch[1]), (x, y))
-        fabric.save("ckpt.pt", {"model": model, "optimizer": optimizer, "sam": sam})
-
-    Under FSDP2 (``fully_shard`` over the data-parallel mesh)::
-
-        def parallelize(module, mesh):
-            for layer in module.layers:
-                fully_shard(layer, mesh=mesh["data_parallel"])
-            return fully_shard(module, mesh=mesh["data_parallel"])
-
-        strategy = ModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=1)
-        fabric = L.Fabric(accelerator="cuda", devices=2, strategy=strategy)
-        fabric.launch()
-        model = fabric.setup_module(model)  # sharded: new parameters
-        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
-        sam = FabricSAM(fabric, model, optimizer, "slsam", layer_ratio=0.2)
-
-    One step on one CPU device:
+    Example:
+        One step on one CPU device:
 
         >>> import lightning as L
         >>> import torch.nn.functional as F

@@ -18,10 +18,9 @@ class ForgettingMonitor(pl.Callback):
     """Logs how much a language model forgets while it is fine-tuned (any method, or none).
 
     Args:
-        reference: batches of reference text held out from the training data, from the
-            model's pretraining distribution: ``[batch, length]`` token-id tensors or dicts
-            with ``input_ids`` (``attention_mask``, ``labels`` with ``-100`` optional);
-            :func:`~lightning_slsam.monitor.forgetting.reference_windows` cuts them.
+        reference: batches of text from the model's pretraining distribution, held out from
+            the training data, as :class:`~lightning_slsam.monitor.forgetting.ForgettingProbe`
+            takes them (``reference_windows`` cuts them).
         every_n_steps: measure after every this many optimizer steps (>= 1), and at the
             end of fit. Default 50.
         top_k: next tokens kept per reference position for the KL. Default 64.
@@ -31,17 +30,10 @@ class ForgettingMonitor(pl.Callback):
 
     Logged against the global step: ``forgetting/loss``, ``forgetting/accuracy``,
     ``forgetting/kl``, and at the end ``forgetting/seconds`` and ``forgetting/fraction``.
-    See docs/forgetting.md.
+    A reference set cut from a book, and what the metrics mean: docs/forgetting.md.
 
-    Example::
-
-        from lightning_slsam import ForgettingMonitor, SparseLayerSAM
-        from lightning_slsam.monitor import reference_windows
-
-        reference = reference_windows(tokenizer(book_text)["input_ids"], 128, 8, 32)
-        trainer = L.Trainer(callbacks=[SparseLayerSAM(), ForgettingMonitor(reference, 50)])
-
-    A tiny next-token model, measured at fit start and every 2 steps:
+    Example:
+        A tiny next-token model, measured at fit start and every 2 steps:
 
         >>> import lightning as L, torch
         >>> class TinyLM(L.LightningModule):

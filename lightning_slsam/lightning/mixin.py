@@ -69,11 +69,10 @@ class SAMMixin:
     """Mixin for a ``LightningModule`` whose ``training_step`` returns the loss (a scalar or
     a dict with ``"loss"``) and whose ``configure_optimizers`` returns one optimizer.
 
-    List it first: ``class Model(SAMMixin, L.LightningModule)`` (or over an existing
-    module, ``class Model(SAMMixin, MyModule)``). Add a SAM callback such as
-    :class:`~lightning_slsam.SparseLayerSAM` to the Trainer to train with it; without one
-    the module trains as a plain module. :attr:`sam_pass` tells ``training_step`` which
-    pass runs, so side effects can act on pass 1 only.
+    List it first: ``class Model(SAMMixin, L.LightningModule)`` (or ``(SAMMixin,
+    MyModule)``). With a SAM callback such as :class:`~lightning_slsam.SparseLayerSAM` on
+    the Trainer it trains with it, else as a plain module. :attr:`sam_pass` tells
+    ``training_step`` which pass runs, so side effects can act on pass 1 only.
 
     Example:
         >>> import tempfile

@@ -1,6 +1,6 @@
-"""The checks a SAM callback makes when a fit is set up: each failure is a
-``MisconfigurationException`` naming the fix, raised before any weight changes; and the
-Lightning warnings that do not apply to its fit."""
+"""The checks a SAM callback makes when a fit is set up, each failure a
+``MisconfigurationException`` naming the fix before any weight changes, and the Lightning
+warnings that do not apply to its fit."""
 
 from __future__ import annotations
 
@@ -41,12 +41,12 @@ class LightningOptions:
     """The options of the Lightning layer (a method's own are its spec's fields).
 
     Args:
-        gradient_clip_val: clip the update gradient at this value after unscaling;
-            ``None`` or 0 disables. Use this instead of the Trainer flag.
+        gradient_clip_val: clip the update gradient at this value after unscaling, instead
+            of the Trainer flag (default ``None``; ``None`` or 0: no clipping).
         gradient_clip_algorithm: ``"norm"`` (default) or ``"value"``.
-        accumulate_grad_batches: micro-batches per optimizer step (>= 1), instead of the
-            Trainer flag: every pass runs over all micro-batches.
-        plot: write the per-layer activation chart (PNG) at the end of fit.
+        accumulate_grad_batches: micro-batches per optimizer step (>= 1, default 1), instead
+            of the Trainer flag: every pass runs over all micro-batches.
+        plot: write the per-layer activation chart (PNG) at the end of fit (default ``True``).
     """
 
     gradient_clip_val: float | None = None
@@ -162,10 +162,9 @@ def check_engine(callback: Any, trainer: Any, pl_module: Any, engine: Any) -> No
 def prepare_compiled(
     name: str, pl_module: Any, samples_layers: bool, info: Any, warn: Any = None
 ) -> None:
-    """Before the layers are drawn up, on a compiled model: ``training_step`` runs eagerly
-    (the model's ``forward`` stays compiled), and under layer sampling (``samples_layers``)
-    a model compiled whole runs eagerly with its repeated blocks compiled instead, each one
-    layer. See docs/training-features.md."""
+    """On a compiled model, before the layers are drawn up: ``training_step`` runs eagerly
+    (``forward`` stays compiled); under layer sampling a model compiled whole has its
+    repeated blocks compiled instead, each one layer (docs/training-features.md)."""
     compiled = getattr(pl_module, "_compiler_ctx", None)
     if compiled:
         pl_module.training_step = compiled["original_training_step"]

@@ -1,10 +1,6 @@
-"""Callback classes as keyword-only dataclasses of their options.
-
-:func:`options_class` makes a class a keyword-only dataclass whose fields are its options
-(declared on it or inherited from option dataclasses); :class:`ChecksOptions` names an
-unknown option with the class the user wrote and the closest valid one. Nothing here knows
-Lightning: :mod:`lightning_slsam.lightning.callbacks` applies both to each method class.
-"""
+"""Callback classes as keyword-only dataclasses of their options: :func:`options_class`
+makes the dataclass, :class:`ChecksOptions` names an unknown option and the closest valid
+one. Nothing here knows Lightning."""
 
 from __future__ import annotations
 
@@ -70,13 +66,10 @@ def field_types(cls: type) -> dict[str, Any]:
 
 @dataclass_transform(kw_only_default=True, eq_default=False, field_specifiers=(field,))
 def options_class(cls: _C) -> _C:
-    """Make ``cls`` a keyword-only dataclass of its options (``eq=False``, ``repr=False``).
-
-    Its fields are the ones it declares and those of its dataclass bases, in the order
-    ``dataclasses`` gives them; an ``__init__`` written on the class is kept. The generated
-    ``__init__`` is annotated with the fields' resolved types (:func:`field_types`), which
-    ``inspect.signature`` and jsonargparse read; type checkers read the fields from the
-    source (the decorator is marked ``typing.dataclass_transform``).
+    """Make ``cls`` a keyword-only dataclass of its options (``eq=False``, ``repr=False``):
+    the fields it declares and those of its dataclass bases. An ``__init__`` written on the
+    class is kept; a generated one is annotated with the resolved types (:func:`field_types`)
+    for ``inspect.signature`` and jsonargparse.
 
     Example:
         >>> from dataclasses import dataclass
@@ -102,12 +95,12 @@ def options_class(cls: _C) -> _C:
 
 
 class ChecksOptions:
-    """A base whose ``__new__`` refuses an unknown option by name, with the closest valid
-    one (Python's own error names none), and whose ``repr`` shows the options given that
-    differ from the defaults.
+    """A base whose ``__new__`` refuses an unknown option with the closest valid one, and
+    whose ``repr`` shows the options given that differ from the defaults. Example:
+    :func:`options_class`.
 
-    The check is a ``__new__`` of a base class of its own: jsonargparse reads a class's own
-    ``__new__`` as its signature. Example: :func:`options_class`.
+    The check lives in a base's ``__new__`` because jsonargparse reads a class's own
+    ``__new__`` as its signature.
     """
 
     def __new__(cls: type[_T], *args: Any, **kwargs: Any) -> _T:

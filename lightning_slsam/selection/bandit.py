@@ -335,10 +335,8 @@ def _costs(costs: Any, n: int) -> torch.Tensor | None:
 
 
 def _rank_loss(z: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-    """Each active entry's rank by ``z`` in ``[0, 1]``: 0 for the largest, 1 for the smallest.
-
-    Ties share their mean rank; inactive entries get 0; a lone active entry gets 0.
-    """
+    """Each active entry's rank by ``z`` in ``[0, 1]``: 0 for the largest, 1 for the smallest
+    (ties share their mean rank); inactive entries and a lone active one get 0."""
     values = z[active]
     n = values.numel()
     if n < 2:
@@ -362,8 +360,8 @@ REL_TOL = 1e-12
 def _trivial(
     x: torch.Tensor, total: float, budget: float, lower: float, upper: float, what: str
 ) -> torch.Tensor | None:
-    """Check a projection's input (``total``: the sum of the costs, ``N`` without costs);
-    return the solution when the budget leaves no choice (everything at a bound)."""
+    """Check a projection's input (``total``: the sum of the costs, ``N`` without costs); the
+    solution when the budget leaves no choice (everything at a bound), else ``None``."""
     if not (math.isfinite(upper) and 0.0 < lower <= upper):
         raise ValueError(f"Need 0 < lower <= upper < inf, got lower={lower}, upper={upper}.")
     lo_sum, hi_sum = total * lower, total * upper

@@ -4,9 +4,8 @@ Each step :meth:`LayerSelection.sample` draws the first pass's layers,
 :meth:`LayerSelection.refine` may change them for the second pass and the update, and
 :meth:`LayerSelection.update` learns from the first pass's per-layer norms, weighted by the
 true inclusion probabilities (:meth:`LayerSelection.inclusion`) that a wrapper passes down.
-Here: :class:`UniformSelection`, :class:`AllLayers` and :class:`WrappedSelection`; SL-SAM's
-bandit is :mod:`.bandit`, a method's own rule lives in its module. All draws come from the
-rule's own seeded ``torch.Generator``, never the global stream.
+SL-SAM's bandit is in :mod:`.bandit`, a method's own rule in its module. Every draw comes
+from the rule's own seeded ``torch.Generator``, never the global stream.
 """
 
 from __future__ import annotations
