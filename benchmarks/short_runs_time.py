@@ -19,8 +19,9 @@ the baselines (AdamW without a callback, SAM, the paper's SL-SAM, Random-SL-SAM)
 other methods with their defaults (what ``SparseLayerSAM()`` runs, ESAM, RST, LookSAM,
 S2-SAM, SL-S2-SAM, cost-aware SL-SAM, SSAM-F, Momentum-SAM). Reported per
 configuration: the mean step time over the run (over whole periods of its step schedule,
-``step_cost.summarize``, the rule of ``make bench`` too), its ratio to SAM's, and the active
-ratio.
+``step_cost.summarize``, the rule of ``make bench`` too), its ratios to SAM's and AdamW's,
+and the active ratio; with ``--memory STEPS``, each configuration's peak training memory
+(``memory.py --task``, a process of its own) and its ratio to AdamW's.
 Writes ``benchmarks/results/short_runs_time.{md,json}`` as each run ends; a task measured by
 an earlier invocation keeps its table there unless this one measures it again.
 """
@@ -34,6 +35,7 @@ import importlib
 import json
 import os
 import re
+import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -144,7 +146,7 @@ def make_step(method: str, options: dict[str, Any], module, loss, lr) -> Callabl
             (out["loss"] if isinstance(out, dict) else out).mean().backward()
             opt.step()
 
-        adamw.engine = None  # type: ignore[attr-defined]
+        adamw.engine, adamw.optimizer = None, opt  # type: ignore[attr-defined]
         return adamw
     engine = make_engine(method, module, seed=0, **options)
 
@@ -153,7 +155,7 @@ def make_step(method: str, options: dict[str, Any], module, loss, lr) -> Callabl
         size = next(len(t) for t in parts if isinstance(t, torch.Tensor))  # SSAM-F's samples
         engine.train_step(lambda index=None: loss(module, batch, index), opt, batch_size=size)
 
-    step.engine = engine  # type: ignore[attr-defined]
+    step.engine, step.optimizer = engine, opt  # type: ignore[attr-defined]
     return step
 
 
@@ -207,6 +209,7 @@ def measure(tasks: list[str], labels: list[str], limit: int | None = None) -> li
             for label in labels
         }
         sam = figures["sam"]["mean_s"] if "sam" in figures else None
+        adamw = figures["adamw"]["mean_s"] if "adamw" in figures else None
         rows = {}
         for label in labels:
             figure = figures[label]
@@ -221,6 +224,7 @@ def measure(tasks: list[str], labels: list[str], limit: int | None = None) -> li
                 "kinds": figure["kinds"],
                 "enough": figure["enough"],
                 "ratio_to_sam": figure["mean_s"] / sam if sam else None,
+                "ratio_to_adamw": figure["mean_s"] / adamw if adamw else None,
                 "active_ratio": total / max(done, 1),
             }
         results.append({"task": task, "config": config, "steps": n, "configs": rows})
@@ -244,18 +248,50 @@ def render(results: list[dict[str, Any]]) -> str:
             f" {result['steps']} steps",
             "",
             *([result["stamp"], ""] if result.get("stamp") else []),
-            "| configuration | mean step (s) | time / SAM | active ratio |",
-            "|---|---:|---:|---:|",
+            *_header(result["configs"]),
         ]
-        for label, row in result["configs"].items():
-            ratio = row["ratio_to_sam"]
+        configs = result["configs"]
+        base = configs.get("adamw", {}).get("training_mb")
+        for label, row in configs.items():
             if len(row.get("kinds", {})) > 1:  # mixed kinds: the steps the mean counts
                 label = f"{label} ({kinds_text(row['timed_steps'], row['kinds'])})"
-            lines.append(
-                f"| {label} | {row['mean_step_s']:.3f} | {'-' if ratio is None else f'{ratio:.3f}'}"
-                f" | {row['active_ratio']:.3f} |"
-            )
+            cells = [label, f"{row['mean_step_s']:.3f}", _ratio(row["ratio_to_sam"])]
+            if "ratio_to_adamw" in row:
+                cells.append(_ratio(row["ratio_to_adamw"]))
+            cells.append(f"{row['active_ratio']:.3f}")
+            if "training_mb" in row:
+                memory = row["training_mb"]
+                cells += [f"{memory:.0f}", _ratio(memory / base if base else None)]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _header(configs: dict[str, dict[str, Any]]) -> list[str]:
+    row = next(iter(configs.values()))
+    names = ["configuration", "mean step (s)", "time / SAM"]
+    names += ["time / AdamW"] if "ratio_to_adamw" in row else []
+    names += ["active ratio"]
+    names += ["peak memory (MB)", "memory / AdamW"] if "training_mb" in row else []
+    return ["| " + " | ".join(names) + " |", "|---|" + "---:|" * (len(names) - 1)]
+
+
+def add_memory(results: list[dict[str, Any]], steps: int) -> None:
+    """Each configuration's training memory (``memory.py --task``, a process of its own,
+    ``steps`` steps) into its rows: the tasks of one config share it."""
+    for label in results[0]["configs"]:
+        command = [sys.executable, os.path.join(HERE, "memory.py"), "--task",
+                   results[0]["task"], "--method", label, "--steps", str(steps)]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+        if done.returncode != 0:
+            raise RuntimeError(f"memory run {label} failed:\n{done.stderr[-2000:]}")
+        memory = json.loads(done.stdout.strip().splitlines()[-1])["training_mb"]
+        print(f"  memory {label}: {memory:.0f} MB", flush=True)
+        for result in results:
+            result["configs"][label]["training_mb"] = memory
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -266,6 +302,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--limit", type=int, help="stop each run after this many steps")
+    parser.add_argument(
+        "--memory", type=int, metavar="STEPS",
+        help="also each configuration's peak training memory over STEPS steps (memory.py)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     tasks = args.tasks.split(",")
     known = {**BASELINES, **METHODS, **script_variants()}
@@ -289,6 +329,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         for result in results:
             result["stamp"] = stamp
+        if args.memory:
+            add_memory(results, args.memory)
         print(save(results, args.out))  # each run's tables as soon as it ends
 
 

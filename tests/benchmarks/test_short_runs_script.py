@@ -65,3 +65,23 @@ def test_the_robust_preset_is_the_row_the_docs_name():
     (cls,) = {c for c, _ in METHODS.values() if c is not None and c.__name__ == name}
     assert method == "slsam_ablation" and METHODS[method][0] is cls
     assert trains(make_callback(method, **options)) == trains(cls(**upgraded["init_args"]))
+
+
+def test_a_task_run_reports_step_time_and_memory_against_adamw_and_sam():
+    # 6 steps of the MLP benefit task, interleaved; each configuration's memory in a process
+    # of its own (memory.py --task): SAF's steps read the logits and the samples' indices.
+    results = short_runs_time.measure(["mlp_noisy"], ["adamw", "sam", "saf"], limit=6)
+    short_runs_time.add_memory(results, steps=2)
+    (result,) = results
+    rows = result["configs"]
+    assert rows["adamw"]["ratio_to_adamw"] == 1.0 and rows["sam"]["ratio_to_sam"] == 1.0
+    for row in rows.values():
+        assert row["ratio_to_adamw"] == pytest.approx(
+            row["ratio_to_sam"] * rows["sam"]["mean_step_s"] / rows["adamw"]["mean_step_s"]
+        )
+        assert row["training_mb"] > 0
+    assert rows["sam"]["active_ratio"] == 2.0 and rows["saf"]["active_ratio"] == 1.0
+    text = short_runs_time.render(results)
+    header = "| configuration | mean step (s) | time / SAM | time / AdamW | active ratio"
+    assert header + " | peak memory (MB) | memory / AdamW |" in text
+    assert "| adamw | " in text and " | 1.000 | 1.000 | " in text.split("| adamw | ")[1][:40]
