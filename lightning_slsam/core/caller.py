@@ -1,9 +1,5 @@
-"""Warnings attributed to the line of the user's code that led to them.
-
-A warning raised inside a training loop is otherwise attributed to whichever framework frame
-called the package (``transformers/trainer_callback.py``, a Lightning loop): :func:`warn`
-walks out to the first frame that belongs to neither.
-"""
+"""Warnings attributed to the line of the user's code that led to them, not to the framework
+frame that called the package (:func:`warn`)."""
 
 from __future__ import annotations
 

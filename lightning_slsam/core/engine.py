@@ -4,8 +4,7 @@ and loads its state. A training loop calls ``engine.step(loop)`` with a
 :class:`~lightning_slsam.core.step.LoopHooks`; a plain PyTorch loop calls
 :meth:`SAMEngine.train_step`.
 
-SL-SAM assembled from its parts (:func:`~lightning_slsam.make_engine` does it from a method's
-name):
+SL-SAM from its parts (:func:`~lightning_slsam.make_engine` builds it from a method's name):
 
 >>> import torch
 >>> from lightning_slsam.core.partition import build_partition
@@ -69,18 +68,17 @@ class SAMEngine:
         partition: the layers, from :func:`~lightning_slsam.core.partition.build_partition`.
         selection: the layer-selection rule (SL-SAM's bandit, ...).
         perturbation: the ascent applied to the perturbed tensors.
-        parts: what the method adds to the steps (:class:`~lightning_slsam.core.step.
-            MethodParts`; default: SAM on every step).
+        parts: what the method adds to the steps (:class:`~lightning_slsam.core.step.MethodParts`;
+            default: SAM on every step).
         module: the model, whose normalisation layers' running statistics are managed.
-        bn_stats: which pass's running statistics a two-pass step keeps: ``"first"``
-            (default, the unperturbed pass), ``"second"`` or ``"both"``; extra forwards
-            never count.
-        replay_dropout: the second pass replays the first pass's dropout masks (default
-            ``False``).
-        sync_first_pass: under multi-process training, average the first pass's gradients
-            before the ascent (default); ``False``: each process perturbs with its own
-            (m-sharpness), only the per-layer norms are averaged.
-        check_masks: under DDP, check every step that all processes drew the same layers.
+        bn_stats: which pass's running statistics a two-pass step keeps: ``"first"`` (default,
+            the unperturbed pass), ``"second"`` or ``"both"``; extra forwards never count.
+        replay_dropout: the second pass replays the first pass's dropout masks (default ``False``).
+        sync_first_pass: under multi-process training, average the first pass's gradients before
+            the ascent (default); ``False``: each process perturbs with its own (m-sharpness),
+            only the per-layer norms are averaged.
+        check_masks: under DDP, check every step that all processes drew the same layers
+            (default ``False``).
         update_scale: cap of the update scaling (``None``, default: none): each drawn layer's
             update is multiplied by ``min(1 / q, update_scale)``, ``q`` its probability of
             being drawn (:meth:`~lightning_slsam.selection.rules.LayerSelection.inclusion`).
@@ -221,7 +219,7 @@ class SAMEngine:
     def train_step(self, compute_loss: Callable[..., Tensor], optimizer: torch.optim.Optimizer,
                    batch_size: int | None = None, *,
                    ddp: torch.nn.Module | None = None) -> StepResult:  # fmt: skip
-        """One step in a plain PyTorch loop.
+        """One step in a plain PyTorch loop; returns its :class:`StepResult`.
 
         Args:
             compute_loss: runs the forward pass on the batch and returns the loss, once per
@@ -298,8 +296,7 @@ class SAMEngine:
         return self.active_ratio_sum / done if done else math.nan
 
     def layer_steps(self) -> Tensor:
-        """Non-skipped steps each layer could be drawn in (int64): all of them, less those
-        before a layer that joined mid-run became trainable."""
+        """Non-skipped steps each layer could be drawn in (int64): since it became trainable."""
         return (self.num_steps - self.num_skipped) - self.joined
 
     def frequencies(self) -> Tensor:
@@ -307,8 +304,7 @@ class SAMEngine:
         return self.counts.double() / self.layer_steps().clamp(min=1).double()
 
     def mean_norms(self) -> Tensor:
-        """Mean first-pass gradient norm of each layer over the steps it was measured in
-        (float64; NaN for a layer never measured)."""
+        """Each layer's mean first-pass gradient norm (float64; NaN for one never measured)."""
         return self.norm_sums / self.norm_counts.double()
 
     def never_selected(self) -> int:
@@ -388,9 +384,8 @@ class SAMEngine:
         self, state: dict[str, Any], layer_names: list[str], tensor_names: list[str]
     ) -> dict[str, Any]:
         """:meth:`state_dict`'s output saved for the layers ``layer_names`` (tensors
-        ``tensor_names``), mapped by name onto this partition for :meth:`load_state_dict`:
-        a layer on both sides keeps its state, a new one starts afresh (joined after the
-        steps already run), a layer that left is dropped."""
+        ``tensor_names``), mapped by name onto this partition for :meth:`load_state_dict`: a
+        layer on both sides keeps its state, a new one starts afresh, one that left is dropped."""
         old_layer = {name: i for i, name in enumerate(layer_names)}
         index = [old_layer.get(name, -1) for name in self.partition.names]
         done = int(state["num_steps"]) - int(state["num_skipped"])

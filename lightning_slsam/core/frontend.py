@@ -1,7 +1,6 @@
 """The setup rules every front-end shares (the Lightning callback, Fabric, the Hugging Face
-Trainer), written once: each front-end hands in plain facts about its framework (the
-strategy's class names, the world size, whether FSDP1 runs) and raises with its own
-exception type (``error``) and docs page.
+Trainer): each hands in plain facts about its framework (the strategy's class names, the world
+size, whether FSDP1 runs) and raises with its own exception type (``error``) and docs page.
 
 >>> check_parallelism("SAMTrainer", fsdp1=True, fix="Use FSDP2.", docs="docs/huggingface.md")
 Traceback (most recent call last):
@@ -92,9 +91,9 @@ def check_sharded(
     docs: str,
     error: type[Exception] = ValueError,
 ) -> None:
-    """Under :data:`FSDP2_STRATEGY` (one of ``classes``) on several processes, some
-    parameter must be sharded (``sharded``: the engine's ``shards.sharded``); ``fix`` says
-    where ``fully_shard`` goes in the framework."""
+    """Under :data:`FSDP2_STRATEGY` (one of ``classes``) on several processes, some parameter
+    must be sharded (``sharded``: the engine's ``shards.sharded``), else raise ``error`` with
+    ``fix``: where ``fully_shard`` goes in the framework."""
     if FSDP2_STRATEGY in classes and world_size > 1 and not sharded:
         raise error(
             f"{owner} under {FSDP2_STRATEGY} needs the model sharded with FSDP2, but no"
@@ -116,9 +115,8 @@ def run_step(
     no_sync: AbstractContextManager[Any] | None = None,
 ) -> StepResult:
     """One step of ``engine`` over ``passes`` with a loop's hooks
-    (:class:`~lightning_slsam.core.step.LoopHooks`: ``scaler`` a gradient scaler or
-    ``None``), inside ``no_sync`` (the framework's gradient synchronisation turned off while
-    ``averager`` averages the active layers)."""
+    (:class:`~lightning_slsam.core.step.LoopHooks`; ``scaler``: a gradient scaler or ``None``),
+    inside ``no_sync`` (the framework's gradient sync off while ``averager`` averages)."""
     loop = LoopHooks(
         passes, zero_grad, optimizer_step, loss_scale_reader(scaler), averager,
         check_draw=check_draw, after_update=after_update, optimizer=optimizer,
@@ -130,9 +128,8 @@ def run_step(
 def run_seed(
     seed: int | None, default: Callable[[], int], broadcast: Callable[[int], int] | None = None
 ) -> int:
-    """The generators' seed: the method's ``seed``, else the framework's run seed
-    (``default()``); on several processes process 0's, sent by the framework's
-    ``broadcast``, so that every process draws the same layers and coins.
+    """The generators' seed: the method's ``seed``, else the framework's run seed (``default()``);
+    on several processes process 0's (sent by ``broadcast``), so all draw the same layers.
 
     >>> run_seed(None, lambda: 42), run_seed(3, lambda: 42)
     (42, 3)

@@ -51,8 +51,7 @@ class RunningStats:
 
     @contextmanager
     def evaluating(self) -> Iterator[None]:
-        """Normalise with the running statistics, leaving them untouched; the layers'
-        training flags are restored afterwards."""
+        """Normalise with the running statistics, leaving them untouched (modes restored after)."""
         modes = [layer.training for layer in self.layers]
         for layer in self.layers:
             layer.train(False)

@@ -336,7 +336,6 @@ class LayerFreezer:
 
     Example:
         >>> import torch
-        >>> from lightning_slsam.core.partition import build_partition
         >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
         >>> freezer = LayerFreezer(build_partition(net))
         >>> active = freezer.activate(torch.tensor([True, False, False, False]))

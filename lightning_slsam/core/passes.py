@@ -1,7 +1,7 @@
 """The one pass loop: a forward/backward pass over a step's micro-batches (:class:`PassRunner`).
 
-Every front-end runs its passes through this loop, handing over how one micro-batch's loss
-is computed, how a loss is back-propagated and how a batch is cut to some of its samples.
+Every front-end runs its passes through it, handing over how a micro-batch's loss is computed,
+how a loss is back-propagated and how a batch is cut to some of its samples.
 
 >>> import torch
 >>> w = torch.nn.Parameter(torch.tensor(2.0))
@@ -60,9 +60,9 @@ class LossOutput(NamedTuple):
 
 
 def read_output(output: Any, error: type[Exception] = ValueError) -> LossOutput:
-    """What a training step (or a loss function) returns, in every loop: a tensor is the
-    loss (a 1-D one holds per-sample losses, whose mean is the loss); a mapping holds
-    ``"loss"`` and may hold the :data:`OUTPUT_KEYS`.
+    """What a training step (or a loss function) returns, in every loop: a tensor is the loss (a
+    1-D one holds per-sample losses, whose mean is the loss); a mapping holds ``"loss"`` and
+    may hold the :data:`OUTPUT_KEYS`. ``error``: the exception class raised for anything else.
 
     >>> read_output(torch.tensor([1.0, 3.0])).loss
     tensor(2.)
@@ -129,21 +129,21 @@ class PassRunner:
         micro_batches: the step's micro-batches (one without accumulation).
         loss: ``loss(batch)`` returns one micro-batch's :class:`LossOutput`.
         backward: back-propagates a loss (``Tensor.backward``, ``manual_backward``, ...).
-        scale: multiplies each micro-batch's loss (``1 / k`` for ``k`` accumulated ones).
+        scale: multiplies each micro-batch's loss (default 1; ``1 / k`` for ``k`` accumulated).
         size: samples in a micro-batch (default :func:`batch_size`).
-        subset: ``subset(batch, index)``, the micro-batch cut to the samples ``index``
-            (default :func:`batch_subset`).
-        needs_per_sample: a loss without per-sample losses raises ``error`` (ESAM).
-        error: the exception class of that error.
-        term_scale: multiplies a method's :attr:`extra_loss` term before ``scale``.
+        subset: ``subset(batch, index)``, the micro-batch cut to the samples ``index`` (default
+            :func:`batch_subset`).
+        needs_per_sample: a loss without per-sample losses raises ``error`` (ESAM; default
+            ``False``).
+        error: the exception class of that error (default ``ValueError``).
+        term_scale: multiplies a method's :attr:`extra_loss` term before ``scale`` (default 1).
 
-    Calling it runs one pass: ``subsets[i]`` restricts micro-batch ``i`` to those samples
-    (an empty index skips it), ``backward=False`` runs the forwards only, ``loss_scale``
-    multiplies every loss and ``keep_logits`` keeps the logits. :attr:`number` is the pass
-    running: 1 for the first full pass with gradients, 2 for any other, 0 between passes.
-    A method reading the step's outputs sets :attr:`needs` (its name and the
-    :data:`OUTPUT_KEYS` it reads) and :attr:`extra_loss` (``extra_loss(i, output)``: a
-    term added to micro-batch ``i``'s loss).
+    Calling it runs one pass: ``subsets[i]`` restricts micro-batch ``i`` to those samples (an
+    empty index skips it), ``backward=False`` runs the forwards only, ``loss_scale`` multiplies
+    every loss and ``keep_logits`` keeps the logits. :attr:`number` is the pass running: 1 for
+    the first full pass with gradients, 2 for any other, 0 between passes. A method reading the
+    step's outputs sets :attr:`needs` (its name and the :data:`OUTPUT_KEYS` it reads) and
+    :attr:`extra_loss` (``extra_loss(i, output)``: a term added to micro-batch ``i``'s loss).
     """
 
     def __init__(self, micro_batches: Sequence[Any],
@@ -226,8 +226,7 @@ class PassRunner:
 
 
 def skip_with_scaler(optimizer: Any) -> None:
-    """Make a gradient scaler back off on a skipped step: an infinite gradient makes it skip
-    the update and lower the scale."""
+    """Make a gradient scaler skip and back off on a skipped step (an infinite gradient)."""
     param = next(p for g in optimizer.param_groups for p in g["params"])
     param.grad = torch.full_like(param, float("inf"))
 
@@ -239,15 +238,13 @@ def loss_scale_reader(scaler: Any) -> Callable[[], Tensor] | None:
 
 
 def batch_size(batch: Any) -> int:
-    """Samples in ``batch``: the first dimension of its first tensor (1 for a scalar or a
-    batch without tensors)."""
+    """Samples in ``batch``: its first tensor's first dimension (1 for a scalar or no tensor)."""
     first = first_tensor(batch)
     return int(first.shape[0]) if first is not None and first.dim() else 1
 
 
 def batch_subset(batch: Any, index: Tensor) -> Any:
-    """``batch`` restricted to the samples ``index`` (:func:`subset_batch` at its
-    :func:`batch_size`)."""
+    """``batch`` restricted to the samples ``index`` (:func:`subset_batch` at its size)."""
     return subset_batch(batch, index, batch_size(batch))
 
 

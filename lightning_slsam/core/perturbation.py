@@ -27,8 +27,7 @@ ASAM_ETA = 0.01
 
 
 def is_weight_name(name: str) -> bool:
-    """Whether ASAM scales the parameter called ``name``: its attribute name (after the last
-    dot) contains ``weight``."""
+    """Whether ASAM scales the parameter ``name``: its last dotted part contains ``weight``."""
     return "weight" in name.rsplit(".", 1)[-1]
 
 
@@ -89,7 +88,7 @@ class SAMPerturbation:
         adaptive: ASAM's weight-scaled perturbation (default ``False``; the weights are
             :meth:`perturb_`'s ``scaled``).
         eta: ASAM's offset in ``T_w = |w| + eta`` (>= 0; default :data:`ASAM_ETA`).
-        eps: added to the norm so a zero gradient gives a zero perturbation.
+        eps: added to the norm so a zero gradient gives a zero perturbation (default 1e-12).
 
     Example:
         >>> import torch
@@ -129,8 +128,7 @@ class SAMPerturbation:
             num_groups: number of groups ``slots`` indexes into.
             inplace: scale ``grads`` into the ascent step; ``False`` leaves them intact.
             masks: per-tensor coordinate masks (SSAM-F), applied after normalisation.
-            scaled: with ``adaptive``, which tensors are scaled by ``|w| + eta`` (default:
-                all).
+            scaled: with ``adaptive``, which tensors are scaled by ``|w| + eta`` (default: all).
             shards: where the tensors' elements live (FSDP2: each process moves its own).
         """
         if not params:

@@ -62,9 +62,8 @@ def write_layer_frequency_csv(path: str, names: Sequence[str], numel: Sequence[i
                               mean_norms: Tensor | None = None, fixed: Sequence[FixedTensor] = (),
                               layer_steps: Tensor | None = None) -> str:  # fmt: skip
     """Write one row per layer: index, name, role, parameters, activations, frequency (over
-    ``steps``, or the layer's own ``layer_steps``), final p and the mean first-pass gradient
-    norm (when given). The ``fixed`` tensors follow the sampled layers, with empty
-    probability and norm cells."""
+    ``steps``, or the layer's own ``layer_steps``), final p and the mean first-pass gradient norm
+    (when given); returns ``path``. The ``fixed`` tensors follow, with empty p and norm cells."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
@@ -257,9 +256,8 @@ def layer_frequency_figure(names: Sequence[str], counts: Tensor, steps: int, pro
                            fixed: Sequence[FixedTensor] = (), numel: Sequence[int] = (),
                            layer_steps: Tensor | None = None) -> Figure:  # fmt: skip
     """The activation-frequency chart: a bar per layer (the ``fixed`` tensors after them, an
-    always-active one as a bar at 1, an always-frozen one as a cross at 0) next to the
-    sampled layers' histogram, with the final probabilities and their mean
-    (:func:`ratio_label`)."""
+    always-active one as a bar at 1, an always-frozen one as a cross at 0) next to the sampled
+    layers' histogram, with the final probabilities and their mean (:func:`ratio_label`)."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
@@ -367,8 +365,7 @@ def record_dir(trainer: Any) -> str:
 
 
 def fresh_stem(directory: str, versioned: bool) -> str:
-    """A path stem overwriting no earlier record: a new ``version_N`` folder, or a ``_N``
-    suffix."""
+    """A path stem overwriting no earlier record: a new ``version_N`` folder, or a ``_N`` suffix."""
     if versioned:
         taken = glob.glob(os.path.join(directory, "version_*"))
         numbers = [int(m.group(1)) for p in taken if (m := re.search(r"version_(\d+)$", p))]

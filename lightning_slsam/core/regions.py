@@ -45,8 +45,7 @@ def compiled_whole(model: nn.Module) -> bool:
 
 
 def compiled_regions(model: nn.Module) -> list[str]:
-    """The qualified names of ``model``'s compiled submodules, outermost only, in model
-    order.
+    """The qualified names of ``model``'s compiled submodules, outermost only, in model order.
 
     Example:
         >>> blocks = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
@@ -145,8 +144,8 @@ def compile_blocks_instead(model: nn.Module, context: Any = None) -> dict[str, l
 
     Args:
         model: the model.
-        context: the ``torch.compile`` context ``model`` was compiled with, when the caller
-            has already handed it back to eager (Lightning's compiled module).
+        context: the ``torch.compile`` context ``model`` was compiled with, when the caller has
+            already handed it back to eager (Lightning's compiled module; default ``None``).
 
     Returns:
         Each region handed back to eager (``""`` for ``model``) -> its blocks, now compiled.

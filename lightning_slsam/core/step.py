@@ -6,10 +6,9 @@
 * :func:`single_step` -- one pass at weights perturbed along directions known before the
   step (S2-SAM, Momentum-SAM, ARWP).
 
-Each returns a :class:`Passed`; :func:`commit` then ends the step with one host transfer
-and the optimizer's update, or a skip that leaves everything as it was. What a method adds
-is its :class:`MethodParts`; the stateful shell around the steps is
-:class:`~lightning_slsam.core.engine.SAMEngine`.
+Each returns a :class:`Passed`; :func:`commit` then ends the step with one host transfer and
+the optimizer's update, or a skip that leaves everything as it was. What a method adds is its
+:class:`MethodParts`; the stateful shell is :class:`~lightning_slsam.core.engine.SAMEngine`.
 """
 
 from __future__ import annotations
@@ -46,8 +45,8 @@ class LoopHooks:
     """What the training loop hands a step.
 
     Attributes:
-        forward_backward: runs one pass over the step's batch (:class:`~lightning_slsam.
-            core.passes.PassRunner`).
+        forward_backward: runs one pass over the step's batch
+            (:class:`~lightning_slsam.core.passes.PassRunner`).
         zero_grad: sets every gradient to ``None``.
         optimizer_step: ``optimizer_step(skip)`` steps the base optimizer; with
             ``skip=True`` nothing may change but per-step counters (``global_step``).
@@ -147,11 +146,11 @@ class StepResult:
 class MethodParts:
     """What a method adds to the shared steps; this base adds nothing (SAM on every step).
 
-    A method's specification builds its parts (:meth:`~lightning_slsam.methods.spec.
-    MethodSpec.parts`); the engine runs the step kind :meth:`kind` names. Every hook takes
-    the step's :class:`StepContext` first and does nothing here (which method uses each:
-    docs/extending.md). State the parts own is saved with the engine's: per-tensor stores
-    are dicts keyed by the tensor's position.
+    A method's specification builds its parts
+    (:meth:`~lightning_slsam.methods.spec.MethodSpec.parts`); the engine runs the step kind
+    :meth:`kind` names. Every hook takes the step's :class:`StepContext` first and does nothing
+    here (which method uses each: docs/extending.md). The parts' state is saved with the
+    engine's: per-tensor stores are dicts keyed by the tensor's position.
     """
 
     #: Whether the steps' losses must carry per-sample losses (ESAM's sample choice).
@@ -186,9 +185,8 @@ class MethodParts:
     def choose_samples(
         self, ctx: StepContext, first: PassOutput, isolated: StepIsolation | None
     ) -> list[Tensor] | None:
-        """The second pass's samples, one index tensor per micro-batch (``None``: all), from
-        the first pass's output (ESAM); an extra forward runs inside
-        ``isolated.extra_forward()``."""
+        """The second pass's samples, one index tensor per micro-batch (``None``: all), from the
+        first pass's output (ESAM); an extra forward runs inside ``isolated.extra_forward()``."""
         return None
 
     def ascent_masks(self, ctx: StepContext, params: list[Tensor]) -> list[Tensor] | None:
@@ -197,9 +195,8 @@ class MethodParts:
 
     def after_sam_step(self, ctx: StepContext, params: list[Tensor], first_grads: list[Tensor],
                        params2: list[Tensor], grads2: list[Tensor]) -> None:  # fmt: skip
-        """After a SAM step's second pass: the perturbed tensors, their first-pass gradients
-        (empty unless :attr:`keeps_first_grads`), the second pass's tensors and gradients
-        (LookSAM)."""
+        """After a SAM step's second pass: the perturbed tensors, their first-pass gradients (empty
+        unless :attr:`keeps_first_grads`), the second pass's tensors and gradients (LookSAM)."""
 
     def adjust_grads(self, ctx: StepContext, params: list[Tensor], grads: list[Tensor]) -> None:
         """On a ``"reuse"`` step, change ``grads`` in place before the update (LookSAM)."""
@@ -405,9 +402,8 @@ def _one_pass(out: _Pass, mask: Tensor, keep: bool) -> Passed:
 def commit(ctx: StepContext, passed: Passed, inclusion: Tensor | None, *,
            update_scale: float | None, pool: BackupPool) -> Outcome:  # fmt: skip
     """End the step: one host transfer, then the optimizer's update and the update scaling
-    (``inclusion``: each layer's probability of being drawn; ``None``: no scaling), or a
-    skip. Every process decides alike: the scalars are averaged before the check.
-    """
+    (``inclusion``: each layer's probability of being drawn; ``None``: no scaling), or a skip.
+    Every process decides alike: the scalars are averaged before the check."""
     loop, layers = ctx.loop, ctx.layers
     first, second, layer_norms = passed.first, passed.second, passed.layer_norms
     device = layer_norms.device
@@ -457,8 +453,8 @@ def commit(ctx: StepContext, passed: Passed, inclusion: Tensor | None, *,
 
 
 def scale_update(params: list[Tensor], before: list[Tensor], factors: list[float]) -> None:
-    """Make the optimizer's update ``factors`` times larger: ``w <- w + (f - 1) (w - w0)``
-    with ``w0`` the weights before it (``before``, overwritten); ``factors`` holds ``f - 1``."""
+    """Make the optimizer's update ``f`` times larger: ``w <- w + (f - 1) (w - w0)``, ``w0`` the
+    weights before it (``before``, overwritten); ``factors`` holds each ``f - 1``."""
     with torch.no_grad():
         torch._foreach_sub_(before, params)
         torch._foreach_mul_(before, factors)

@@ -1,7 +1,6 @@
-"""Gradient averaging across processes, on the active layers' tensors only.
-
-Under DDP both SAM passes run with DDP's synchronisation off and the engine averages the
-active tensors itself, packed into flat buffers, so frozen layers send nothing.
+"""Gradient averaging across processes, on the active layers' tensors only: both SAM passes run
+with DDP's synchronisation off and the engine averages the active tensors itself, packed into
+flat buffers, so frozen layers send nothing.
 """
 
 from __future__ import annotations
