@@ -45,6 +45,7 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import Callback
 
+from examples.methods import registered
 from examples.report import plot, plot_selection, render, summarize
 from lightning_slsam.cli.checks import callback_entry, command_line_value, resolve_callback
 from lightning_slsam.core.engine import normalized_entropy
@@ -335,6 +336,11 @@ def _with_repository_on_path() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    with registered():  # the combinations of examples.methods, by name
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:
