@@ -39,6 +39,13 @@ __all__ = [
     "efficientnet_lite0",
 ]
 
+
+def check_smoothing(value: float) -> None:
+    """``label_smoothing`` must be a number in [0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"`label_smoothing` must be a number in [0, 1), got {value!r}.")
+
+
 _MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
 _STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
 
@@ -155,6 +162,8 @@ class ImageClassifier(SAMMixin, L.LightningModule):
         learning_rate: AdamW learning rate; default 1e-3.
         weight_decay: AdamW weight decay; default 1e-4.
         pretrained: start from the ImageNet weights (default) or a random init.
+        label_smoothing: the training loss's label smoothing, in [0, 1); default 0 (a
+            control for a method that penalises confident predictions).
     """
 
     def __init__(
@@ -163,9 +172,11 @@ class ImageClassifier(SAMMixin, L.LightningModule):
         learning_rate: float = 1e-3,
         weight_decay: float = 1e-4,
         pretrained: bool = True,
+        label_smoothing: float = 0.0,
     ) -> None:
         super().__init__()
         require("timm", "ImageClassifier")
+        check_smoothing(label_smoothing)
         self.save_hyperparameters()
         self._classify_with(efficientnet_lite0(num_classes, pretrained), num_classes)
 
@@ -183,7 +194,8 @@ class ImageClassifier(SAMMixin, L.LightningModule):
         SAF's) and the samples' positions in the training set (SAF's)."""
         images, labels = batch[0], batch[1]
         logits = self(images)
-        losses = F.cross_entropy(logits, labels, reduction="none")
+        smoothing = self.hparams.get("label_smoothing", 0.0)
+        losses = F.cross_entropy(logits, labels, reduction="none", label_smoothing=smoothing)
         self.log("train_loss", losses.mean(), prog_bar=True, batch_size=len(labels))
         return {"loss": losses, "logits": logits, "index": batch[2] if len(batch) > 2 else None}
 
@@ -213,6 +225,7 @@ class MLPClassifier(ImageClassifier):
         num_classes: classes (>= 2); default 10.
         learning_rate: AdamW learning rate; default 1e-3.
         weight_decay: AdamW weight decay; default 0.01.
+        label_smoothing: as :class:`ImageClassifier`'s; default 0.
     """
 
     def __init__(
@@ -222,8 +235,10 @@ class MLPClassifier(ImageClassifier):
         num_classes: int = 10,
         learning_rate: float = 1e-3,
         weight_decay: float = 0.01,
+        label_smoothing: float = 0.0,
     ) -> None:
         super(ImageClassifier, self).__init__()  # not EfficientNet's: the modules' own
+        check_smoothing(label_smoothing)
         check_int("in_features", in_features, 1)
         check_int("num_classes", num_classes, 2)
         for size in hidden:
@@ -254,6 +269,7 @@ class ViTClassifier(ImageClassifier):
         num_classes: classes (>= 2); default 10.
         learning_rate: AdamW learning rate; default 1e-3.
         weight_decay: AdamW weight decay; default 0.05.
+        label_smoothing: as :class:`ImageClassifier`'s; default 0.
     """
 
     def __init__(
@@ -266,9 +282,11 @@ class ViTClassifier(ImageClassifier):
         num_classes: int = 10,
         learning_rate: float = 1e-3,
         weight_decay: float = 0.05,
+        label_smoothing: float = 0.0,
     ) -> None:
         super(ImageClassifier, self).__init__()  # not EfficientNet's: the modules' own
         require("timm", "ViTClassifier")
+        check_smoothing(label_smoothing)
         for name, value in (("patch_size", patch_size), ("depth", depth), ("heads", heads)):
             check_int(name, value, 1)
         check_int("num_classes", num_classes, 2)

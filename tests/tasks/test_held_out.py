@@ -208,3 +208,24 @@ def test_the_training_sets_yield_each_samples_index_and_the_steps_return_it(tmp_
     batches = list(text.train_dataloader())
     assert sorted(torch.cat([b["index"] for b in batches]).tolist()) == list(range(48))
     assert all("index" not in b for b in text.val_dataloader())  # the training set's only
+
+
+def test_label_smoothing_smooths_the_training_loss_and_is_checked():
+    # The control for a method that penalises confident predictions (SAF, MESA): AdamW with
+    # the training labels smoothed; 0 is the plain loss.
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    images, labels = torch.rand(6, 3, 8, 8), torch.randint(0, 10, (6,))
+    plain = MLPClassifier(hidden=[8])
+    smooth = MLPClassifier(hidden=[8], label_smoothing=0.3)
+    smooth.load_state_dict(plain.state_dict())
+    logits = plain(images)
+    batch = (images, labels, torch.arange(6))
+    assert torch.equal(plain.training_step(batch, 0)["loss"],
+                       F.cross_entropy(logits, labels, reduction="none"))  # fmt: skip
+    expected = F.cross_entropy(logits, labels, reduction="none", label_smoothing=0.3)
+    torch.testing.assert_close(smooth.training_step(batch, 0)["loss"], expected, rtol=0, atol=0)
+    for bad in (1.0, -0.1, "0.1"):
+        with pytest.raises(ValueError, match="`label_smoothing` must be a number in"):
+            ViTClassifier(label_smoothing=bad)
