@@ -82,6 +82,7 @@ class SAMTrainerMixin:
         self.sam_method = sam if isinstance(sam, str) else type(sam).name
         self.sam_spec = spec
         model = trainer.model
+        # No broadcast: every process parses the same TrainingArguments, so has the same seed.
         seed = run_seed(spec.seed, lambda: int(trainer.args.seed))
         self._sam_seed = seed
         self.sam_engine: SAMEngine = spec.build_engine(model, seed=seed, warn=warn)
