@@ -3,9 +3,9 @@
 
 A :class:`Rule` is one option's check; the ``check_*`` functions apply the common ones.
 
->>> check_ratio("layer_ratio", 0.2)
+>>> RATIO("layer_ratio", 0.2)
 0.2
->>> check_ratio("layer_ratio", 1.5)
+>>> RATIO("layer_ratio", 1.5)
 Traceback (most recent call last):
 ...
 ValueError: `layer_ratio` must be in (0, 1], got 1.5.
@@ -35,7 +35,6 @@ __all__ = [
     "check_int",
     "check_number",
     "check_path",
-    "check_ratio",
     "invalid",
     "number",
     "one_of",
@@ -53,18 +52,13 @@ def invalid(
     return ValueError(f"{where}`{name}` must be {must}, got {value!r}{hint}.")
 
 
-def unknown_option(
-    owner: str, name: str, accepted: Sequence[str], hint: str | None = None
-) -> TypeError:
-    """The error for an option ``owner`` does not take, ``<owner> has no option '<name>'; <hint>``
-    (``hint`` when given, else the closest valid name, else the valid names)."""
-    if hint is None:
-        close = difflib.get_close_matches(name, accepted, n=1)
-        hint = (
-            f"did you mean {close[0]!r}?"
-            if close
-            else f"valid options: {', '.join(sorted(accepted))}."
-        )
+def unknown_option(owner: str, name: str, accepted: Sequence[str]) -> TypeError:
+    """The error for an option ``owner`` does not take, naming the closest valid one (else
+    the valid ones)."""
+    close = difflib.get_close_matches(name, accepted, n=1)
+    hint = (
+        f"did you mean {close[0]!r}?" if close else f"valid options: {', '.join(sorted(accepted))}."
+    )
     return TypeError(f"{owner} has no option {name!r}; {hint}")
 
 
@@ -158,11 +152,6 @@ def patterns(example: str) -> Rule:
     """A list of regular expressions (a bare string is refused: ``[...]`` it), converted
     to a list; ``example`` shows one."""
     return Rule(f"a list of regular expressions, e.g. {example}", _compiles, list)
-
-
-def check_ratio(name: str, value: Any) -> float:
-    """A fraction in (0, 1]."""
-    return RATIO(name, value)
 
 
 def check_flag(name: str, value: Any) -> bool:
