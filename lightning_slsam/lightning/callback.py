@@ -53,11 +53,10 @@ from lightning_slsam.core.step import StepResult
 from lightning_slsam.lightning.compat import (
     attached_trainer,
 )
-from lightning_slsam.lightning.driver import SAMCallbackBase, find_sam_callback
+from lightning_slsam.lightning.driver import LightningOptions, find_sam_callback
 from lightning_slsam.lightning.setup_checks import (
     LIGHTNING_OPTIONS,
     FitWarnings,
-    LightningOptions,
     check_engine,
     check_fit_setup,
     check_lightning_options,
@@ -104,13 +103,13 @@ class _Count(int):
 
 
 @options_class
-class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions, SAMCallbackBase):
+class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions):
     """Base of the plugin's SAM methods; use a method class such as ``SparseLayerSAM``.
 
     A keyword-only dataclass (:func:`~lightning_slsam.lightning.signatures.options_class`)
     over the method's pure-PyTorch specification (:attr:`spec_class`): its fields are those
     of the method's option dataclass (``SLSAMOptions`` for ``SparseLayerSAM``, ...) and of
-    :class:`~lightning_slsam.lightning.setup_checks.LightningOptions`, checked by building
+    :class:`~lightning_slsam.lightning.driver.LightningOptions`, checked by building
     :attr:`spec`. A subclass that adds options is decorated with ``@options_class`` too.
 
     Attributes:

@@ -4,7 +4,7 @@ module, from the Trainer's batch to the stepped optimizer and LR schedulers.
 A :class:`StepDriver` (made by the mixin at a fit's first SAM step) does what automatic
 optimization would (accumulation, the gradient scaler, clipping after unscaling, DDP's
 ``no_sync``, LR schedulers with ``monitor`` and ``strict``), reading only the callback's
-public options (:class:`SAMCallbackBase`). See docs/training.md.
+public options (:class:`LightningOptions`) and its ``engine``. See docs/training.md.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -34,28 +35,32 @@ from lightning_slsam.lightning.compat import (
 from lightning_slsam.parallel.ddp import GradientAverager
 
 if TYPE_CHECKING:
-    from lightning_slsam.core.engine import SAMEngine
+    pass
 
-__all__ = ["SAMCallbackBase", "StepDriver", "driver_of", "find_sam_callback"]
+__all__ = ["LightningOptions", "StepDriver", "driver_of", "find_sam_callback"]
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 
 
-class SAMCallbackBase:
-    """What the driver reads from the SAM callback; the base of
-    :class:`~lightning_slsam.SAMCallback`, by which the mixin finds it on a Trainer.
+@dataclass(kw_only=True, eq=False)
+class LightningOptions:
+    """The options of the Lightning layer (a method's own are its spec's fields), which the
+    driver reads; the base of :class:`~lightning_slsam.SAMCallback`, by which the mixin
+    finds it on a Trainer.
 
-    Attributes:
-        engine: the method's engine (built at fit start; ``None`` before).
-        accumulate_grad_batches: micro-batches per optimizer step.
-        gradient_clip_val: clip value (``None`` or 0: no clipping).
-        gradient_clip_algorithm: ``"norm"`` or ``"value"``.
+    Args:
+        gradient_clip_val: clip the update gradient at this value after unscaling, instead
+            of the Trainer flag (default ``None``; ``None`` or 0: no clipping).
+        gradient_clip_algorithm: ``"norm"`` (default) or ``"value"``.
+        accumulate_grad_batches: micro-batches per optimizer step (>= 1, default 1), instead
+            of the Trainer flag: every pass runs over all micro-batches.
+        plot: write the per-layer activation chart (PNG) at the end of fit (default ``True``).
     """
 
-    engine: SAMEngine | None = None
-    accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str = "norm"
+    accumulate_grad_batches: int = 1
+    plot: bool = True
 
 
 def find_sam_callback(trainer: Any) -> Any:
@@ -63,7 +68,7 @@ def find_sam_callback(trainer: Any) -> Any:
     the setup checks refuse more than one)."""
     if trainer is not None:
         for callback in trainer.callbacks:
-            if isinstance(callback, SAMCallbackBase):
+            if isinstance(callback, LightningOptions):
                 return callback
     return None
 
@@ -81,7 +86,7 @@ class StepDriver:
         controller: the SAM callback on its Trainer (the options and the engine).
     """
 
-    def __init__(self, module: Any, controller: SAMCallbackBase) -> None:
+    def __init__(self, module: Any, controller: Any) -> None:
         trainer = attached_trainer(module)
         self.module, self.controller, self.trainer = module, controller, trainer
         self.optimizer = module.optimizers()

@@ -5,7 +5,7 @@ warnings that do not apply to its fit."""
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -21,38 +21,18 @@ from lightning_slsam.core.regions import (
     repeated_blocks,
     torch_guards_requires_grad,
 )
-from lightning_slsam.lightning.driver import SAMCallbackBase
+from lightning_slsam.lightning.driver import LightningOptions
 from lightning_slsam.lightning.mixin import SAMMixin
 from lightning_slsam.methods.options import check_choice, check_flag, check_int
 
 __all__ = [
     "LIGHTNING_OPTIONS",
     "FitWarnings",
-    "LightningOptions",
     "check_engine",
     "check_fit_setup",
     "check_lightning_options",
     "check_one_optimizer",
 ]
-
-
-@dataclass(kw_only=True, eq=False)
-class LightningOptions:
-    """The options of the Lightning layer (a method's own are its spec's fields).
-
-    Args:
-        gradient_clip_val: clip the update gradient at this value after unscaling, instead
-            of the Trainer flag (default ``None``; ``None`` or 0: no clipping).
-        gradient_clip_algorithm: ``"norm"`` (default) or ``"value"``.
-        accumulate_grad_batches: micro-batches per optimizer step (>= 1, default 1), instead
-            of the Trainer flag: every pass runs over all micro-batches.
-        plot: write the per-layer activation chart (PNG) at the end of fit (default ``True``).
-    """
-
-    gradient_clip_val: float | None = None
-    gradient_clip_algorithm: str = "norm"
-    accumulate_grad_batches: int = 1
-    plot: bool = True
 
 
 #: The same, name -> (annotation, default).
@@ -130,7 +110,7 @@ def check_fit_setup(callback: Any, trainer: Any, pl_module: Any) -> None:
         " (fully_shard in configure_model), or a single device.",
         docs="docs/training-features.md", error=MisconfigurationException,
     )  # fmt: skip
-    others = [cb for cb in trainer.callbacks if isinstance(cb, SAMCallbackBase)]
+    others = [cb for cb in trainer.callbacks if isinstance(cb, LightningOptions)]
     if len(others) > 1:
         raise MisconfigurationException(
             f"{len(others)} SAM callbacks are attached to the Trainer"
