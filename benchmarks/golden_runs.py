@@ -876,6 +876,12 @@ def compare(path_a: str, path_b: str, shown: int = 4) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        from examples.methods import register
+    except ImportError:  # a revision whose package holds slsam_ablation
+        pass
+    else:
+        register()  # slsam_ablation, by name (examples/methods.py)
     if argv[:1] == ["_worker"]:  # a multi-process group (see _launch)
         worker(argv[1], argv[2], argv[3].split(","))
         return 0

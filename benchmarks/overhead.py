@@ -18,7 +18,8 @@ import torch
 from models import make_workload
 from torch.utils.data import DataLoader
 
-from lightning_slsam import SAMMixin, make_engine
+from examples.methods import SLSAMAblationSpec
+from lightning_slsam import SAMMixin
 from lightning_slsam.core.engine import normalized_entropy
 
 
@@ -28,11 +29,10 @@ def bandit(
     """Milliseconds per step of SL-SAM's selection and bookkeeping on ``model_name``, with
     the bandit ``loss`` (``"shifted"``: the paper's default; ``"rank"``: scale-free)."""
     work = make_workload(model_name, 1)
-    # The paper's SL-SAM with the bandit's loss set alone (SLSAMAblation).
-    engine = make_engine(
-        "slsam_ablation", work.model, layer_ratio=layer_ratio, bandit_loss=loss, seed=0,
-        preset="paper",
-    )  # fmt: skip
+    # The paper's SL-SAM with the bandit's loss set alone (examples/methods.py).
+    engine = SLSAMAblationSpec(
+        layer_ratio=layer_ratio, bandit_loss=loss, seed=0, preset="paper"
+    ).build_engine(work.model)
     n = engine.partition.num_layers
     gen = torch.Generator().manual_seed(0)
     norms = torch.rand(n, generator=gen, dtype=torch.float64)

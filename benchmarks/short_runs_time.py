@@ -46,6 +46,7 @@ import yaml
 from step_cost import RULE, kinds_text, schedule_of, summarize
 from step_time import interleaved, machine
 
+from examples.methods import registered
 from lightning_slsam import make_engine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -69,7 +70,9 @@ TASKS = {
 BASELINES = {"adamw": ("adamw", {}), "sam": ("sam", {}), "slsam_paper": ("slsam_paper", {}),
              "random_slsam": ("random_slsam", {})}  # fmt: skip
 #: the other methods with their defaults, as docs/results/choosing compares them
-_OTHERS = "slsam esam rst looksam s2sam sl_s2sam slsam_depth ssamf momentum_sam arwp mesa saf"
+_OTHERS = (
+    "slsam esam rst looksam s2sam sl_s2sam slsam_depth ssamf momentum_sam arwp mesa saf slsam_saf"
+)
 METHODS = {name: (name, {}) for name in _OTHERS.split()}
 TIME_GOAL = 0.70
 
@@ -148,7 +151,8 @@ def make_step(method: str, options: dict[str, Any], module, loss, lr) -> Callabl
 
         adamw.engine, adamw.optimizer = None, opt  # type: ignore[attr-defined]
         return adamw
-    engine = make_engine(method, module, seed=0, **options)
+    with registered():  # slsam_ablation, examples/methods.py's
+        engine = make_engine(method, module, seed=0, **options)
 
     def step(batch):
         parts = batch.values() if isinstance(batch, dict) else batch

@@ -1,8 +1,12 @@
-"""Method combinations the measurements run that the package does not ship, each with its
-callback class for a YAML config (``class_path: examples.methods.SLSAMSAF``); known by name
-inside :func:`registered` (``python -m examples.compare`` runs inside it), so that importing
-this module leaves the package's registry as it is. A combination that earns its place moves
-into the package.
+"""Methods the measurements run that the package does not ship, each with its callback class
+for a YAML config (``class_path: examples.methods.SLSAMSAF``); known by name inside
+:func:`registered` (``python -m examples.compare`` runs inside it), so that importing this
+module leaves the package's registry as it is. A method that earns its place moves into the
+package.
+
+* ``slsam_ablation`` (:class:`SLSAMAblation`): SL-SAM with each setting of its presets given
+  alone (``--option x.budget=count``), for measuring each part of a preset; users choose a
+  ``preset`` of :class:`~lightning_slsam.SparseLayerSAM`.
 
 * ``slsam_saf`` (:class:`SLSAMSAF`): SAF's consistency term on the layers SL-SAM's bandit
   draws, one pass per step on the drawn layers only: below AdamW's price when the drawn
@@ -24,18 +28,32 @@ into the package.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import torch
+
+from lightning_slsam.core.partition import LayerPartition, find_new_head
 from lightning_slsam.lightning.callbacks import SparseLayerSAM, register_callback
 from lightning_slsam.lightning.signatures import options_class
+from lightning_slsam.methods.options import FLAG, number, one_of
 from lightning_slsam.methods.registry import SPECS, register_method
 from lightning_slsam.methods.saf import SAFOptions, SAFSpec
-from lightning_slsam.methods.slsam import SLSAMSpec
+from lightning_slsam.methods.slsam import SLSAMOptions, SLSAMSpec
+from lightning_slsam.methods.spec import Setting, Warn, option
+from lightning_slsam.selection.bandit import DEFAULT_ALPHA
 
-__all__ = ["SLSAMSAF", "SLSAMSAFSpec", "registered"]
+__all__ = [
+    "SLSAMSAF",
+    "SLSAMAblation",
+    "SLSAMAblationSpec",
+    "SLSAMSAFSpec",
+    "register",
+    "registered",
+]
 
 
 @dataclass(kw_only=True, eq=False)
@@ -58,13 +76,84 @@ class SLSAMSAF(SparseLayerSAM, SAFOptions):
     spec_class = SLSAMSAFSpec
 
 
-#: The combinations, each with its callback class.
-COMBINATIONS = ((SLSAMSAFSpec, SLSAMSAF),)
+@dataclass(kw_only=True, eq=False)
+class SLSAMAblationOptions(SLSAMOptions):
+    """SLSAMAblation's options.
+
+    Args:
+        budget: ``"count"`` (drawn layers, the paper's) or ``"compute"`` (their parameters).
+        bandit_loss: ``"shifted"`` (released code), ``"paper"`` (Algorithm 2) or ``"rank"``.
+        alpha_p: the bandit's step size (>= 0); ``None`` with a loss given: that loss's
+            own (1e-3 for ``"shifted"`` and ``"paper"``, 0.03 for ``"rank"``).
+        head_always_active: train the fresh task head every step.
+        max_update_scale: the cap on each drawn layer's update factor ``1 / q`` (>= 1; 1
+            disables the scaling).
+    """
+
+    budget: str | None = option(None, one_of(("count", "compute")).or_none(" (the preset's)"))
+    bandit_loss: str | None = option(
+        None, one_of(("shifted", "paper", "rank")).or_none(" (the preset's)")
+    )
+    alpha_p: float | None = option(None, number(0).or_none(" (the preset's or the loss's)"))
+    head_always_active: bool | None = option(None, FLAG.or_none(" (the preset's)"))
+    max_update_scale: float | None = option(None, number(1).or_none(" (the preset's)"))
+
+
+@dataclass(kw_only=True, eq=False)
+class SLSAMAblationSpec(SLSAMAblationOptions, SLSAMSpec):
+    """SL-SAM with its preset's settings overridable one by one (``None``: the preset's)."""
+
+    name: ClassVar[str] = "slsam_ablation"
+    label: ClassVar[str] = "SLSAMAblation"
+
+    def setting(self, name: Setting) -> Any:
+        given = getattr(self, name)
+        if given is not None:
+            return given
+        if name == "alpha_p" and self.bandit_loss is not None:
+            return DEFAULT_ALPHA[self.bandit_loss]
+        return super().setting(name)
+
+    def partition(self, module: torch.nn.Module, warn: Warn = warnings.warn) -> LayerPartition:
+        if self.head_always_active and not find_new_head(module):
+            warn(
+                f"{self.label}(head_always_active=True) found no freshly initialised head"
+                f" in {type(module).__name__}; every layer is sampled. Name the head with"
+                " `always_active` or a `sam_head_parameters()` method."
+            )
+        return super().partition(module, warn)
+
+
+@register_callback
+@options_class
+class SLSAMAblation(SparseLayerSAM, SLSAMAblationOptions):
+    """:class:`SLSAMAblationSpec` as a Lightning callback (``examples.methods.SLSAMAblation``).
+
+    Example:
+        >>> SLSAMAblation(preset="paper", bandit_loss="rank").spec.setting("alpha_p")
+        0.03
+    """
+
+    spec_class = SLSAMAblationSpec
+
+
+#: The methods of this module.
+SPEC_CLASSES = (SLSAMSAFSpec, SLSAMAblationSpec)
+
+
+def register() -> list[str]:
+    """Make the methods of this module known by name for the rest of the process (a worker
+    process of the tests); returns the names it added."""
+    added = [spec.name for spec in SPEC_CLASSES if spec.name not in SPECS]
+    for spec in SPEC_CLASSES:
+        if spec.name in added:
+            register_method(spec)
+    return added
 
 
 @contextmanager
 def registered() -> Iterator[None]:
-    """The combinations known by name (``make_callback``, ``--methods``) inside the block.
+    """The methods of this module known by name (``make_callback``, ``--methods``) inside the block.
 
     >>> from lightning_slsam import METHODS
     >>> with registered():
@@ -73,11 +162,9 @@ def registered() -> Iterator[None]:
     >>> "slsam_saf" in METHODS
     False
     """
-    added = [spec for spec, _ in COMBINATIONS if spec.name not in SPECS]
-    for spec in added:
-        register_method(spec)
+    added = register()
     try:
         yield
     finally:
-        for spec in added:
-            del SPECS[spec.name]
+        for name in added:
+            del SPECS[name]

@@ -31,3 +31,13 @@ def _quiet_lightning():
 def _in_tmp_dir(tmp_path, monkeypatch):
     # Trainers without a logger write their records to the working directory.
     monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture
+def example_methods():
+    """The methods of examples/methods.py (``slsam_ablation``, ``slsam_saf``) known by name
+    during the test."""
+    from examples.methods import registered
+
+    with registered():
+        yield

@@ -43,7 +43,7 @@ STEPS = 3
 #: paper's method).
 METHODS = [
     "sam", "slsam_paper", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
-    "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_depth", "slsam", "slsam_ablation",
+    "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_depth", "slsam",
     "momentum_sam", "arwp", "mesa", "saf",
 ]  # fmt: skip
 #: Under FSDP2 (ModelParallelStrategy, fully_shard in parallelize_fn).

@@ -26,8 +26,8 @@ from lightning.pytorch.strategies import DDPStrategy
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import LitModel, ResumableLoader, make_data, make_mlp
 
+from examples.methods import SLSAMAblation
 from lightning_slsam import SparseLayerSAM
-from lightning_slsam.lightning.callbacks import SLSAMAblation
 
 
 class Killable(LitModel):

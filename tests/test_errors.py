@@ -44,8 +44,8 @@ def test_constructor_rejects(kwargs, match):
     ("kwargs", "match"), [({"alpha_p": -1.0}, "alpha_p"), ({"bandit_loss": "kl"}, "bandit_loss")]
 )
 def test_ablation_constructor_rejects(kwargs, match):
-    # The bandit's settings are SparseLayerSAM's preset's since 0.3; SLSAMAblation sets each.
-    from lightning_slsam.lightning.callbacks import SLSAMAblation
+    # The bandit's settings are SparseLayerSAM's preset's; examples' SLSAMAblation sets each.
+    from examples.methods import SLSAMAblation
 
     with pytest.raises(ValueError, match=match):
         SLSAMAblation(**kwargs)

@@ -34,6 +34,7 @@ from choosing import (  # the same runs, the same rule
     spread,
 )
 
+from examples.methods import registered
 from lightning_slsam import make_engine
 from lightning_slsam.selection.coverage import FLOOR, expected_updates
 
@@ -94,7 +95,8 @@ def figure(label: str, kind: str, steps: int, cache: dict[str, torch.nn.Module])
     method, options = LABELS[label]
     if method == "uniform":
         return float(expected_updates(torch.tensor([0.2]), steps, options["cap"]))
-    engine = make_engine(method, _module(kind, cache), seed=0, **options)
+    with registered():  # slsam_ablation, examples/methods.py's
+        engine = make_engine(method, _module(kind, cache), seed=0, **options)
     value = expected_updates(engine.selection.inclusion(), steps, engine.update_scale)
     assert value is not None
     return value

@@ -25,7 +25,6 @@ name (``make_callback``)  class                       defaults
 ``slsam_rst``             :class:`SLSAMRST`           SL-SAM on RST's coin
 ``slsam_looksam``         :class:`SLSAMLookSAM`       SL-SAM on LookSAM's interval
 ``slsam_depth``           :class:`CostAwareSLSAM`     depth 0.5 (beyond the paper)
-``slsam_ablation``        :class:`SLSAMAblation`      each preset setting alone
 ``momentum_sam``          :class:`MomentumSAM`        rho 1 (against the momentum)
 ``arwp``                  :class:`ARWP`               rho 0.001 growing 11x, eta 0.1
 ``mesa``                  :class:`MESA`               weight 0.8, tau 5, start 0.05
@@ -54,7 +53,6 @@ from lightning_slsam.methods import (
     sam,
     sl_s2sam,
     slsam,
-    slsam_ablation,
     slsam_depth,
     slsam_looksam,
     slsam_rst,
@@ -382,25 +380,10 @@ class CostAwareSLSAM(SparseLayerSAM, slsam_depth.CostAwareSLSAMOptions):
     spec_class = slsam_depth.CostAwareSLSAMSpec
 
 
-@options_class
-class SLSAMAblation(SparseLayerSAM, slsam_ablation.SLSAMAblationOptions):
-    """SL-SAM with each setting of its presets given alone (``None``: the preset's).
-
-    For measuring each part of a preset (the results scripts); users choose a ``preset``
-    of :class:`SparseLayerSAM`.
-
-    Example:
-        >>> SLSAMAblation(preset="paper", bandit_loss="rank").spec.setting("alpha_p")
-        0.03
-    """
-
-    spec_class = slsam_ablation.SLSAMAblationSpec
-
-
 #: The method classes declared above.
 _CLASSES: tuple[type[SAMCallback], ...] = (
     SAM, SparseLayerSAM, RandomSLSAM, TopSLSAM, S2SAM, SLS2SAM, RST, LookSAM, ESAM, SSAMF,
-    SLSAMRST, SLSAMLookSAM, CostAwareSLSAM, SLSAMAblation, MomentumSAM, ARWP, MESA, SAF,
+    SLSAMRST, SLSAMLookSAM, CostAwareSLSAM, MomentumSAM, ARWP, MESA, SAF,
 )  # fmt: skip
 
 #: Specification class -> its callback class: the package's, then those of
@@ -482,8 +465,8 @@ def class_path(cls: type[SAMCallback]) -> str:
     classes the package exports, else the module's path.
 
     Example:
-        >>> class_path(SparseLayerSAM), class_path(SLSAMAblation)
-        ('lightning_slsam.SparseLayerSAM', 'lightning_slsam.lightning.callbacks.SLSAMAblation')
+        >>> class_path(SparseLayerSAM)
+        'lightning_slsam.SparseLayerSAM'
     """
     import lightning_slsam
 

@@ -25,7 +25,6 @@ from lightning_slsam.methods.saf import SAFSpec
 from lightning_slsam.methods.sam import SAMSpec
 from lightning_slsam.methods.sl_s2sam import SLS2SAMSpec
 from lightning_slsam.methods.slsam import SLSAMSpec
-from lightning_slsam.methods.slsam_ablation import SLSAMAblationSpec
 from lightning_slsam.methods.slsam_depth import CostAwareSLSAMSpec
 from lightning_slsam.methods.slsam_looksam import SLSAMLookSAMSpec
 from lightning_slsam.methods.slsam_rst import SLSAMRSTSpec
@@ -65,7 +64,6 @@ SPECS: dict[str, tuple[type[MethodSpec] | None, dict[str, Any]]] = {
     "slsam_rst": (SLSAMRSTSpec, {}),
     "slsam_looksam": (SLSAMLookSAMSpec, {}),
     "slsam_depth": (CostAwareSLSAMSpec, {}),
-    "slsam_ablation": (SLSAMAblationSpec, {}),
     "momentum_sam": (MomentumSAMSpec, {}),
     "arwp": (ARWPSpec, {}),
     "mesa": (MESASpec, {}),

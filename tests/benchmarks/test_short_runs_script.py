@@ -16,6 +16,8 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import short_runs_time  # noqa: E402
 
 VARIANTS = short_runs_time.script_variants()
+#: The script's SL-SAM variants are examples/methods.py's slsam_ablation.
+pytestmark = pytest.mark.usefixtures("example_methods")
 #: What a configuration trains: the preset settings of SL-SAM and Random-SL-SAM.
 SETTINGS = ("budget", "bandit_loss", "alpha_p", "head_always_active")
 
@@ -58,7 +60,7 @@ def test_each_label_builds_its_options(label):
 def test_the_robust_preset_is_the_row_the_docs_name():
     # The former "robust" preset trains as this entry, which is this row.
     method, options = VARIANTS["slsam_rank_head_scale"]
-    upgraded = {"class_path": "lightning_slsam.lightning.callbacks.SLSAMAblation", "init_args": {
+    upgraded = {"class_path": "examples.methods.SLSAMAblation", "init_args": {
         "preset": "paper", "bandit_loss": "rank", "alpha_p": 0.03, "head_always_active": True,
         "max_update_scale": 5.0}}  # fmt: skip
     name = upgraded["class_path"].rpartition(".")[2]

@@ -96,7 +96,7 @@ def test_compare_runs_every_method_and_seed_interleaved_resumes_and_writes_the_t
     assert (out / "configs" / "adamw_seed42.yaml").read_text() == saved
 
 
-def test_compare_runs_a_variant_of_the_ablation_class(tmp_path, capsys):
+def test_compare_runs_a_variant_of_the_ablation_class(tmp_path, capsys, example_methods):
     # A variant with SL-SAM's settings given alone (the results scripts' variants).
     from examples.compare import _method_config
     from lightning_slsam.cli.checks import resolve_callback

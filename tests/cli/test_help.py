@@ -66,14 +66,9 @@ def test_each_methods_help_shows_the_defaults_that_run(capsys, path):
         value, default = getattr(built, name), parameter.default
         assert value == default or list(value) == list(default), name  # the value that runs
         assert defaults[name] == ("null" if default is None else str(default)), (path, name)
-    # `null` is shown only where None runs as such; the ablation class's other Nones stand
-    # for its preset's settings, which its help says first.
+    # `null` is shown only where None runs as such.
     nulls = {name for name, shown_value in defaults.items() if shown_value == "null"}
-    if cls.__name__ == "SLSAMAblation":
-        heading = "SL-SAM with each setting of its presets given alone (``None``: the preset's):"
-        assert heading in text.splitlines()  # a whole line, not cut off mid-sentence
-    else:
-        assert nulls <= NONE_RUNS, path
+    assert nulls <= NONE_RUNS, path
 
 
 def test_fit_help_says_what_demo_does(capsys):

@@ -13,6 +13,7 @@ from helpers import make_data, make_mlp
 from probes import fixed_engine, loss_closure
 from torch import nn
 
+from examples.methods import SLSAMAblationSpec
 from lightning_slsam.core.engine import SAMEngine
 from lightning_slsam.core.partition import build_partition
 from lightning_slsam.core.perturbation import SAMPerturbation
@@ -133,7 +134,7 @@ def test_loading_the_state_of_another_number_of_layers_is_refused():
     # The engine's options are checked once, by the method's specification.
     bad_cap = r"`max_update_scale` must be None .* or a finite number >= 1"
     with pytest.raises(ValueError, match=bad_cap):
-        method_spec("slsam_ablation", max_update_scale=float("inf"))
+        SLSAMAblationSpec(max_update_scale=float("inf"))
     with pytest.raises(ValueError, match="`bn_stats` must be one of"):
         method_spec("sam", bn_stats="x")
 

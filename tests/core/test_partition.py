@@ -11,9 +11,9 @@ import torch
 from helpers import LitModel, Snapshots, loader, make_data, make_mlp, trainer
 from torch import nn
 
+from examples.methods import SLSAMAblation
 from lightning_slsam import SparseLayerSAM
 from lightning_slsam.core.partition import LayerFreezer, build_partition, by_position, find_new_head
-from lightning_slsam.lightning.callbacks import SLSAMAblation
 from lightning_slsam.methods.registry import method_spec
 
 

@@ -24,6 +24,7 @@ from probes import (
 from tolerance import offset_atol
 from torch import nn
 
+from examples.methods import SLSAMAblationSpec
 from lightning_slsam import SLS2SAM, make_callback, make_engine
 from lightning_slsam.core.engine import SAMEngine
 from lightning_slsam.core.partition import LayerFreezer, build_partition
@@ -641,7 +642,9 @@ def test_update_scaling_multiplies_each_drawn_layers_update_by_one_over_q():
     plain, r0, _ = _one_step(_spec("slsam_paper", **kwargs))
     # The paper's method with the update factor capped at 1 / layer_ratio.
     scaled, r1, _ = _one_step(
-        _spec("slsam_ablation", preset="paper", max_update_scale=1 / 0.3, **kwargs)
+        lambda net: SLSAMAblationSpec(
+            preset="paper", max_update_scale=1 / 0.3, **kwargs
+        ).build_engine(net)
     )
     assert torch.equal(r0.active_mask, r1.active_mask) and 0 < int(r0.active_mask.sum()) < 20
     # Both updates are read off float32 weights under 1 (Linear(4, 4) starts within 0.5, one
@@ -659,8 +662,8 @@ def test_update_scaling_uses_the_probability_of_the_draw_capped():
     times min(1 / p, cap), p the probabilities the step drew with."""
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(4, 4) for _ in range(10)])
-    spec = method_spec("slsam_ablation", rho=RHO, layer_ratio=0.3, bandit_loss="rank",
-                       alpha_p=0.5, max_update_scale=2.5, seed=4)  # fmt: skip
+    spec = SLSAMAblationSpec(rho=RHO, layer_ratio=0.3, bandit_loss="rank", alpha_p=0.5,
+                             max_update_scale=2.5, seed=4)  # fmt: skip
     engine = spec.build_engine(net)
     assert engine.update_scale == 2.5
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -776,14 +779,14 @@ def test_update_scaling_options_are_validated_and_in_the_presets():
     assert PRESETS["paper"]["max_update_scale"] == 1.0  # 1: no scaling
     assert method_spec("slsam_paper").update_scale is None
     assert method_spec("slsam").update_scale == 3.0  # the default preset's cap
-    ablation = method_spec("slsam_ablation", preset="paper", max_update_scale=1 / 0.5)
+    ablation = SLSAMAblationSpec(preset="paper", max_update_scale=1 / 0.5)
     assert ablation.update_scale == 2.0
-    assert method_spec("slsam_ablation", max_update_scale=5).update_scale == 5.0  # explicit wins
+    assert SLSAMAblationSpec(max_update_scale=5).update_scale == 5.0  # explicit wins
     assert method_spec("random_slsam", preset="default").update_scale == 3.0
     assert method_spec("random_slsam").update_scale is None
     assert make_engine("slsam", make_mlp(), seed=0).update_scale == 3.0
     for bad in (0.5, float("inf"), "3"):
         with pytest.raises(ValueError, match="max_update_scale"):
-            method_spec("slsam_ablation", max_update_scale=bad)
+            SLSAMAblationSpec(max_update_scale=bad)
     with pytest.raises(TypeError, match="preset"):  # the preset decides it
         method_spec("slsam", max_update_scale=5)

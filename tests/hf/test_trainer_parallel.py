@@ -65,7 +65,7 @@ def trained(run: dict) -> int:
 #: The methods whose drawn layers together are fewer than all: both passes of a step move
 #: less than one whole model's gradients.
 SAMPLING = ("slsam", "slsam_paper", "random_slsam", "slsam_rst", "slsam_looksam",
-            "slsam_depth", "slsam_ablation")  # fmt: skip
+            "slsam_depth")  # fmt: skip
 
 
 def test_every_method_under_ddp_equals_one_process_and_averages_only_the_drawn_layers(tmp_path):

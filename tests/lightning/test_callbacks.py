@@ -27,7 +27,6 @@ from lightning_slsam import (
     TopSLSAM,
     make_callback,
 )
-from lightning_slsam.lightning.callbacks import SLSAMAblation
 
 #: The methods whose rho is not SAM's radius, at their authors' defaults.
 OWN_RADIUS = {"momentum_sam": 1.0, "arwp": 0.001}
@@ -39,7 +38,7 @@ def test_registry_builds_every_method_with_its_paper_defaults():
         "random_slsam": RandomSLSAM, "top_slsam": TopSLSAM, "s2sam": S2SAM, "sl_s2sam": SLS2SAM,
         "rst": RST, "esam": ESAM, "ssamf": SSAMF, "looksam": LookSAM, "slsam_rst": SLSAMRST,
         "slsam_looksam": SLSAMLookSAM, "slsam_depth": CostAwareSLSAM,
-        "slsam_ablation": SLSAMAblation, "momentum_sam": MomentumSAM, "arwp": ARWP,
+        "momentum_sam": MomentumSAM, "arwp": ARWP,
         "mesa": MESA,
     }  # fmt: skip
     for name, cls in expected.items():

@@ -21,8 +21,7 @@ BLOCKS = [r"^(net\.blocks\.\d+)\."]
 #: The registry's methods that draw a different set of layers each step.
 SAMPLING = [
     "slsam_paper", "random_slsam", "top_slsam", "sl_s2sam", "esam", "slsam_rst", "slsam_looksam",
-    "slsam_depth", "slsam", "slsam_ablation",
-]  # fmt: skip
+    "slsam_depth", "slsam", ]  # fmt: skip
 #: One backend for the tests that compile blocks themselves: its graphs are traced once
 #: (by the first test that needs a state) and reused by the others.
 SHARED = Counting()

@@ -16,9 +16,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from probes import fp16
 
+from examples.methods import SLSAMAblation
 from lightning_slsam import ESAM, SAM, SparseLayerSAM
 from lightning_slsam.core.passes import read_output
-from lightning_slsam.lightning.callbacks import SLSAMAblation
 from lightning_slsam.lightning.driver import StepDriver, driver_of, find_sam_callback
 
 # -- LR schedulers ---------------------------------------------------------------------------------

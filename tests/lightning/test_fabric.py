@@ -25,7 +25,7 @@ from lightning_slsam import FabricSAM, make_callback
 #: Every method of the registry, by name: the comparison's and the plugin's own.
 METHODS = [
     "sam", "slsam_paper", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
-    "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_depth", "slsam", "slsam_ablation",
+    "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_depth", "slsam",
     "momentum_sam", "arwp", "mesa", "saf",
 ]  # fmt: skip
 STEPS = 4

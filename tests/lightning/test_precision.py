@@ -44,7 +44,7 @@ def test_precisions_keep_the_contract(precision):
 # -- every method in every precision (one device; DDP and FSDP2: tests/parallel) -------------------
 PRECISION_METHODS = [
     "sam", "slsam_paper", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
-    "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_depth", "slsam_ablation", "slsam",
+    "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam_depth", "slsam",
     "momentum_sam", "arwp", "mesa", "saf",
 ]  # fmt: skip
 

@@ -12,8 +12,8 @@ from helpers import LitModel, ResumableLoader, loader, make_data, make_mlp, trai
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
+from examples.methods import SLSAMAblation
 from lightning_slsam import CostAwareSLSAM, SparseLayerSAM
-from lightning_slsam.lightning.callbacks import SLSAMAblation
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,6 @@ from lightning_slsam.methods.rst import Coin
 from lightning_slsam.methods.s2sam import SingleStepParts
 from lightning_slsam.methods.sam import SAMSpec
 from lightning_slsam.methods.slsam import SLSAMSpec
-from lightning_slsam.methods.slsam_ablation import SLSAMAblationSpec
 from lightning_slsam.methods.slsam_depth import CostAwareSLSAMSpec, DepthCut
 from lightning_slsam.methods.slsam_looksam import SLSAMLookSAMSpec
 from lightning_slsam.methods.slsam_rst import SLSAMRSTSpec
@@ -65,7 +64,6 @@ def test_method_spec_applies_the_options_a_name_implies_and_given_ones_win():
     assert method_spec("slsam_paper", layer_ratio=0.3).layer_ratio == 0.3
     assert type(method_spec("slsam_rst")) is SLSAMRSTSpec
     assert method_spec("slsam_rst").preset == "default"  # the paper's before 0.3
-    assert type(method_spec("slsam_ablation")) is SLSAMAblationSpec
     assert type(method_spec("slsam_depth")) is CostAwareSLSAMSpec
     assert method_spec("slsam_depth").depth == 0.5
     assert method_spec("slsam_depth", depth=0.25).depth == 0.25

@@ -83,7 +83,7 @@ def test_presets_set_the_remedies_and_the_paper_preset_is_the_papers_method():
     with pytest.raises(ValueError, match="preset"):
         SparseLayerSAM(preset="fast")
     with pytest.raises(ValueError, match="preset"):
-        SparseLayerSAM(preset="robust")  # retired (tests/methods/test_slsam_ablation.py)
+        SparseLayerSAM(preset="robust")  # retired (tests/test_example_ablation.py)
 
 
 def test_the_default_is_pinned():
@@ -121,16 +121,11 @@ def test_the_paper_preset_keeps_the_count_budget():
     assert SparseLayerSAM(preset="paper").spec.setting("budget") == "count"
     net = torch.nn.Sequential(torch.nn.Embedding(100, 8), torch.nn.Linear(8, 2))
     assert make_engine("slsam_paper", net, seed=0).selection.costs is None
-    # The default budgets parameters (the paper's preset with the compute budget alone is
-    # the ablation's).
+    # The default budgets parameters.
     assert make_engine("slsam", net, seed=0).selection.costs.tolist() == [800.0, 16.0, 2.0]
-    engine = make_engine("slsam_ablation", net, seed=0, preset="paper", budget="compute")
-    assert engine.selection.costs.tolist() == [800.0, 16.0, 2.0]
-    # `budget` is the preset's on SparseLayerSAM; the ablation checks its value.
+    # `budget` is the preset's on SparseLayerSAM.
     with pytest.raises(TypeError, match="SparseLayerSAM has no option 'budget'"):
         SparseLayerSAM(budget="compute")
-    with pytest.raises(ValueError, match="`budget`"):
-        method_spec("slsam_ablation", budget="flops")
 
 
 @pytest.mark.parametrize(

@@ -77,14 +77,13 @@ def test_spec_options_are_checked_where_built():
         method_spec("random_slsam", layer_ratio=1.5)
     assert method_spec("looksam", interval=2).interval == 2
     assert method_spec("rst", probability=0.25).probability == 0.25
-    assert method_spec("slsam_ablation", bandit_loss="rank").setting("bandit_loss") == "rank"
     with pytest.raises(ValueError, match="Did you mean 'slsam'"):
         method_spec("slsamm")
 
 
 #: The options each method takes beyond the common ones (MethodSpec's and the Lightning
 #: shell's): no step schedule anywhere (RST, LookSAM and SL-SAM's combinations name their
-#: own), the preset settings alone only in SLSAMAblation.
+#: own), the preset settings alone nowhere (examples.methods.SLSAMAblation has them).
 OWN_OPTIONS = {
     "SAM": set(),
     "S2SAM": set(),
@@ -104,9 +103,6 @@ OWN_OPTIONS["SparseLayerSAM"] = OWN_OPTIONS["SLS2SAM"]
 OWN_OPTIONS["SLSAMRST"] = OWN_OPTIONS["SparseLayerSAM"] | {"probability"}
 OWN_OPTIONS["SLSAMLookSAM"] = OWN_OPTIONS["SparseLayerSAM"] | {"interval", "alpha"}
 OWN_OPTIONS["CostAwareSLSAM"] = OWN_OPTIONS["SparseLayerSAM"] | {"depth"}
-OWN_OPTIONS["SLSAMAblation"] = OWN_OPTIONS["SparseLayerSAM"] | {
-    "budget", "bandit_loss", "alpha_p", "head_always_active", "max_update_scale",
-}  # fmt: skip
 
 
 def test_each_method_takes_its_own_options_only():
@@ -161,11 +157,11 @@ def test_a_spec_is_only_its_options_and_each_engine_owns_what_it_builds(name):
 def test_the_compute_budget_reads_the_layer_sizes_from_the_partition():
     from lightning_slsam.core.partition import build_partition
 
-    spec = method_spec("slsam_ablation", budget="compute", layer_ratio=0.5)
+    spec = method_spec("slsam", layer_ratio=0.5)  # the default preset budgets parameters
     layers = build_partition(make_mlp())
     bandit = spec.selection(layers, torch.Generator().manual_seed(0))
     assert bandit.costs.tolist() == [float(n) for n in layers.numel]
-    count = method_spec("slsam_ablation", budget="count", layer_ratio=0.5)
+    count = method_spec("slsam_paper", layer_ratio=0.5)
     assert count.selection(layers, torch.Generator().manual_seed(0)).costs is None
 
 

@@ -23,12 +23,11 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(TESTS, "ddp_worker.py")
 METHODS = [
     "sam", "slsam_paper", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "esam",
-    "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam", "slsam_depth", "slsam_ablation",
+    "ssamf", "looksam", "slsam_rst", "slsam_looksam", "slsam", "slsam_depth",
     "momentum_sam", "arwp", "mesa", "saf",
 ]  # fmt: skip
-#: The fp16 and bfloat16 runs: every method but slsam_ablation, which without options runs
-#: slsam's configuration (its runs would repeat slsam's).
-PRECISION_METHODS = [m for m in METHODS if m != "slsam_ablation"]
+#: The fp16 and bfloat16 runs: every method.
+PRECISION_METHODS = METHODS
 #: Methods trained on a model whose blocks are compiled (layer sampling: each block a layer).
 COMPILED = ["slsam_paper", "slsam", "top_slsam", "esam"]
 #: Methods trained with Lightning's BackboneFinetuning unfreezing the first layer at step 4.

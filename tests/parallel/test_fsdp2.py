@@ -126,12 +126,11 @@ def test_ssamf_under_fsdp2_needs_a_loss_scale_argument():
 LIGHTNING_WORKER = os.path.join(TESTS, "fsdp2_lightning_worker.py")
 LIGHTNING_METHODS = [
     "sam", "slsam_paper", "random_slsam", "top_slsam", "s2sam", "sl_s2sam", "rst", "looksam",
-    "slsam_rst", "slsam_looksam", "slsam", "esam", "ssamf", "slsam_depth", "slsam_ablation",
+    "slsam_rst", "slsam_looksam", "slsam", "esam", "ssamf", "slsam_depth",
     "momentum_sam", "arwp", "mesa", "saf",
 ]  # fmt: skip
-#: The bfloat16 runs: every method but slsam_ablation, which without options runs slsam's
-#: configuration (its runs would repeat slsam's).
-BFLOAT16_METHODS = [m for m in LIGHTNING_METHODS if m != "slsam_ablation"]
+#: The bfloat16 runs: every method.
+BFLOAT16_METHODS = LIGHTNING_METHODS
 
 
 def _lightning(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:

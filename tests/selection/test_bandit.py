@@ -15,6 +15,7 @@ import pytest
 import torch
 from probes import bisect_projection
 
+from examples.methods import SLSAMAblationSpec
 from lightning_slsam.methods.registry import method_spec
 from lightning_slsam.selection.bandit import (
     DEFAULT_ALPHA,
@@ -347,7 +348,7 @@ def test_load_state_dict_rejects_mismatched_layers_or_probs():
 def test_invalid_bandit_options_are_refused_by_the_spec_with_the_option_name(options, name):
     # The bandit's options are checked once, by the method's specification.
     with pytest.raises(ValueError, match=f"`{name}`"):
-        method_spec("slsam_ablation", **options)
+        SLSAMAblationSpec(**options)
 
 
 @pytest.mark.parametrize(

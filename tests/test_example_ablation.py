@@ -1,4 +1,4 @@
-"""SL-SAM with each preset setting alone (:mod:`lightning_slsam.methods.slsam_ablation`):
+"""SL-SAM with each preset setting alone (examples/methods.py's ``slsam_ablation``):
 ``None`` is the preset's, a given setting wins, and the retired ``"robust"`` preset is one
 of its configurations."""
 
@@ -10,10 +10,9 @@ import torch.nn.functional as F
 from helpers import make_data, make_mlp
 from torch import nn
 
+from examples.methods import SLSAMAblation, SLSAMAblationSpec
 from lightning_slsam import SparseLayerSAM
-from lightning_slsam.lightning.callbacks import SLSAMAblation
 from lightning_slsam.methods.slsam import PRESETS
-from lightning_slsam.methods.slsam_ablation import SLSAMAblationSpec
 
 SETTINGS = ("budget", "bandit_loss", "alpha_p", "head_always_active", "max_update_scale")
 
