@@ -61,7 +61,13 @@ FLOOR = -1.5
 CONTROL_RHO = 1e-8
 #: the options that size a method without a radius (its rows are named by them, not by rho)
 SIZES = {"MESA": ("weight", "tau", "decay", "start"),
-         "SAF": ("weight", "tau", "delay", "start_epoch")}  # fmt: skip
+         "SAF": ("weight", "tau", "delay", "start_epoch"),
+         "SLSAMSAF": ("weight", "tau", "delay", "start_epoch")}  # fmt: skip
+#: a row's control where it is not its label's ``_rho0`` run: SAF's step on the bandit's
+#: draw against the bandit's sparse updates alone
+CONTROLS = {"slsam_saf": "slsam_rho0"}
+#: where a method's callback class lives (the package's, or examples/methods.py's)
+METHOD_MODULES = ("lightning_slsam.", "examples.methods.")
 #: options of a method sized by its radius that a control varies: a row names them where
 #: they differ from these defaults, after its radius
 VARIED = {"ARWP": {"growth": 10.0, "eta": 0.1}}
@@ -80,10 +86,13 @@ def read_runs(folder: str) -> list[dict[str, Any]]:
         with open(os.path.join(here, "config.yaml")) as handle:
             config = yaml.safe_load(handle)
         sam = [c for c in config["trainer"].get("callbacks") or []
-               if c["class_path"].startswith("lightning_slsam.")
+               if c["class_path"].startswith(METHOD_MODULES)
                and not c["class_path"].endswith("RunRecorder")]  # fmt: skip
         method = sam[0]["class_path"].rsplit(".", 1)[-1] if sam else "AdamW"
         options = sam[0]["init_args"] if sam else {}
+        # The loss's label smoothing (the mechanism control): a setting of the row, and
+        # AdamW with it is a row, not the baseline.
+        smoothing = float(config["model"]["init_args"].get("label_smoothing") or 0.0)
         found.append({
             "group": os.path.relpath(here, folder).split(os.sep)[0],
             "label": os.path.basename(os.path.dirname(here)),
@@ -93,7 +102,8 @@ def read_runs(folder: str) -> list[dict[str, Any]]:
             "rho": float(options["rho"]) if sam else None,
             "setting": tuple((k, float(options[k])) for k in SIZES.get(method, ()))
             + tuple((k, float(options[k])) for k, default in VARIED.get(method, {}).items()
-                    if float(options.get(k, default)) != default),
+                    if float(options.get(k, default)) != default)
+            + ((("label_smoothing", smoothing),) if smoothing else ()),
             "best_val": run["best"],
             "best_epoch": run["report_at_best"],
             "end": run["report_final"],
@@ -140,7 +150,7 @@ def share(row: list[float], adamw: list[float], sam: list[float],
 
 def task_table(runs: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
     """The task's choices, SAM's gain and every row's share of it."""
-    adamw_runs = [r for r in runs if r["method"] == "AdamW"]
+    adamw_runs = [r for r in runs if r["method"] == "AdamW" and not r["setting"]]
     lr, lr_means = choose(adamw_runs, "lr")
     sam_runs = [r for r in runs if r["method"] == "SAM" and r["lr"] == lr]
     if not sam_runs:  # a task whose SAM sweep has not run yet
@@ -160,7 +170,7 @@ def task_table(runs: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
     # One row per (label, radius): a method run at SAM's radius and at its own; of SAM's
     # sweep only the chosen radius is a row.
     keys = sorted({(r["label"], r["rho"], r["lr"], r["setting"]) for r in runs
-                   if r["method"] != "AdamW"},
+                   if r["method"] != "AdamW" or r["setting"]},
                   key=lambda k: (k[0] != "sam", k[0], k[2] != lr, k[2], k[1], k[3]))  # fmt: skip
     for label, radius, rate, setting in keys:
         mine = [r for r in runs
@@ -169,7 +179,8 @@ def task_table(runs: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
         if mine[0]["method"] == "SAM" and (label != "sam" or radius != rho or rate != lr):
             continue  # the sweep's other points
         name, named = label, [f"{k} {v:g}" for k, v in setting]
-        if mine[0]["method"] not in SIZES and radius != rho and not label.endswith("_rho0"):
+        sized = mine[0]["method"] in SIZES or radius is None  # (AdamW has no radius)
+        if not sized and radius != rho and not label.endswith("_rho0"):
             named.insert(0, f"rho {radius:g}")
         if named:  # a method at a setting of its own
             name += " (" + ", ".join(named) + ")"
@@ -189,7 +200,7 @@ def task_table(runs: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
     for name, row in rows.items():
         # A control runs at its sampler's learning rate; one serves every radius.
         label, rate = name.split(" (")[0], re.search(r" \(lr [^)]*\)", name)
-        control = rows.get(f"{label}_rho0" + (rate[0] if rate else ""))
+        control = rows.get(CONTROLS.get(label, f"{label}_rho0") + (rate[0] if rate else ""))
         if control is not None:
             row["split"] = {point: (control[point]["share"][0],
                                     row[point]["share"][0] - control[point]["share"][0])
@@ -358,7 +369,7 @@ def render(tables: dict[str, dict[str, Any]]) -> str:
             time, adamw = row.get("time"), t.get("adamw_time")
             cells.append("-" if time is None else f"{time:.2f}")
             cells.append("-" if time is None or not adamw else f"{time / adamw:.2f}")
-            radius = "-" if row["method"] in SIZES else f"{row['rho']:g}"
+            radius = "-" if row["method"] in SIZES or row["rho"] is None else f"{row['rho']:g}"
             lines.append(f"| {label} | {row['method']} | {radius} | {row['seeds']} | "
                          + " | ".join(cells) + " |")  # fmt: skip
         split = {label: row["split"] for label, row in t["rows"].items() if "split" in row}

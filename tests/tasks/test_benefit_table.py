@@ -18,12 +18,14 @@ sys.path.insert(0, os.path.join(ROOT, "examples", "scripts"))
 import benefit  # noqa: E402
 
 
-def write(folder, group, label, seed, *, lr, rho=None, cls="SAM", val, best, end, **options):
+def write(folder, group, label, seed, *, lr, rho=None, cls="SAM", module="lightning_slsam", val,
+          best, end, smoothing=None, **options):  # fmt: skip
     here = os.path.join(folder, group, "runs", label, f"seed{seed}")
     os.makedirs(here)
     args = {"rho": rho, **options}
-    callbacks = [] if rho is None else [{"class_path": f"lightning_slsam.{cls}", "init_args": args}]
-    config = {"model": {"init_args": {"learning_rate": lr}}, "trainer": {"callbacks": callbacks}}
+    callbacks = [] if rho is None else [{"class_path": f"{module}.{cls}", "init_args": args}]
+    model = {"learning_rate": lr, **({} if smoothing is None else {"label_smoothing": smoothing})}
+    config = {"model": {"init_args": model}, "trainer": {"callbacks": callbacks}}
     with open(os.path.join(here, "config.yaml"), "w") as handle:
         yaml.safe_dump(config, handle)
     with open(os.path.join(here, "run.json"), "w") as handle:
@@ -148,6 +150,33 @@ def test_a_control_of_a_radius_method_is_named_by_what_it_varies(task):
                   end=0.85, growth=10.0, eta=eta)  # fmt: skip
     rows = benefit.task_table(benefit.read_runs(task))["rows"]
     assert {"arwp (rho 0.01)", "arwp (rho 0.01, eta 0)"} <= set(rows)
+
+
+def test_a_smoothed_adamw_is_a_row_and_an_example_method_is_its_own_class(task):
+    for seed, jitter in enumerate((-0.01, 0.0, 0.01)):
+        # AdamW at the chosen rate with label smoothing (the mechanism control): a row of its
+        # own; joining the baseline would move SAM's gain.
+        write(task, "adamw_ls0.1", "adamw", seed, lr=1e-3, val=0.99, best=0.85 + jitter,
+              end=0.75 + jitter, smoothing=0.1)  # fmt: skip
+        # SAF on the bandit's draw (examples/methods.py's class): a row named by SAF's
+        # options, split against the bandit's sparse updates alone (slsam_rho0).
+        write(task, "slsam_saf_w3", "slsam_saf", seed, lr=1e-3, rho=0.01, cls="SLSAMSAF",
+              module="examples.methods", val=0.9, best=0.86 + jitter, end=0.80 + jitter,
+              weight=3.0, tau=5.0, delay=3, start_epoch=5)  # fmt: skip
+    table = benefit.task_table(benefit.read_runs(task))
+    assert table["best_epoch"]["gain"] == pytest.approx(0.10)  # the baseline as before
+    rows = table["rows"]
+    smoothed = rows["adamw (label_smoothing 0.1)"]
+    assert smoothed["best_epoch"]["share"][0] == pytest.approx(0.5)
+    assert smoothed["end"]["share"][0] == pytest.approx(0.5)
+    saf = "slsam_saf (weight 3, tau 5, delay 3, start_epoch 5)"
+    assert rows[saf]["method"] == "SLSAMSAF"
+    assert rows[saf]["best_epoch"]["share"][0] == pytest.approx(0.6)
+    alone, added = rows[saf]["split"]["best_epoch"]
+    assert alone == pytest.approx(0.2) and added == pytest.approx(0.4)
+    text = benefit.render({"toy": table})
+    assert "| adamw (label_smoothing 0.1) | AdamW | - | 3 |" in text
+    assert f"| {saf} | SLSAMSAF | - | 3 |" in text
 
 
 def test_a_gain_within_twice_its_standard_error_is_not_called_real(tmp_path):
