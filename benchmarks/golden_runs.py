@@ -875,13 +875,16 @@ def compare(path_a: str, path_b: str, shown: int = 4) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
     try:
-        from examples.methods import register
+        from examples.methods import registered  # slsam_ablation, by name
     except ImportError:  # a revision whose package holds slsam_ablation
-        pass
-    else:
-        register()  # slsam_ablation, by name (examples/methods.py)
+        registered = contextlib.nullcontext
+    with registered():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_worker"]:  # a multi-process group (see _launch)
         worker(argv[1], argv[2], argv[3].split(","))
         return 0

@@ -51,7 +51,6 @@ __all__ = [
     "SLSAMAblation",
     "SLSAMAblationSpec",
     "SLSAMSAFSpec",
-    "register",
     "registered",
 ]
 
@@ -141,16 +140,6 @@ class SLSAMAblation(SparseLayerSAM, SLSAMAblationOptions):
 SPEC_CLASSES = (SLSAMSAFSpec, SLSAMAblationSpec)
 
 
-def register() -> list[str]:
-    """Make the methods of this module known by name for the rest of the process (a worker
-    process of the tests); returns the names it added."""
-    added = [spec.name for spec in SPEC_CLASSES if spec.name not in SPECS]
-    for spec in SPEC_CLASSES:
-        if spec.name in added:
-            register_method(spec)
-    return added
-
-
 @contextmanager
 def registered() -> Iterator[None]:
     """The methods of this module known by name (``make_callback``, ``--methods``) inside the block.
@@ -162,7 +151,10 @@ def registered() -> Iterator[None]:
     >>> "slsam_saf" in METHODS
     False
     """
-    added = register()
+    added = [spec.name for spec in SPEC_CLASSES if spec.name not in SPECS]
+    for spec in SPEC_CLASSES:
+        if spec.name in added:
+            register_method(spec)
     try:
         yield
     finally:

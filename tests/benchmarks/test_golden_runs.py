@@ -35,6 +35,11 @@ def test_equal_recordings_pass(tmp_path, capsys):
     assert golden_runs.main(["compare", a, b]) == 0
     out = capsys.readouterr().out
     assert "equal    plain/sam" in out and "equal    lightning/slsam" in out  # NaN == NaN
+    # The script knows examples/methods.py's methods while it runs, and leaves the
+    # package's registry as it found it.
+    from lightning_slsam import METHODS
+
+    assert "slsam_ablation" not in METHODS and "slsam_saf" not in METHODS
 
 
 def test_a_differing_tensor_fails_and_names_the_run(tmp_path, capsys):
