@@ -68,6 +68,22 @@ def make_mlp(dim: int = 8, hidden: int = 16, classes: int = 3, seed: int = 0) ->
     )
 
 
+class HeadMLP(nn.Module):
+    """``make_mlp`` with a fresh task head it names (``sam_head_parameters``): the head rule
+    of SL-SAM's default preset applies to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_mlp(classes=8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+    def sam_head_parameters(self) -> list[str]:
+        return ["head.weight", "head.bias"]
+
+
 def linear_sgd(params, lr: float = 0.1, weight_decay: float = 0.01) -> torch.optim.SGD:
     """SGD with momentum: the optimizer of runs compared across process counts, precisions
     or code paths (the multi-process workers). Its update is linear in the gradient, so two

@@ -7,29 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_data, make_mlp
-from torch import nn
+from helpers import HeadMLP, make_data, make_mlp
 
 from examples.methods import SLSAMAblation, SLSAMAblationSpec
 from lightning_slsam import SparseLayerSAM
 from lightning_slsam.methods.slsam import PRESETS
 
 SETTINGS = ("budget", "bandit_loss", "alpha_p", "head_always_active", "max_update_scale")
-
-
-class HeadMLP(nn.Module):
-    """A small MLP with a fresh task head it names (the head rule applies to it)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = make_mlp(classes=8)
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.body(x)))
-
-    def sam_head_parameters(self) -> list[str]:
-        return ["head.weight", "head.bias"]
 
 
 def _train(callback, steps=6):

@@ -6,27 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_data, make_mlp
+from helpers import HeadMLP, make_data, make_mlp
 from tolerance import offset_atol
-from torch import nn
 
 from lightning_slsam import RandomSLSAM, make_callback
 from lightning_slsam.selection.rules import UniformSelection
-
-
-class HeadMLP(nn.Module):
-    """A small MLP with a fresh task head it names (the head rule applies to it)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = make_mlp(classes=8)
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.body(x)))
-
-    def sam_head_parameters(self) -> list[str]:
-        return ["head.weight", "head.bias"]
 
 
 def test_the_presets():

@@ -9,29 +9,12 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_data, make_mlp
-from torch import nn
+from helpers import HeadMLP, make_data, make_mlp
 
 from lightning_slsam import SLS2SAM, SparseLayerSAM, make_callback, make_engine
 from lightning_slsam.methods.registry import method_spec
 from lightning_slsam.methods.slsam import PRESET_WORDS, PRESETS, SLSAMSpec
 from lightning_slsam.selection.bandit import LayerBandit
-
-
-class HeadMLP(nn.Module):
-    """``make_mlp`` with a fresh task head it names (``sam_head_parameters``): the presets'
-    head rule differs on it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = make_mlp(classes=8)
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.body(x)))
-
-    def sam_head_parameters(self) -> list[str]:
-        return ["head.weight", "head.bias"]
 
 
 def _train(engine, net, steps=6):
