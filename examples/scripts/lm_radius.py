@@ -4,12 +4,13 @@ accuracy? A table and a plot from the radius sweep of the language-model task.
     python examples/scripts/compare_parallel.py examples/scripts/plans/cpu_lm_radius.txt --jobs 2
     python examples/scripts/lm_radius.py docs/results/lm_radius --with docs/results/lm_forgetting
 
-Each sub-folder of the sweep is one point: ``sam_rho<R>`` (SAM at radius R) or ``adamw_lr<LR>``
-(AdamW at learning rate LR), read as ``learning_forgetting.py`` reads a ``compare`` folder: the
-last held-out next-token accuracy on the Rotten Tomatoes sentences (in-domain) and the rise of
-the loss on the Brontës' novels (forgetting). ``--with`` adds a comparison folder's ``sam`` and
-``adamw`` runs as SAM at ``--with-rho`` (default 0.01) and AdamW at ``--with-lr`` (default
-3e-3), the task config's settings; their seeds join the sweep's at the same point.
+Each sub-folder of the sweep is one point: ``sam_rho<R>`` (SAM at radius R), ``adamw_lr<LR>``
+(AdamW at learning rate LR) or ``mesa_w<W>`` (MESA at weight W, the task's learning rate), read
+as ``learning_forgetting.py`` reads a ``compare`` folder: the last held-out next-token accuracy
+on the Rotten Tomatoes sentences (in-domain) and the rise of the loss on the Brontës' novels
+(forgetting). ``--with`` adds a comparison folder's ``sam`` and ``adamw`` runs as SAM at
+``--with-rho`` (default 0.01) and AdamW at ``--with-lr`` (default 3e-3), the task config's
+settings; their seeds join the sweep's at the same point.
 
 SAM at a radius "forgets less at equal accuracy" when its loss rise is under AdamW's at SAM's
 accuracy -- read on AdamW's frontier (the learning rates no other rate beats on both counts),
@@ -33,7 +34,10 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from learning_forgetting import collect
 
-POINT = re.compile(r"^(sam_rho|adamw_lr)(.+)$")
+POINT = re.compile(r"^(sam_rho|adamw_lr|mesa_w)(.+)$")
+#: A folder's prefix -> the method its runs are, and how a row names its point.
+METHODS = {"sam_rho": "sam", "adamw_lr": "adamw", "mesa_w": "mesa"}
+NAMES = {"sam": "SAM rho {:g}", "adamw": "AdamW lr {:g}", "mesa": "MESA weight {:g}"}
 
 
 def _mean_se(values: list[float]) -> tuple[float, float]:
@@ -47,14 +51,14 @@ Points = dict[tuple[str, float], dict[str, dict[str, Any]]]
 
 def gather(folder: str, extra: str | None = None, extra_rho: float = 0.01,
            extra_lr: float = 3e-3) -> Points:  # fmt: skip
-    """``(method, setting) -> seed -> run``: method ``"sam"`` (setting: the radius) or
-    ``"adamw"`` (setting: the learning rate)."""
+    """``(method, setting) -> seed -> run``: method ``"sam"`` (setting: the radius),
+    ``"adamw"`` (setting: the learning rate) or ``"mesa"`` (setting: its weight)."""
     points: Points = {}
     for name in sorted(os.listdir(folder)):
         match = POINT.match(name)
         if not match or not os.path.isdir(os.path.join(folder, name, "runs")):
             continue
-        method = "sam" if match.group(1) == "sam_rho" else "adamw"
+        method = METHODS[match.group(1)]
         for runs in collect(os.path.join(folder, name)).values():
             points.setdefault((method, float(match.group(2))), {}).update(runs)
     if extra is not None:
@@ -123,8 +127,7 @@ def render(rows: list[dict[str, Any]]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
-        name = (f"SAM rho {row['setting']:g}" if row["method"] == "sam"
-                else f"AdamW lr {row['setting']:g}")  # fmt: skip
+        name = NAMES[row["method"]].format(row["setting"])
         cells = [
             name,
             str(row["seeds"]),
@@ -132,7 +135,7 @@ def render(rows: list[dict[str, Any]]) -> str:
             _fmt(row["loss_rise"], row["loss_rise_se"], 3),
             _fmt(row["kl"], row["kl_se"], 3),
         ]
-        if row["method"] == "sam" and len(adamw) >= 2:
+        if row["method"] != "adamw" and len(adamw) >= 2:
             cmp = at_equal_accuracy(row, adamw)
             row["at_equal_accuracy"] = cmp
             shown = "-" if cmp["adamw_rise"] != cmp["adamw_rise"] else f"{cmp['adamw_rise']:.3f}"
@@ -142,7 +145,7 @@ def render(rows: list[dict[str, Any]]) -> str:
         else:
             cells += ["", "", ""]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Mean ± standard error over seeds. The reading compares SAM's reference loss"
+    lines += ["", "Mean ± standard error over seeds. The reading compares a point's reference loss"
               " rise with AdamW's at the same in-domain accuracy, on AdamW's frontier (the rates"
               " no other rate beats on both counts), linear between the two rates around it;"
               " a difference counts when it exceeds twice its standard error."]  # fmt: skip
@@ -162,7 +165,8 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     near = [r for r in rows if adamw and r["final"] >= min(a["final"] for a in adamw) - 0.005]
     for ax, shown in zip(axes, (rows, near)):
         for method, marker, label in (("adamw", "o", "AdamW, by learning rate"),
-                                      ("sam", "s", "SAM, by radius (lr 3e-3)")):  # fmt: skip
+                                      ("sam", "s", "SAM, by radius (lr 3e-3)"),
+                                      ("mesa", "^", "MESA, by weight (lr 3e-3)")):  # fmt: skip
             points = sorted((r for r in shown if r["method"] == method), key=lambda r: r["setting"])
             if not points:
                 continue
@@ -174,7 +178,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
             ax.errorbar(xs, ys, xerr=xe, yerr=ye, marker=marker, capsize=3, label=label)
             for r in points:
                 ax.annotate(f"{r['setting']:g}", (r["loss_rise"], r["final"]), fontsize=8,
-                            xytext=(4, -10 if method == "sam" else 4),
+                            xytext=(4, 4 if method == "adamw" else -10),
                             textcoords="offset points")  # fmt: skip
         ax.set_xlabel("rise of the loss on the Brontës' novels (nats; left: forgets less)")
         ax.grid(alpha=0.3)
@@ -188,7 +192,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("folder", help="the sweep's folder (sam_rho*/, adamw_lr*/)")
+    parser.add_argument("folder", help="the sweep's folder (sam_rho*/, adamw_lr*/, mesa_w*/)")
     parser.add_argument("--with", dest="extra", help="a compare folder with sam and adamw runs")
     parser.add_argument("--with-rho", type=float, default=0.01)
     parser.add_argument("--with-lr", type=float, default=3e-3)

@@ -1,7 +1,7 @@
-"""The radius sweep's reading (examples/scripts/lm_radius.py) on hand-made run records: SAM's
-forgetting is compared with AdamW's at SAM's in-domain accuracy, on AdamW's frontier (a rate
-that learns less and forgets more is off it), and a difference counts only above twice its
-standard error."""
+"""The radius sweep's reading (examples/scripts/lm_radius.py) on hand-made run records: SAM's and
+MESA's forgetting is compared with AdamW's at the point's in-domain accuracy, on AdamW's
+frontier (a rate that learns less and forgets more is off it), and a difference counts only
+above twice its standard error."""
 
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ def sweep(tmp_path):
         write(folder, "sam_rho0.1", "sam", seed, final=0.315, loss_rise=0.45 + 2 * j)
         # SAM at 1 learns less than any rate and forgets more than 1e-3: dominated.
         write(folder, "sam_rho1", "sam", seed, final=0.28, loss_rise=0.35 + j)
+        # MESA at weight 2 a quarter of the way, forgetting 0.05 more than AdamW there (0.35).
+        write(folder, "mesa_w2", "mesa", seed, final=0.305, loss_rise=0.40 + j)
     write(extra, "", "sam", 42, final=0.319, loss_rise=0.49)  # rho 0.01, one seed
     # A folder that is not a point is ignored.
     os.makedirs(os.path.join(folder, "notes"))
@@ -55,7 +57,8 @@ def test_the_sweep_reads_each_point_and_joins_the_other_folders_runs(sweep):
     folder, extra = sweep
     points = lm_radius.gather(folder, extra)
     assert sorted(points) == [("adamw", 1e-3), ("adamw", 3e-3), ("adamw", 1e-2),
-                              ("sam", 0.01), ("sam", 0.1), ("sam", 0.3), ("sam", 1.0)]  # fmt: skip
+                              ("mesa", 2.0), ("sam", 0.01), ("sam", 0.1), ("sam", 0.3),
+                              ("sam", 1.0)]  # fmt: skip
     assert sorted(points[("adamw", 3e-3)]) == ["42", "43", "44"]
     rows = {(r["method"], r["setting"]): r for r in lm_radius.summarise(points)}
     row = rows[("sam", 0.3)]
@@ -81,6 +84,9 @@ def test_sam_is_read_against_adamws_frontier_at_its_accuracy(sweep):
     assert lm_radius.at_equal_accuracy(by[("sam", 1.0)], adamw)["verdict"] == "dominated by AdamW"
     one = lm_radius.at_equal_accuracy(by[("sam", 0.01)], adamw)
     assert one["verdict"] == "one seed: no reading"
+    more = lm_radius.at_equal_accuracy(by[("mesa", 2.0)], adamw)
+    assert more["adamw_rise"] == pytest.approx(0.35) and more["diff"] == pytest.approx(0.05)
+    assert more["verdict"] == "forgets more"
 
 
 def test_main_writes_the_table_and_the_plot(sweep):
@@ -88,6 +94,7 @@ def test_main_writes_the_table_and_the_plot(sweep):
     text = lm_radius.main([folder, "--with", extra])
     assert "| SAM rho 0.3 | 3 | 0.3100 ± 0.0000 | 0.300 ± 0.006 |" in text
     assert "forgets less (AdamW between lr 0.001 and 0.003)" in text
+    assert "| MESA weight 2 | 3 | 0.3050 ± 0.0000 | 0.400 ± 0.006 |" in text
     assert os.path.getsize(os.path.join(folder, "radius.png")) > 1000
     with open(os.path.join(folder, "radius.md")) as handle:
         assert handle.read() == text
