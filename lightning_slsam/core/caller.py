@@ -1,5 +1,4 @@
-"""Warnings attributed to the line of the user's code that led to them, not to the framework
-frame that called the package (:func:`warn`)."""
+"""Warnings attributed to the user's line of code, not to a framework frame (:func:`warn`)."""
 
 from __future__ import annotations
 
@@ -28,10 +27,7 @@ def _library_folders() -> tuple[str, ...]:
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn(message, category)``, attributed to the innermost calling frame
-    outside this package, the frameworks it runs in (:data:`FRAMEWORKS`) and the standard
-    library: the user's ``trainer.fit(...)`` or ``trainer.train()`` line. Where there is
-    none (the ``lightning-slsam`` command), to the package's own call."""
+    """``warnings.warn`` attributed to the innermost frame outside :data:`FRAMEWORKS`/stdlib."""
     folders = _library_folders()
     own = os.path.join(os.path.dirname(os.path.dirname(__file__)), "")
     frame, level, ours = sys._getframe(1), 2, None

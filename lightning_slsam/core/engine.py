@@ -1,10 +1,6 @@
-"""The stateful shell around the step functions (:mod:`lightning_slsam.core.step`):
-:class:`SAMEngine` picks each step's kind, draws the layers, runs the step, counts, and saves
-and loads its state. A training loop calls ``engine.step(loop)`` with a
-:class:`~lightning_slsam.core.step.LoopHooks`; a plain PyTorch loop calls
-:meth:`SAMEngine.train_step`.
-
-SL-SAM from its parts (:func:`~lightning_slsam.make_engine` builds it from a method's name):
+"""The stateful shell around :mod:`lightning_slsam.core.step`: :class:`SAMEngine` picks each
+step's kind, draws the layers, runs the step, counts and saves its state. SL-SAM from its parts
+(:func:`~lightning_slsam.make_engine` builds it from a method's name):
 
 >>> import torch
 >>> from lightning_slsam.core.partition import build_partition
@@ -68,22 +64,13 @@ class SAMEngine:
         partition: the layers, from :func:`~lightning_slsam.core.partition.build_partition`.
         selection: the layer-selection rule (SL-SAM's bandit, ...).
         perturbation: the ascent applied to the perturbed tensors.
-        parts: what the method adds to the steps (:class:`~lightning_slsam.core.step.MethodParts`;
-            default: SAM on every step).
+        parts: the method's :class:`~lightning_slsam.core.step.MethodParts` (default: SAM).
         module: the model, whose normalisation layers' running statistics are managed.
-        bn_stats: which pass's running statistics a two-pass step keeps: ``"first"`` (default,
-            the unperturbed pass), ``"second"`` or ``"both"``; extra forwards never count.
+        bn_stats: the pass whose statistics count: ``"first"`` (default), ``"second"``, ``"both"``.
         replay_dropout: the second pass replays the first pass's dropout masks (default ``False``).
-        sync_first_pass: under multi-process training, average the first pass's gradients before
-            the ascent (default); ``False``: each process perturbs with its own (m-sharpness),
-            only the per-layer norms are averaged.
-        check_masks: under DDP, check every step that all processes drew the same layers
-            (default ``False``).
-        update_scale: cap of the update scaling (``None``, default: none): each drawn layer's
-            update is multiplied by ``min(1 / q, update_scale)``, ``q`` its probability of
-            being drawn (:meth:`~lightning_slsam.selection.rules.LayerSelection.inclusion`).
-
-    The arguments are not checked here: a method's specification checks its options.
+        sync_first_pass: average first-pass gradients before the ascent (default; False: own).
+        check_masks: under DDP, check every step that all processes drew alike (default off).
+        update_scale: scale a drawn layer's update by ``min(1 / q, update_scale)`` (None: off).
 
     Attributes:
         counts: steps in which each layer was updated (int64, CPU).
@@ -143,7 +130,6 @@ class SAMEngine:
         """Whether the steps need per-sample losses (ESAM's sample choice)."""
         return self.parts.needs_per_sample
 
-    # -- the step ---------------------------------------------------------------------
     def step(self, loop: LoopHooks) -> StepResult:
         """Run one training step of the method with the training loop's ``loop``."""
         # FSDP2: a forward without backward (validation) may have left the root unsharded.
@@ -222,15 +208,10 @@ class SAMEngine:
         """One step in a plain PyTorch loop; returns its :class:`StepResult`.
 
         Args:
-            compute_loss: runs the forward pass on the batch and returns the loss, once per
-                pass. ESAM and SSAM-F call it as ``compute_loss(index)`` with sample
-                indices; ESAM needs per-sample losses (a 1-D tensor, averaged for the update).
+            compute_loss: the loss, once per pass (ESAM, SSAM-F: ``compute_loss(index)``).
             optimizer: the base optimizer; not stepped when the step is skipped.
             batch_size: samples in the batch (needed by ESAM and SSAM-F).
-            ddp: under DDP, the ``DistributedDataParallel`` wrapper ``compute_loss`` runs;
-                build the engine on ``ddp.module`` with the same ``seed`` on every process.
-                The step runs inside ``ddp.no_sync()`` and averages the active gradients
-                itself. (FSDP2 needs nothing.)
+            ddp: the DDP wrapper ``compute_loss`` runs (engine on ``ddp.module``, same seed).
         """
 
         def loss(index: Tensor | None) -> LossOutput:
@@ -260,7 +241,6 @@ class SAMEngine:
         return run_step(self, passes, zero_grad, optimizer_step, optimizer, averager=averager,
                         check_draw=first, no_sync=ddp.no_sync())  # type: ignore[operator]  # fmt: skip
 
-    # -- counters -----------------------------------------------------------------------
     def reset_counters(self, num_layers: int) -> None:
         """Start counting afresh for ``num_layers`` layers."""
         self.counts = torch.zeros(num_layers, dtype=torch.int64)
@@ -275,8 +255,7 @@ class SAMEngine:
         self.last_result: StepResult | None = None
 
     def count(self, result: StepResult, measured: Tensor, norms: Tensor | None) -> None:
-        """Count a finished step, with the first-pass norms ``norms`` (float64, CPU; ``None``
-        for a skipped step) of the layers in ``measured``."""
+        """Count a finished step, with ``measured``'s first-pass ``norms`` (``None``: skipped)."""
         self.num_steps += 1
         if result.skipped:
             self.num_skipped += 1
@@ -312,13 +291,11 @@ class SAMEngine:
         return int((self.counts == 0).sum())
 
     def sampled(self) -> bool:
-        """Whether some layer missed a step it could be drawn in (``False`` for the methods
-        that update every layer each step)."""
+        """Whether some layer missed a step it could be drawn in."""
         return bool((self.counts < self.layer_steps()).any())
 
     def step_metrics(self, result: StepResult, distributed: bool) -> dict[str, float]:
-        """The metrics every front-end logs after ``result``'s optimizer step
-        (``distributed``: the all-reduced bytes too)."""
+        """The metrics every front-end logs after a step (``distributed``: bytes too)."""
         total = max(result.trainable_numel, 1)
         per_pass = [n / total for n in result.pass_numel] + [0.0, 0.0]
         metrics = {
@@ -336,10 +313,8 @@ class SAMEngine:
             metrics["slsam/allreduce_bytes"] = float(result.allreduce_bytes)
         return metrics
 
-    # -- state --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue identically; per-tensor stores are keyed by the
-        tensor's position in the partition (whole tensors under FSDP2)."""
+        """Everything to continue identically; per-tensor stores keyed by tensor position."""
         index = self.freezer.tensor_index()
         state = {
             "selection": self.selection.state_dict(),
@@ -357,8 +332,7 @@ class SAMEngine:
         return self._per_tensor(state, self.shards.full)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (the partition must match); checkpoints of
-        earlier versions load too."""
+        """Restore :meth:`state_dict`'s output (the partition must match)."""
         counts = state["counts"]
         if counts.numel() != self.partition.num_layers:
             raise ValueError(
@@ -383,9 +357,7 @@ class SAMEngine:
     def carry_state(
         self, state: dict[str, Any], layer_names: list[str], tensor_names: list[str]
     ) -> dict[str, Any]:
-        """:meth:`state_dict`'s output saved for the layers ``layer_names`` (tensors
-        ``tensor_names``), mapped by name onto this partition for :meth:`load_state_dict`: a
-        layer on both sides keeps its state, a new one starts afresh, one that left is dropped."""
+        """:meth:`state_dict`'s output for ``layer_names``/``tensor_names`` mapped by name here."""
         old_layer = {name: i for i, name in enumerate(layer_names)}
         index = [old_layer.get(name, -1) for name in self.partition.names]
         done = int(state["num_steps"]) - int(state["num_skipped"])
@@ -424,8 +396,7 @@ class SAMEngine:
 
 
 def normalized_entropy(probs: Tensor) -> float:
-    """Entropy of ``probs / probs.sum()`` divided by ``log(N)``: 1.0 is uniform (and a
-    single layer), toward 0 as the bandit concentrates."""
+    """Entropy of ``probs / probs.sum()`` over ``log(N)``: 1.0 uniform, toward 0 concentrated."""
     n = probs.numel()
     if n <= 1:
         return 1.0

@@ -1,6 +1,5 @@
-"""The setup rules every front-end shares (the Lightning callback, Fabric, the Hugging Face
-Trainer): each hands in plain facts about its framework (the strategy's class names, the world
-size, whether FSDP1 runs) and raises with its own exception type (``error``) and docs page.
+"""The setup rules every front-end shares; each hands in plain facts about its framework and
+raises with its own exception type (``error``) and docs page.
 
 >>> check_parallelism("SAMTrainer", fsdp1=True, fix="Use FSDP2.", docs="docs/huggingface.md")
 Traceback (most recent call last):
@@ -63,8 +62,7 @@ def check_parallelism(
 
     Args:
         owner: the front-end's name in the message (``SparseLayerSAM``, ``FabricSAM(...)``).
-        classes: the class names of a Lightning or Fabric strategy and its bases (DeepSpeed,
-            FSDP1 and XLA strategies are refused by name).
+        classes: the class names of a Lightning or Fabric strategy and its bases.
         deepspeed, fsdp1: the framework runs DeepSpeed or FSDP1 (the Hugging Face Trainer).
         several: several processes under a strategy that is neither DDP nor FSDP2.
         strategy: how the message names what runs (default: ``DeepSpeed``, ``FSDP1``, ...).
@@ -91,9 +89,7 @@ def check_sharded(
     docs: str,
     error: type[Exception] = ValueError,
 ) -> None:
-    """Under :data:`FSDP2_STRATEGY` (one of ``classes``) on several processes, some parameter
-    must be sharded (``sharded``: the engine's ``shards.sharded``), else raise ``error`` with
-    ``fix``: where ``fully_shard`` goes in the framework."""
+    """Under :data:`FSDP2_STRATEGY` on several processes, raise ``error`` unless ``sharded``."""
     if FSDP2_STRATEGY in classes and world_size > 1 and not sharded:
         raise error(
             f"{owner} under {FSDP2_STRATEGY} needs the model sharded with FSDP2, but no"
@@ -114,9 +110,7 @@ def run_step(
     after_update: Callable[[Callable[[], None]], None] | None = None,
     no_sync: AbstractContextManager[Any] | None = None,
 ) -> StepResult:
-    """One step of ``engine`` over ``passes`` with a loop's hooks
-    (:class:`~lightning_slsam.core.step.LoopHooks`; ``scaler``: a gradient scaler or ``None``),
-    inside ``no_sync`` (the framework's gradient sync off while ``averager`` averages)."""
+    """One step of ``engine`` over ``passes`` with a loop's hooks, inside ``no_sync``."""
     loop = LoopHooks(
         passes, zero_grad, optimizer_step, loss_scale_reader(scaler), averager,
         check_draw=check_draw, after_update=after_update, optimizer=optimizer,
@@ -147,9 +141,7 @@ def follow_trainable(
     step: int,
     error: type[Exception] = ValueError,
 ) -> tuple[Any, str] | None:
-    """Before step ``step``: ``None`` when ``module``'s trainable tensors are ``engine``'s;
-    else the engine carried over to them (the spec's ``follow_trainable``) and the line to
-    log. Options that no longer fit the model raise ``error``."""
+    """``None`` if ``module``'s trainable set is unchanged, else the carried engine and a line."""
     if not engine.freezer.trainable_changed(module):
         return None
     try:

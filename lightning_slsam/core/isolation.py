@@ -1,6 +1,5 @@
 """What one pass of a SAM step may leave behind besides gradients (:class:`PassIsolation`):
-which forward's running statistics count (:class:`RunningStats` snapshots and restores
-them), and the first pass's dropout masks replayed (:class:`RandomState`).
+running statistics (:class:`RunningStats`) and dropout masks (:class:`RandomState`).
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ BN_STATS = ("first", "second", "both")
 
 
 class RunningStats:
-    """The running-statistics buffers of every normalisation layer that tracks them
-    (BatchNorm, SyncBatchNorm, InstanceNorm with ``track_running_stats=True``)."""
+    """The running-statistics buffers of every norm layer with ``track_running_stats``."""
 
     def __init__(self, module: nn.Module) -> None:
         self.buffers: list[Tensor] = []
@@ -64,8 +62,7 @@ class RunningStats:
 
 @contextmanager
 def evaluating(module: nn.Module) -> Iterator[None]:
-    """``module`` in evaluation mode (no dropout, running statistics used and left as they
-    are), every submodule's mode restored afterwards."""
+    """``module`` in evaluation mode, every submodule's mode restored afterwards."""
     modes = [(m, m.training) for m in module.modules()]
     module.eval()
     try:
@@ -98,8 +95,7 @@ class PassIsolation:
 
     Args:
         stats: the model's running statistics (``None`` or empty: nothing to manage).
-        bn_stats: which pass's statistics the step keeps: ``"first"``, ``"second"`` or
-            ``"both"``; extra forwards never count.
+        bn_stats: which pass's statistics the step keeps: ``"first"``, ``"second"``, ``"both"``.
         replay_dropout: the second pass replays the first pass's random streams.
     """
 
@@ -127,8 +123,7 @@ class PassIsolation:
 
 @dataclass
 class StepIsolation:
-    """One SAM step's isolation (:meth:`PassIsolation.begin`): the snapshots it keeps, and
-    what to do as the passes go."""
+    """One SAM step's isolation (:meth:`PassIsolation.begin`): its snapshots and pass hooks."""
 
     stats: RunningStats | None
     before: list[Tensor] | None

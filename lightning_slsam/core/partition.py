@@ -1,9 +1,5 @@
-"""Which parameter tensors form each sampled layer (:func:`build_partition`), and the
-per-step freezing over them (:class:`LayerFreezer`).
-
-Each step, layers outside the active set get ``requires_grad=False`` before the forward:
-autograd builds no weight-gradient work for them, their ``.grad`` stays ``None`` and the
-optimizer leaves them and their state untouched.
+"""Which parameter tensors form each sampled layer (:func:`build_partition`), and the per-step
+freezing (:class:`LayerFreezer`): inactive layers get ``requires_grad=False`` before the forward.
 """
 
 from __future__ import annotations
@@ -33,10 +29,8 @@ class LayerPartition:
         names: one name per sampled layer (bandit arm), in model order.
         params: for each sampled layer, its parameter tensors.
         param_names: for each sampled layer, the names of its tensors.
-        always_active: tensors trained every step (not sampled).
-        always_active_names: their names.
-        always_frozen: tensors never trained while the partition is in use.
-        always_frozen_names: their names.
+        always_active, always_active_names: tensors trained every step (not sampled), names.
+        always_frozen, always_frozen_names: tensors never trained while in use, names.
         numel: parameter count of each sampled layer.
 
     Example:
@@ -59,7 +53,6 @@ class LayerPartition:
 
     def __post_init__(self) -> None:
         self.numel = [sum(p.numel() for p in group) for group in self.params]
-        # A flat view lets the hot path work on one list of tensors.
         self.flat_params: list[nn.Parameter] = [p for group in self.params for p in group]
 
     @property
@@ -122,26 +115,19 @@ def build_partition(model: nn.Module, layers: LayerSpec = "tensor",
     """Partition ``model``'s trainable parameters into sampled layers.
 
     Args:
-        model: the module whose parameters are partitioned; only those with
-            ``requires_grad=True`` now take part (tied ones once).
-        layers: how tensors group into layers: ``"tensor"`` (default, the paper's: one
-            layer per tensor), ``"module"`` (the tensors a module owns directly), a list of
-            regular expressions (a matching name joins the group named by the match, or its
-            first capture group; the others stay alone) or a callable
-            ``(name, param) -> key | None`` (equal keys form a layer; ``None``: alone).
-        always_active: regular expressions (``re.search`` on the parameter name) of
-            tensors trained every step instead of being sampled.
+        model: the module; only parameters with ``requires_grad=True`` take part (tied once).
+        layers: ``"tensor"`` (default: one layer per tensor), ``"module"`` (the tensors a
+            module owns directly), regular expressions (a match, or its first group, names
+            the layer; unmatched tensors stand alone) or ``(name, param) -> key | None``.
+        always_active: regexes (``re.search`` on the name) of tensors trained every step.
         always_frozen: regular expressions of tensors never trained while SL-SAM runs.
-        regions: qualified names of submodules whose tensors form one layer each, whatever
-            ``layers`` says (compiled regions: :mod:`lightning_slsam.core.regions`).
+        regions: submodule names whose tensors form one layer each (compiled regions).
 
     Returns:
-        The :class:`LayerPartition`, layers in the order their first tensor appears in
-        ``model.named_parameters()``.
+        The :class:`LayerPartition`, layers in ``model.named_parameters()`` order.
 
     Raises:
-        ValueError: for an invalid or unmatched pattern, a tensor matched by both
-            ``always_active`` and ``always_frozen``, or no trainable parameter left to sample.
+        ValueError: for an invalid, unmatched or overlapping pattern, or nothing to sample.
 
     Example:
         >>> import torch
@@ -277,11 +263,9 @@ def describe_change(old: LayerPartition, new: LayerPartition, shown: int = 4) ->
 
 
 def find_new_head(model: nn.Module) -> list[str]:
-    """Names of the trainable parameters of ``model``'s freshly initialised task head, in
-    ``model.named_parameters()`` order (empty when none is found): those named by the
-    model's own ``sam_head_parameters()``, else a timm classifier whose ``num_classes``
-    differs from its pretrained configuration's, and a Transformers model's parameters
-    outside its base model except the output embeddings.
+    """Trainable parameter names of ``model``'s new task head (``[]``: none found): its
+    ``sam_head_parameters()``, else a timm classifier with changed ``num_classes`` and a
+    Transformers model's parameters outside its base model but the output embeddings.
 
     Example:
         >>> import timm, torch
@@ -331,8 +315,7 @@ def find_new_head(model: nn.Module) -> list[str]:
 
 
 class LayerFreezer:
-    """Freezes and unfreezes the layers of ``partition``, and maps tensors to their
-    normalisation group: one per layer, then one per always-active tensor.
+    """Freezes ``partition``'s layers, and maps tensors to groups (layers, then always-active).
 
     Example:
         >>> import torch
@@ -355,7 +338,6 @@ class LayerFreezer:
         self._slot.update({id(p): n + j for j, p in enumerate(partition.always_active)})
         self.num_groups = n + len(partition.always_active)
         self.num_layers = n
-        # ASAM scales weight tensors only (biases are perturbed unscaled).
         flat_names = [name for group in partition.param_names for name in group]
         named = [*zip(partition.flat_params, flat_names)]
         named += [*zip(partition.always_active, partition.always_active_names)]
@@ -363,8 +345,7 @@ class LayerFreezer:
         self._tracked = {id(p) for p in (*self.tensors(), *partition.always_frozen)}
 
     def activate(self, mask: Tensor) -> list[Tensor]:
-        """Make exactly the layers in ``mask`` and the always-active tensors trainable;
-        returns the active tensors, always-active ones first."""
+        """Unfreeze only ``mask``'s layers and always-active tensors; return them (those first)."""
         partition = self.partition
         active: list[Tensor] = list(partition.always_active)
         for param in partition.always_active:
@@ -388,8 +369,7 @@ class LayerFreezer:
             param.requires_grad_(True)
 
     def trainable_changed(self, module: torch.nn.Module) -> bool:
-        """Whether ``module``'s trainable set differs from the partition's (checked between
-        steps, when every partition tensor is trainable)."""
+        """Whether ``module``'s trainable set differs from the partition's (between steps)."""
         tracked = self._tracked
         return any(p.requires_grad != (id(p) in tracked) for p in module.parameters())
 

@@ -1,7 +1,5 @@
-"""The one pass loop: a forward/backward pass over a step's micro-batches (:class:`PassRunner`).
-
-Every front-end runs its passes through it, handing over how a micro-batch's loss is computed,
-how a loss is back-propagated and how a batch is cut to some of its samples.
+"""The one pass loop every front-end uses: forward/backward over a step's micro-batches
+(:class:`PassRunner`).
 
 >>> import torch
 >>> w = torch.nn.Parameter(torch.tensor(2.0))
@@ -37,8 +35,7 @@ PER_SAMPLE_NEEDED = (
 )
 
 
-#: What a training step may return besides its loss: per-sample losses (ESAM), the logits
-#: (SAF, MESA), each sample's position in the training set (SAF).
+#: What a training step may return besides its loss (ESAM, SAF, MESA read them).
 OUTPUT_KEYS = ("per_sample_loss", "logits", "index")
 
 
@@ -48,8 +45,7 @@ class LossOutput(NamedTuple):
     Attributes:
         loss: the scalar loss to back-propagate.
         per_sample: each sample's loss, detached (``None``: not given).
-        logits: the model's output logits, ``[batch, classes]`` or ``[batch, ..., classes]``
-            (``None``: not given), with their graph.
+        logits: the output logits, ``[batch, ..., classes]``, with their graph (or ``None``).
         index: each sample's position in the training set, ``[batch]`` (``None``: not given).
     """
 
@@ -60,9 +56,8 @@ class LossOutput(NamedTuple):
 
 
 def read_output(output: Any, error: type[Exception] = ValueError) -> LossOutput:
-    """What a training step (or a loss function) returns, in every loop: a tensor is the loss (a
-    1-D one holds per-sample losses, whose mean is the loss); a mapping holds ``"loss"`` and
-    may hold the :data:`OUTPUT_KEYS`. ``error``: the exception class raised for anything else.
+    """A training step's return value: a tensor is the loss (1-D: per-sample losses, averaged);
+    a mapping holds ``"loss"`` and maybe :data:`OUTPUT_KEYS`. ``error``: raised otherwise.
 
     >>> read_output(torch.tensor([1.0, 3.0])).loss
     tensor(2.)
@@ -94,8 +89,7 @@ def read_output(output: Any, error: type[Exception] = ValueError) -> LossOutput:
 
 
 def split_per_sample(loss: Tensor) -> tuple[Tensor, Tensor | None]:
-    """The loss and the detached per-sample losses of a loss tensor: a 1-D tensor holds
-    per-sample losses, whose mean is the loss; any other is the loss itself (``None``).
+    """The loss and detached per-sample losses (1-D: their mean; else the loss, ``None``).
 
     >>> split_per_sample(torch.tensor([1.0, 3.0]))
     (tensor(2.), tensor([1., 3.]))
@@ -131,19 +125,15 @@ class PassRunner:
         backward: back-propagates a loss (``Tensor.backward``, ``manual_backward``, ...).
         scale: multiplies each micro-batch's loss (default 1; ``1 / k`` for ``k`` accumulated).
         size: samples in a micro-batch (default :func:`batch_size`).
-        subset: ``subset(batch, index)``, the micro-batch cut to the samples ``index`` (default
-            :func:`batch_subset`).
-        needs_per_sample: a loss without per-sample losses raises ``error`` (ESAM; default
-            ``False``).
+        subset: ``subset(batch, index)`` cuts a micro-batch (default :func:`batch_subset`).
+        needs_per_sample: a loss without per-sample losses raises ``error`` (default ``False``).
         error: the exception class of that error (default ``ValueError``).
         term_scale: multiplies a method's :attr:`extra_loss` term before ``scale`` (default 1).
 
-    Calling it runs one pass: ``subsets[i]`` restricts micro-batch ``i`` to those samples (an
-    empty index skips it), ``backward=False`` runs the forwards only, ``loss_scale`` multiplies
-    every loss and ``keep_logits`` keeps the logits. :attr:`number` is the pass running: 1 for
-    the first full pass with gradients, 2 for any other, 0 between passes. A method reading the
-    step's outputs sets :attr:`needs` (its name and the :data:`OUTPUT_KEYS` it reads) and
-    :attr:`extra_loss` (``extra_loss(i, output)``: a term added to micro-batch ``i``'s loss).
+    A call runs one pass: ``subsets[i]`` cuts micro-batch ``i`` (empty: skipped),
+    ``backward=False`` runs forwards only, ``loss_scale`` multiplies every loss, ``keep_logits``
+    keeps the logits. :attr:`number`: 1 in the first full pass, 2 in others, 0 between. A method
+    sets :attr:`needs` (its name, the :data:`OUTPUT_KEYS` it reads) and :attr:`extra_loss`.
     """
 
     def __init__(self, micro_batches: Sequence[Any],
@@ -232,8 +222,7 @@ def skip_with_scaler(optimizer: Any) -> None:
 
 
 def loss_scale_reader(scaler: Any) -> Callable[[], Tensor] | None:
-    """A function returning the scaler's loss scale as a device tensor without a host sync
-    (``GradScaler._get_scale_async``); ``None`` for ``scaler=None``."""
+    """The scaler's loss scale as a device tensor, without a host sync (``None``: no scaler)."""
     return scaler._get_scale_async if scaler is not None else None
 
 

@@ -1,14 +1,7 @@
 """SAM's ascent ``e = rho * g / ||g||`` on the active tensors, and its exact undo.
 
-``norm="global"`` (default) takes one norm over every perturbed tensor, ``"layer"`` one per
-layer (Algorithm 1 as written); ``adaptive=True`` is ASAM, ``e = rho * T_w^2 g / ||T_w g||``
-with ``T_w = |w| + eta`` for weights and 1 for biases (docs/methods.md, "ASAM"). A
-coordinate mask (SSAM-F) zeroes the ascent outside it after normalisation.
-
-The restore copies back a backup taken before the ascent (subtracting ``e`` is not exact
-in floating point), so the optimizer steps from exactly the unperturbed weights. Everything
-stays on the device; under FSDP2 each process moves its own shards. The arguments are not
-checked here: a method's specification checks its options.
+``adaptive=True`` is ASAM, ``e = rho * T_w^2 g / ||T_w g||``, ``T_w = |w| + eta`` for weights
+(docs/methods.md). The restore copies back a pre-ascent backup: subtracting ``e`` is not exact.
 """
 
 from __future__ import annotations
@@ -40,8 +33,7 @@ def group_norms(norms: Tensor, slots: Tensor, num_groups: int) -> Tensor:
 
 
 class BackupPool:
-    """Flat buffers, one per dtype and device, grown to the largest set seen and reused, that
-    hold the pre-ascent copies of the perturbed tensors (no allocation per step)."""
+    """Reused flat buffers, one per dtype and device, holding the pre-ascent copies."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[torch.dtype, torch.device], Tensor] = {}
@@ -83,10 +75,8 @@ class SAMPerturbation:
 
     Args:
         rho: perturbation radius (> 0).
-        norm: ``"global"`` (default: one norm over all perturbed tensors), ``"layer"`` (one
-            per layer) or ``"none"`` (move by the directions as given, ``rho`` ignored).
-        adaptive: ASAM's weight-scaled perturbation (default ``False``; the weights are
-            :meth:`perturb_`'s ``scaled``).
+        norm: ``"global"`` (default: one norm), ``"layer"`` or ``"none"`` (``rho`` ignored).
+        adaptive: ASAM's weight-scaled perturbation (default ``False``).
         eta: ASAM's offset in ``T_w = |w| + eta`` (>= 0; default :data:`ASAM_ETA`).
         eps: added to the norm so a zero gradient gives a zero perturbation (default 1e-12).
 

@@ -1,7 +1,5 @@
-"""The record of a fit: the per-layer CSV and chart written at its end (the SL-SAM paper's
-Figure 3: each layer's activation frequency, final probability and mean first-pass
-gradient norm, tensors out of sampling after the sampled layers), the line printed then,
-and the run's summary. A record never overwrites an earlier run's.
+"""The record of a fit: the per-layer CSV and chart (the paper's Figure 3), the line printed
+at its end, and the run's summary. A record never overwrites an earlier run's.
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ FixedTensor = tuple[str, int, str]
 
 
 def rank_correlation(x: Tensor, y: Tensor) -> float:
-    """Spearman's rank correlation (ties get their mean rank), NaN entries left out; NaN if
-    fewer than two remain or one side is constant."""
+    """Spearman's rank correlation, NaNs left out; NaN if under two remain or one is constant."""
     x, y = x.double().flatten(), y.double().flatten()
     keep = ~(torch.isnan(x) | torch.isnan(y))
     x, y = x[keep], y[keep]
@@ -61,9 +58,7 @@ def write_layer_frequency_csv(path: str, names: Sequence[str], numel: Sequence[i
                               counts: Tensor, steps: int, probs: Tensor,
                               mean_norms: Tensor | None = None, fixed: Sequence[FixedTensor] = (),
                               layer_steps: Tensor | None = None) -> str:  # fmt: skip
-    """Write one row per layer: index, name, role, parameters, activations, frequency (over
-    ``steps``, or the layer's own ``layer_steps``), final p and the mean first-pass gradient norm
-    (when given); returns ``path``. The ``fixed`` tensors follow, with empty p and norm cells."""
+    """Write one row per layer, then the ``fixed`` tensors; returns ``path``."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
@@ -130,10 +125,8 @@ def short_labels(
 ) -> list[str]:
     """Distinct labels of at most ``width`` characters (at least 10) for layer ``names``.
 
-    The :func:`common_affixes` of the ``shared`` names (default: all ``names``) are left out
-    of theirs. A name still too long loses its commonest parts first, never its last one
-    (``…`` marks the gap), and is cut in its middle last. Two different names never get
-    the same label: where they would, the labels start with the layer's position.
+    The ``shared`` names (default: all) lose their :func:`common_affixes`, then a long name its
+    commonest parts (``…``), never the last; clashing labels start with the position.
 
     Example:
         >>> names = [f"base_model.model.bert.encoder.layer.{i}.attention.self.{m}"
@@ -152,7 +145,6 @@ def short_labels(
     prefix, suffix = common_affixes(shared)
     inner = set(shared)
     units = [_units(_strip(n, prefix, suffix) if n in inner else n) for n in names]
-    # How many names hold each part.
     holders: dict[str, int] = {}
     for name in names:
         for part in set(_units(name)):
@@ -189,8 +181,7 @@ def _merged(labels: list[str]) -> list[list[int]]:
 
 
 def _fit(parts: list[str], holders: dict[str, int], keep: set[str], width: int) -> str:
-    """``parts`` joined, leaving out the commonest (then the outermost) ones until it fits;
-    never the last part, nor those in ``keep``."""
+    """``parts`` joined, the commonest dropped until it fits (never the last, nor ``keep``)."""
     shown = [True] * len(parts)
     order = sorted(
         (k for k in range(len(parts) - 1) if parts[k] not in keep),
@@ -224,8 +215,7 @@ def _cut(text: str, width: int) -> str:
 
 
 def ratio_label(probs: Tensor, layer_ratio: float | None, numel: Sequence[int] = ()) -> str:
-    """The legend of the chart's dashed line at the mean final draw probability, saying
-    whether ``layer_ratio`` is that mean or the parameter-weighted one.
+    """The legend of the chart's mean-probability line, relating it to ``layer_ratio``.
 
     Example:
         >>> import torch
@@ -255,9 +245,7 @@ def layer_frequency_figure(names: Sequence[str], counts: Tensor, steps: int, pro
                            title: str = "SL-SAM: how often each layer was trained",
                            fixed: Sequence[FixedTensor] = (), numel: Sequence[int] = (),
                            layer_steps: Tensor | None = None) -> Figure:  # fmt: skip
-    """The activation-frequency chart: a bar per layer (the ``fixed`` tensors after them, an
-    always-active one as a bar at 1, an always-frozen one as a cross at 0) next to the sampled
-    layers' histogram, with the final probabilities and their mean (:func:`ratio_label`)."""
+    """The activation-frequency chart: a bar per layer, probabilities, and a histogram."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
@@ -390,8 +378,7 @@ def fit_message(name: str, engine: SAMEngine, chart: str | None) -> str:
 
 
 def layers_line(engine: SAMEngine) -> str:
-    """The layers' part of the end-of-fit line: the sampled and never selected layers (where
-    they were sampled) and the skipped steps."""
+    """The end-of-fit line's part on the layers (sampled, never selected) and skipped steps."""
     skipped = f"{engine.num_skipped} skipped steps"
     if not engine.sampled():
         return skipped
@@ -422,8 +409,7 @@ def out_of_sampling(partition: LayerPartition, shown: int = 6) -> str:
 
 
 def fit_summary(trainer: Any, ratio: float, chart: str | None) -> dict[str, Any]:
-    """The run's mean active ratio and chart, found from the trainer where this process
-    did not train (``ddp_spawn``)."""
+    """The run's mean active ratio and chart (found via the trainer under ``ddp_spawn``)."""
     if math.isnan(ratio) and RATIO_METRIC in trainer.callback_metrics:
         ratio = float(trainer.callback_metrics[RATIO_METRIC])
     if chart is None and not math.isnan(ratio):
@@ -451,8 +437,7 @@ def write_record(
     stem: str, engine: SAMEngine, partition: LayerPartition, plot: bool, title: str,
     layer_ratio: float | None,
 ) -> tuple[str, str | None]:  # fmt: skip
-    """Write ``stem.csv`` (and ``stem.png`` if ``plot``; ``layer_ratio``: the method's
-    option, or ``None``); returns both paths."""
+    """Write ``stem.csv`` (and ``stem.png`` if ``plot``); returns both paths."""
     steps = engine.num_steps - engine.num_skipped
     probs = engine.selection.probs
     fixed = fixed_tensors(partition)

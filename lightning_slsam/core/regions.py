@@ -1,9 +1,5 @@
-"""Compiled regions: the parts of a model that ``torch.compile`` traces as one graph.
-
-A compiled graph is guarded on its tensors' ``requires_grad``, so layer sampling freezes a
-compiled region whole or not at all: each compiled submodule is one layer, and its graph
-has a bounded number of variants (docs/training-features.md). A model compiled whole has
-nothing left to sample: :func:`compile_blocks_instead` compiles its repeated blocks instead.
+"""Compiled regions: each compiled submodule is one sampled layer, frozen whole, since its
+graph is guarded on ``requires_grad`` (docs/training-features.md).
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ def _compiled_in_place(module: nn.Module) -> bool:
 
 
 def compiled_whole(model: nn.Module) -> bool:
-    """Whether ``model`` itself is compiled (``torch.compile(model)``, ``model.compile()``,
-    or Lightning's compiled module, marked with ``_compiler_ctx``)."""
+    """Whether ``model`` itself is compiled (``torch.compile``, ``.compile()``, Lightning's)."""
     return (
         _is_optimized(model)
         or _compiled_in_place(model)
@@ -106,8 +101,7 @@ def repeated_blocks(module: nn.Module) -> list[str]:
 
 
 def compile_blocks(module: nn.Module, context: Any = None, **options: Any) -> list[str]:
-    """Compile ``module``'s :func:`repeated_blocks` in place with ``block.compile(**options)``
-    (or the ``torch.compile`` ``context`` given), leaving compiled ones; returns their names."""
+    """Compile ``module``'s :func:`repeated_blocks` in place (or with ``context``); their names."""
     blocks = repeated_blocks(module)
     for name in blocks:
         _compile(module.get_submodule(name), context, options)
@@ -138,14 +132,12 @@ def _context_of(compiled_call: Any) -> Any:
 
 
 def compile_blocks_instead(model: nn.Module, context: Any = None) -> dict[str, list[str]]:
-    """Regional compilation of what was compiled whole: every compiled region of ``model``
-    holding repeated blocks runs eagerly from here on, its blocks compiled with the
-    region's own settings; a region without them stays compiled, as one layer.
+    """Compiled regions of ``model`` holding repeated blocks run eagerly, their blocks compiled
+    with the region's settings instead; other regions stay compiled, as one layer.
 
     Args:
         model: the model.
-        context: the ``torch.compile`` context ``model`` was compiled with, when the caller has
-            already handed it back to eager (Lightning's compiled module; default ``None``).
+        context: ``model``'s ``torch.compile`` context if already made eager (default ``None``).
 
     Returns:
         Each region handed back to eager (``""`` for ``model``) -> its blocks, now compiled.

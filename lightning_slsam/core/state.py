@@ -1,6 +1,5 @@
-"""A method's state in a checkpoint, the same for every front-end: what is saved
-(:func:`method_state`), and restoring it (:func:`apply_method_state`) once checked to be
-for the same layers (else a :class:`CheckpointMismatch`, before anything changed).
+"""A method's checkpoint state for every front-end: :func:`method_state` saves it,
+:func:`apply_method_state` restores it once checked (else :class:`CheckpointMismatch`).
 """
 
 from __future__ import annotations
@@ -20,8 +19,7 @@ class CheckpointMismatch(ValueError):
 
 
 def method_state(method: str, spec: Any, engine: SAMEngine) -> dict[str, Any]:
-    """What a checkpoint holds of a SAM method: ``method``'s name, ``spec``'s options
-    (a method's specification) and ``engine``'s state with the layers it was saved for."""
+    """A checkpoint's SAM state: ``method``, ``spec``'s options, ``engine``'s state and layers."""
     partition = engine.partition
     return {
         "method": method,
@@ -36,10 +34,7 @@ def method_state(method: str, spec: Any, engine: SAMEngine) -> dict[str, Any]:
 def apply_method_state(state: dict[str, Any], engine: SAMEngine, *, owner: str,
                        spec: Any, warn: Callable[[str], Any],
                        preset: str | None = None) -> None:  # fmt: skip
-    """Restore :func:`method_state`'s output into ``engine`` once checked to be for the same
-    layers (a :class:`CheckpointMismatch` otherwise; ``owner`` names the front-end, a
-    callback's ``preset`` the fix). Layers that differ only because tensors became
-    trainable or were frozen since are carried over by name, with a warning."""
+    """Restore :func:`method_state`'s output into ``engine`` once checked to fit its layers."""
     partition = engine.partition
     saved, current = state.get("layer_tensors"), partition.signature()
     engine_state = dict(state["engine"])
@@ -65,8 +60,7 @@ def apply_method_state(state: dict[str, Any], engine: SAMEngine, *, owner: str,
 
 
 def differs_by_trainable(state: dict[str, Any], partition: LayerPartition) -> bool:
-    """Whether a checkpoint's layers differ from ``partition``'s by the trainable tensors
-    only: they share some, and group those alike (the same model and options)."""
+    """Whether a checkpoint's layers differ from ``partition``'s by trainable tensors only."""
     saved = state.get("layer_tensors")
     if saved is None or saved == partition.signature():
         return False
@@ -89,9 +83,7 @@ def differs_by_trainable(state: dict[str, Any], partition: LayerPartition) -> bo
 def check_saved_layers(owner: str, saved: Any, current: list[list[str]], *,
                        preset: str | None = None,
                        saved_preset: str | None = None) -> None:  # fmt: skip
-    """Raise a :class:`CheckpointMismatch` saying how a checkpoint's layers (``saved``;
-    ``None`` in old ones) differ from the model's (``current``), and which preset to resume
-    with where the checkpoint's (``saved_preset``) is not the callback's (``preset``)."""
+    """Raise a :class:`CheckpointMismatch` if ``saved`` layers differ from ``current``."""
     if saved is not None and saved != current:
         hint = ""
         if saved_preset is not None and preset is not None and saved_preset != preset:

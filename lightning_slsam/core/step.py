@@ -1,14 +1,8 @@
-"""One training step of every method, as functions over explicit arguments.
-
-* :func:`sam_step` -- SAM's two passes: the gradient on the drawn layers, the ascent, the
-  gradient at the perturbed weights, the exact restore;
-* :func:`plain_step` -- one pass (RST's plain steps, LookSAM's reuse steps);
-* :func:`single_step` -- one pass at weights perturbed along directions known before the
-  step (S2-SAM, Momentum-SAM, ARWP).
-
-Each returns a :class:`Passed`; :func:`commit` then ends the step with one host transfer and
-the optimizer's update, or a skip that leaves everything as it was. What a method adds is its
-:class:`MethodParts`; the stateful shell is :class:`~lightning_slsam.core.engine.SAMEngine`.
+"""One training step of every method, as functions: :func:`sam_step` (two passes, the ascent,
+the exact restore), :func:`plain_step` (one pass) and :func:`single_step` (one pass at weights
+perturbed along known directions: S2-SAM, Momentum-SAM, ARWP). Each returns a :class:`Passed`;
+:func:`commit` ends the step with one host transfer and the update, or a skip. A method adds
+its :class:`MethodParts`; the stateful shell is :class:`~lightning_slsam.core.engine.SAMEngine`.
 """
 
 from __future__ import annotations
@@ -45,20 +39,14 @@ class LoopHooks:
     """What the training loop hands a step.
 
     Attributes:
-        forward_backward: runs one pass over the step's batch
-            (:class:`~lightning_slsam.core.passes.PassRunner`).
+        forward_backward: runs one pass over the step's batch (a ``PassRunner``).
         zero_grad: sets every gradient to ``None``.
-        optimizer_step: ``optimizer_step(skip)`` steps the base optimizer; with
-            ``skip=True`` nothing may change but per-step counters (``global_step``).
-        grad_scale: returns a gradient scaler's loss scale (a device tensor), which the
-            per-layer norms are divided by; ``None``: no scaler.
+        optimizer_step: ``optimizer_step(skip)``; ``skip=True`` changes only step counters.
+        grad_scale: returns a scaler's loss scale (device tensor) the norms are divided by.
         averager: averages gradients across processes (DDP); ``None`` on one process.
         check_draw: check on this step that every process drew the same layers.
-        after_update: for a loop whose optimizer steps after the SAM step returns (the
-            Hugging Face Trainer's), takes the work due right after the update and runs it
-            then; ``None``: that work runs at once.
-        optimizer: the optimizer ``optimizer_step`` steps (or a wrapper), whose state a
-            method may read.
+        after_update: defers post-update work where the optimizer steps later (``None``: now).
+        optimizer: the optimizer ``optimizer_step`` steps (or a wrapper).
     """
 
     forward_backward: PassRunner
@@ -114,10 +102,8 @@ class StepResult:
         extra_backward: backward passes outside the training passes (SSAM-F's Fisher).
         allreduce_bytes: bytes this process all-reduced across processes this step.
         skipped: whether the update was skipped; ``skip_reason`` says why.
-        drawn: whether the selection drew the active set (not for single-step SAM's dense
-            first step, which the selection does not learn from).
-        active_ratio: the SL-SAM paper's "Active Ratio": the fraction of trainable
-            parameters with a gradient, summed over the training passes (AdamW 1, SAM 2).
+        drawn: whether the selection drew the active set (not single-step SAM's first step).
+        active_ratio: the paper's "Active Ratio", summed over passes (AdamW 1, SAM 2).
     """
 
     loss: Tensor | None
@@ -146,11 +132,8 @@ class StepResult:
 class MethodParts:
     """What a method adds to the shared steps; this base adds nothing (SAM on every step).
 
-    A method's specification builds its parts
-    (:meth:`~lightning_slsam.methods.spec.MethodSpec.parts`); the engine runs the step kind
-    :meth:`kind` names. Every hook takes the step's :class:`StepContext` first and does nothing
-    here (which method uses each: docs/extending.md). The parts' state is saved with the
-    engine's: per-tensor stores are dicts keyed by the tensor's position.
+    Every hook takes the step's :class:`StepContext` first (which method uses each:
+    docs/extending.md); per-tensor state is saved as dicts keyed by tensor position.
     """
 
     #: Whether the steps' losses must carry per-sample losses (ESAM's sample choice).
@@ -175,8 +158,7 @@ class MethodParts:
         return "sam"
 
     def check_optimizer(self, optimizer: Any) -> None:
-        """Raise a ``ValueError`` naming the fix for an optimizer the method cannot use,
-        before the first step."""
+        """Raise a ``ValueError`` naming the fix for an optimizer the method cannot use."""
 
     def before_step(self, ctx: StepContext) -> ExtraWork:
         """Run before the step's kind; returns the work it did outside the training passes."""
@@ -195,8 +177,7 @@ class MethodParts:
 
     def after_sam_step(self, ctx: StepContext, params: list[Tensor], first_grads: list[Tensor],
                        params2: list[Tensor], grads2: list[Tensor]) -> None:  # fmt: skip
-        """After a SAM step's second pass: the perturbed tensors, their first-pass gradients (empty
-        unless :attr:`keeps_first_grads`), the second pass's tensors and gradients (LookSAM)."""
+        """After a SAM step's second pass: both passes' tensors and gradients (LookSAM)."""
 
     def adjust_grads(self, ctx: StepContext, params: list[Tensor], grads: list[Tensor]) -> None:
         """On a ``"reuse"`` step, change ``grads`` in place before the update (LookSAM)."""
@@ -204,13 +185,11 @@ class MethodParts:
     def directions(
         self, ctx: StepContext, params: Sequence[Tensor], last_grads: dict[int, Tensor]
     ) -> dict[int, Tensor]:
-        """A ``"single"`` step's direction of each of ``params`` that has one, by ``id``
-        (local shards under FSDP2); empty: none yet. Here: ``last_grads``."""
+        """A ``"single"`` step's directions by ``id`` (empty: none yet); here ``last_grads``."""
         return last_grads
 
     def after_update(self, ctx: StepContext, params: list[Tensor], grads: list[Tensor]) -> None:
-        """After a one-pass step's update (with :attr:`reads_update_grads`): its tensors and
-        gradients, as the optimizer used them."""
+        """After a one-pass step's update (:attr:`reads_update_grads`): its tensors, gradients."""
 
     def extra_loss(self, ctx: StepContext, i: int, output: LossOutput) -> Tensor | None:
         """The term added to micro-batch ``i``'s loss before its backward (``None``: none)."""
@@ -270,8 +249,7 @@ class Outcome(NamedTuple):
     Attributes:
         skip_reason: why the update was skipped (``None``: it was made).
         allreduce_bytes: bytes all-reduced doing so.
-        norms: when the update was made, the first pass's per-layer gradient norms
-            (float64, CPU; loss scale removed).
+        norms: if updated, the first pass's per-layer norms (float64, CPU, unscaled).
     """
 
     skip_reason: str | None
@@ -281,8 +259,7 @@ class Outcome(NamedTuple):
 
 def gradient_pass(ctx: StepContext, active: list[Tensor], mask: Tensor,
                   subsets: list[Tensor] | None = None, sync: bool = True) -> _Pass:  # fmt: skip
-    """One forward/backward on the ``active`` tensors, gradients and norms on the device;
-    under DDP the gradients are averaged (``sync``), else only the per-layer norms."""
+    """One forward/backward on ``active``; under DDP averages gradients (``sync``) or norms."""
     loop, layers, shards = ctx.loop, ctx.layers, ctx.shards
     loop.zero_grad()
     fb = loop.forward_backward
@@ -320,8 +297,7 @@ def sam_step(ctx: StepContext, mask: Tensor, *, selection: LayerSelection,
     chosen = [i for i, p in enumerate(first.params) if id(p) in keep]
     pp = [first.params[i] for i in chosen]
     pg = [first.grads[i] for i in chosen]
-    # 3. The ascent. A non-finite first pass is detected at the end of the step (one host
-    # sync per step); the exact restore undoes whatever a NaN perturbation did.
+    # 3. The ascent. A NaN first pass is caught in commit; the exact restore undoes it.
     keep_first = parts.keeps_first_grads
     backup = perturbation.perturb_(
         pp, pg, first.norms[chosen], first.slots[chosen], layers.num_groups,
@@ -359,8 +335,7 @@ def plain_step(
     ctx: StepContext, mask: Tensor, *, parts: MethodParts, reuse: bool = False,
     keep: bool = False,
 ) -> Passed:  # fmt: skip
-    """One pass on the layers in ``mask``; a ``reuse`` step lets the method adjust the
-    gradients. ``keep``: return the step's tensors and gradients."""
+    """One pass on ``mask``'s layers (``reuse``: the method adjusts grads; ``keep``: kept)."""
     out = gradient_pass(ctx, ctx.layers.activate(mask), mask)
     if reuse:
         parts.adjust_grads(ctx, out.params, out.grads)
@@ -370,9 +345,8 @@ def plain_step(
 def single_step(ctx: StepContext, mask: Tensor, *, perturbation: SAMPerturbation,
                 directions: dict[int, Tensor], keep: bool = False,
                 fresh: bool = False) -> Passed:  # fmt: skip
-    """One pass at weights perturbed along each active tensor's direction (``directions``,
-    by ``id``), restored exactly before the update. ``keep``: return the step's tensors and
-    gradients; ``fresh``: the directions are this step's own, scaled in place."""
+    """One pass at weights perturbed along ``directions`` (by ``id``), restored exactly before
+    the update. ``keep``: return tensors and gradients; ``fresh``: scale directions in place."""
     layers, shards = ctx.layers, ctx.shards
     active = layers.activate(mask)
     pp = [p for p in active if id(p) in directions]
@@ -401,9 +375,8 @@ def _one_pass(out: _Pass, mask: Tensor, keep: bool) -> Passed:
 
 def commit(ctx: StepContext, passed: Passed, inclusion: Tensor | None, *,
            update_scale: float | None, pool: BackupPool) -> Outcome:  # fmt: skip
-    """End the step: one host transfer, then the optimizer's update and the update scaling
-    (``inclusion``: each layer's probability of being drawn; ``None``: no scaling), or a skip.
-    Every process decides alike: the scalars are averaged before the check."""
+    """End the step with one host transfer: the update, scaled by ``inclusion`` (``None``: no
+    scaling), or a skip. Scalars are averaged first, so every process decides alike."""
     loop, layers = ctx.loop, ctx.layers
     first, second, layer_norms = passed.first, passed.second, passed.layer_norms
     device = layer_norms.device
@@ -421,8 +394,7 @@ def commit(ctx: StepContext, passed: Passed, inclusion: Tensor | None, *,
     elif not bool(finite[k1:k].all()):
         reason = "non-finite loss or gradient in the second pass"
     else:
-        # Update scaling: a layer drawn with probability q moves min(1/q, update_scale)
-        # times the optimizer's change; the weights before it go to the (free) backup pool.
+        # Update scaling: a layer drawn with probability q moves min(1/q, cap) times as far.
         scaled: list[Tensor] = []
         extra: list[float] = []
         if inclusion is not None and update_scale is not None:
@@ -453,8 +425,7 @@ def commit(ctx: StepContext, passed: Passed, inclusion: Tensor | None, *,
 
 
 def scale_update(params: list[Tensor], before: list[Tensor], factors: list[float]) -> None:
-    """Make the optimizer's update ``f`` times larger: ``w <- w + (f - 1) (w - w0)``, ``w0`` the
-    weights before it (``before``, overwritten); ``factors`` holds each ``f - 1``."""
+    """``w <- w + (f - 1) (w - w0)``, ``w0`` in ``before`` (overwritten), ``factors``: ``f - 1``."""
     with torch.no_grad():
         torch._foreach_sub_(before, params)
         torch._foreach_mul_(before, factors)

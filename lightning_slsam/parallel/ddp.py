@@ -1,6 +1,5 @@
-"""Gradient averaging across processes, on the active layers' tensors only: both SAM passes run
-with DDP's synchronisation off and the engine averages the active tensors itself, packed into
-flat buffers, so frozen layers send nothing.
+"""Gradient averaging across processes on the active tensors only (DDP's sync off), packed
+into flat buffers, so frozen layers send nothing.
 """
 
 from __future__ import annotations
@@ -40,8 +39,7 @@ class GradientAverager:
 
     @torch.no_grad()
     def average_(self, tensors: Sequence[Tensor]) -> int:
-        """Replace every tensor by its mean over the processes (the same shapes, dtypes and
-        order on each); return the bytes sent."""
+        """Replace every tensor by its mean over the processes; return the bytes sent."""
         sent = 0
         for bucket in self._buckets(tensors):
             flat = _flatten_dense_tensors(bucket)
@@ -60,8 +58,7 @@ class GradientAverager:
         return torch.stack(out)
 
     def _buckets(self, tensors: Sequence[Tensor]) -> list[list[Tensor]]:
-        # One flat buffer needs one dtype and device; consecutive tensors share a bucket
-        # up to bucket_bytes, so the order (and thus the packing) is the same on every rank.
+        # Consecutive tensors of one dtype/device share a bucket: the same packing on every rank.
         buckets: list[list[Tensor]] = []
         size = 0
         for tensor in tensors:
@@ -105,8 +102,7 @@ def average_grads(active: list[Tensor], averager: GradientAverager) -> int:
 def check_same_draw(
     mask: Tensor, kind: str, kinds: Sequence[str], step: int, averager: GradientAverager
 ) -> None:
-    """Raise on every process if any drew other layers or another step kind (one of
-    ``kinds``) than process 0, before a weight changes (one small all-gather)."""
+    """Raise on every process if any drew other layers or step kind than process 0."""
     index = torch.arange(1, mask.numel() + 1, dtype=torch.int64, device=mask.device)
     bits = mask.to(torch.int64)
     code = kinds.index(kind) if kind in kinds else len(kinds)
@@ -126,8 +122,7 @@ def check_same_draw(
 
 
 def ddp_averager(ddp: torch.nn.Module, module: torch.nn.Module | None) -> GradientAverager:
-    """An averager over ``ddp``'s processes, after checking that ``ddp`` is the
-    ``DistributedDataParallel`` wrapper of ``module`` (the engine's model)."""
+    """An averager over ``ddp``'s processes, once ``ddp`` is checked to wrap ``module``."""
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(ddp, DistributedDataParallel):
@@ -144,8 +139,7 @@ def ddp_averager(ddp: torch.nn.Module, module: torch.nn.Module | None) -> Gradie
 
 
 class DDPAverager:
-    """The averager of the ``DistributedDataParallel`` wrapper the steps run in, made on
-    its first step (:func:`ddp_averager`) and kept."""
+    """The averager of the DDP wrapper the steps run in, made on its first step and kept."""
 
     def __init__(self) -> None:
         self._ddp: torch.nn.Module | None = None
@@ -166,9 +160,7 @@ class DDPAverager:
 def release_process_group() -> None:
     """Destroy the default process group a distributed run left behind.
 
-    A gloo group alive at interpreter exit can abort a successful run (exit code -6). Call
-    it at the end of a multi-process script, only after the run ended without an error
-    (other ranks may still wait in a collective). See docs/training-features.md.
+    Call it at the end of a successful multi-process script (a live gloo group can abort it).
 
     Example:
         >>> import torch.distributed as dist

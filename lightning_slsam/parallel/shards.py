@@ -1,11 +1,6 @@
 """The one seam between the step and sharded parameters: :class:`Shards` for whole tensors
-(one device, DDP) or :class:`FSDP2Shards` (``fully_shard``).
-
-The step is single-device code; it asks the seam for what depends on where a tensor's
-elements live: the tensors to change in place, norms and sums over a tensor's elements
-(completed across shards with one all-reduce, so identical on every process), the largest
-coordinates, and per-tensor state as whole tensors for a checkpoint. Elementwise work runs
-on each process's own shard. See docs/training-features.md.
+(one device, DDP) or :class:`FSDP2Shards` (``fully_shard``): the tensors to change in place,
+norms and sums completed across shards, and whole tensors for a checkpoint.
 
 >>> import torch
 >>> seam = shards_of([torch.zeros(2)], None)
@@ -45,8 +40,7 @@ def _dtensor_type() -> type | None:
 
 
 def fsdp_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The FSDP2 modules (``fully_shard`` applied) in ``module``, root first; ``[]``
-    without an initialised process group, where nothing can be sharded."""
+    """The FSDP2 modules in ``module``, root first (``[]`` without a process group)."""
     if _dtensor_type() is None:
         return []
     from torch.distributed.fsdp import FSDPModule
@@ -55,16 +49,13 @@ def fsdp_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def reshard(modules: Sequence[torch.nn.Module]) -> None:
-    """Register the sharded parameters again on FSDP2 ``modules`` (:func:`fsdp_modules`)
-    that a forward without backward (validation, ``torch.no_grad``) left unsharded, so
-    per-step freezing reaches the tensors the engine trains. A no-op on sharded modules."""
+    """Reshard FSDP2 ``modules`` a forward without backward left unsharded (else a no-op)."""
     for sub in modules:
         sub.reshard()  # type: ignore[operator]
 
 
 class Shards:
-    """Whole tensors on every process (one device, DDP): the seam does nothing of its own.
-    Norms are float32, or float64 for float64 gradients."""
+    """Whole tensors on every process (one device, DDP). Norms are float32 (float64 stays)."""
 
     #: Whether parameters are FSDP2 shards (their gradients arrive averaged).
     sharded = False
@@ -85,13 +76,11 @@ class Shards:
         return norms if device is None else norms.to(device)
 
     def sums(self, values: Tensor, tensors: Sequence[Tensor]) -> Tensor:
-        """Complete per-tensor sums over each tensor's elements (here: already complete);
-        ``values[i]`` (a number or a row) belongs to ``tensors[i]``."""
+        """Per-tensor sums completed over shards; ``values[i]`` belongs to ``tensors[i]``."""
         return values
 
     def top(self, values: Sequence[Tensor], keep: int, tensors: Sequence[Tensor]) -> list[Tensor]:
-        """Bool masks of the ``keep`` largest coordinates of ``values`` (see
-        :func:`top_coordinates`), ``values[i]`` shaped as ``tensors[i]``'s local part."""
+        """Masks of the ``keep`` largest coordinates of ``values`` (:func:`top_coordinates`)."""
         return top_coordinates(values, keep, None)
 
     def group(self, tensors: Sequence[Tensor]) -> Any:
@@ -107,8 +96,7 @@ class Shards:
         return value
 
     def local_rows(self, value: Tensor, param: Tensor) -> Tensor:
-        """This process's part of ``value``, a whole tensor shaped as ``param`` and equal on
-        every process, cut without communicating (here: ``value`` itself)."""
+        """This process's rows of ``value`` (shaped as ``param``), cut without communicating."""
         return value
 
     def reshard(self) -> None:
@@ -244,8 +232,7 @@ def shards_of(params: Sequence[Tensor], module: torch.nn.Module | None) -> Shard
     of them is an FSDP2 shard, else :class:`Shards`.
 
     Raises:
-        ValueError: for a tensor sharded over a multi-dimensional mesh (tensor parallelism
-            combined with FSDP), which the engine does not support.
+        ValueError: for a tensor sharded over a multi-dimensional mesh (unsupported).
     """
     if _layout(params) is None:
         return WHOLE
@@ -256,9 +243,7 @@ def top_coordinates(values: Sequence[Tensor], keep: int, layout: _Layout | None)
     """Bool masks of the ``keep`` largest coordinates of ``values`` (magnitudes compared),
     over all tensors and, for sharded ones, all their shards.
 
-    Ties go by position in the whole tensors' concatenation, so the choice is the same on
-    any number of shards. A radix search over the float32 bit patterns finds the threshold
-    without gathering anything of the model's size.
+    Ties go by position, so the choice is the same on any number of shards.
 
     Example:
         >>> values = [torch.tensor([0.1, 0.9, 0.5]), torch.tensor([0.5, 0.0])]

@@ -1,22 +1,12 @@
-"""SL-SAM's layer sampler (the paper's Algorithm 2), :class:`LayerBandit`, and the exact KL
-projections it renormalises with.
+"""SL-SAM's layer sampler (Algorithm 2), :class:`LayerBandit`, and its exact KL projections.
 
-Each of the ``N`` layers has a probability ``p_l``, summing to ``s = layer_ratio * N``. Each
-step :meth:`LayerBandit.sample` draws the layers independently (an empty draw is redrawn);
-:meth:`LayerBandit.update` turns the drawn layers' first-pass gradient norms ``r_l`` into
-losses ``k_l`` (0 for the others), forms ``u_l = p_l * exp(-alpha_p * k_l / q_l)`` in log
-space (``q_l``: the true inclusion probability, ``p_l`` unless a wrapper changed the draw)
-and projects ``u`` onto ``{q : sum(q) = s, p_min <= q_l <= 1}`` (:func:`kl_projection`).
-
-The losses:
-
-* ``"shifted"`` (default, the released code's): ``max_j (r_j / p_j)**2 - (r_l / p_l)**2``;
-* ``"paper"`` (Algorithm 2 literally): ``G**2 / p_min**2 - r_l**2 / p_l**2``,
-  ``G = max_j r_j``;
-* ``"rank"`` (scale-free): layer ``l``'s rank by ``r_l / p_l`` among the drawn layers, in
-  ``[0, 1]`` (0 for the largest, 1 for the smallest; ties share their mean rank).
-
-Why the shift, the rank loss and the exactly enforced ``p_min``: docs/paper-and-code.md.
+Layer ``l`` has probability ``p_l``, summing to ``s = layer_ratio * N``. :meth:`LayerBandit.update`
+turns the drawn layers' gradient norms ``r_l`` into losses ``k_l`` (0 for the others), forms
+``u_l = p_l * exp(-alpha_p * k_l / q_l)`` (``q_l``: inclusion probability) and projects ``u``
+onto ``{q : sum(q) = s, p_min <= q_l <= 1}`` (:func:`kl_projection`). Losses: ``"shifted"``
+(default) ``max_j (r_j / p_j)**2 - (r_l / p_l)**2``; ``"paper"`` ``G**2 / p_min**2 - r_l**2 /
+p_l**2``, ``G = max_j r_j``; ``"rank"``: the rank of ``r_l / p_l`` among the drawn layers in
+``[0, 1]`` (0: largest, ties share their mean). Why: docs/paper-and-code.md.
 """
 
 from __future__ import annotations
@@ -40,8 +30,7 @@ DEFAULT_ALPHA = {"shifted": 1e-3, "paper": 1e-3, "rank": 0.03}
 def _validated(
     num_layers: int, layer_ratio: float, p_min: float, alpha_p: float | None, loss: str
 ) -> tuple[int, float, float, float, str]:
-    """A checkpoint's bandit hyper-parameters, checked (ValueError for a corrupt or foreign
-    state), ``alpha_p=None`` resolved to :data:`DEFAULT_ALPHA`."""
+    """Checked bandit hyper-parameters (ValueError if corrupt), ``alpha_p=None`` resolved."""
     if loss not in _LOSSES:
         raise ValueError(f"loss={loss!r} is invalid: use one of {_LOSSES}.")
     if alpha_p is None:
@@ -68,17 +57,14 @@ class LayerBandit(LayerSelection, Seeded):
 
     Args:
         num_layers: number of layers ``N`` (``>= 1``).
-        layer_ratio: the budget ``s = layer_ratio * N`` expected active layers, in ``(0, 1]``
-            (default 0.2, the paper's).
+        layer_ratio: budget ``s = layer_ratio * N`` expected active layers, in ``(0, 1]`` (0.2).
         p_min: floor of every probability, in ``(0, s / N]`` (default 1e-3, the paper's).
         alpha_p: step size, ``>= 0`` (0 freezes the distribution); ``None`` (default): 1e-3
             (the paper's) for ``"shifted"`` and ``"paper"``, 0.03 for ``"rank"``.
         loss: ``"shifted"`` (default), ``"paper"`` or ``"rank"`` (the module docstring).
-        generator: the CPU generator of :meth:`sample` (default: a private one seeded with
-            ``torch.initial_seed()``).
-        costs: ``[N]`` positive cost of each layer, for the compute budget ``sum(costs * p)
-            = layer_ratio * sum(costs)``, under which the losses compare ``r / sqrt(cost)``
-            (docs/methods.md, "the compute budget"); ``None`` (default): ``sum(p) = s``.
+        generator: :meth:`sample`'s CPU generator (default: seeded by ``torch.initial_seed()``).
+        costs: ``[N]`` positive layer costs for the compute budget ``sum(costs * p) =
+            layer_ratio * sum(costs)`` (docs/methods.md); ``None`` (default): ``sum(p) = s``.
 
     Attributes:
         num_samples, num_redraws: draws returned, and empty ones redrawn.
@@ -135,8 +121,7 @@ class LayerBandit(LayerSelection, Seeded):
 
     @property
     def budget(self) -> float:
-        """Expected number of active layers per step, ``s = layer_ratio * N``; under a
-        compute budget, the expected cost of a draw, ``layer_ratio * sum(costs)``."""
+        """Expected active layers per step, ``s`` (compute: ``layer_ratio * sum(costs)``)."""
         return self._budget
 
     @property
@@ -145,8 +130,7 @@ class LayerBandit(LayerSelection, Seeded):
         return None if self._costs is None else self._costs.clone()
 
     def sample(self) -> torch.Tensor:
-        """Draw the active set: bool ``[N]``, independent Bernoulli trials with probabilities
-        ``p``; an empty draw is redrawn (``num_redraws``; see docs/algorithm.md)."""
+        """Bool ``[N]`` active set: independent Bernoulli(``p``) draws; an empty one redrawn."""
         mask = torch.rand(self._n, generator=self._gen, dtype=torch.float64) < self._probs
         while not bool(mask.any()):
             self.num_redraws += 1
@@ -171,14 +155,11 @@ class LayerBandit(LayerSelection, Seeded):
 
         Args:
             active: bool ``[N]``, the mask the norms were measured on.
-            norms: ``[N]`` L2 norms of each layer's unperturbed gradient (any device or
-                dtype); inactive entries are ignored.
-            inclusion: ``[N]`` probability that each layer was drawn into ``active``, in
-                ``(0, 1]`` for active layers (default: :attr:`probs`).
+            norms: ``[N]`` L2 norms of each layer's unperturbed gradient (inactive ignored).
+            inclusion: ``[N]`` draw probabilities, ``(0, 1]`` if active (default: :attr:`probs`).
 
         Returns:
-            Whether the distribution changed: not when no layer was active, nor (with a
-            RuntimeWarning) when an active norm was NaN, infinite or negative.
+            Whether it changed: not with no active layer, nor (RuntimeWarning) bad norms.
         """
         active = torch.as_tensor(active).detach().to("cpu", torch.bool).reshape(-1)
         r = torch.as_tensor(norms).detach().to("cpu", torch.float64).reshape(-1)
@@ -258,9 +239,8 @@ class LayerBandit(LayerSelection, Seeded):
         }
 
     def carry_state(self, state: dict, index: list[int]) -> dict:
-        """A bandit's state over other layers, for this bandit's layers (``index[i]``: layer
-        ``i``'s position there, -1 for a new one, which starts at ``layer_ratio``); the
-        probabilities are projected back onto the budget where they no longer meet it.
+        """Another bandit's state mapped onto these layers (``index[i]``: layer ``i``'s position
+        there, -1: new, starts at ``layer_ratio``), re-projected onto the budget if needed.
 
         Example:
             >>> import torch
@@ -335,8 +315,7 @@ def _costs(costs: Any, n: int) -> torch.Tensor | None:
 
 
 def _rank_loss(z: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-    """Each active entry's rank by ``z`` in ``[0, 1]``: 0 for the largest, 1 for the smallest
-    (ties share their mean rank); inactive entries and a lone active one get 0."""
+    """Active entries' rank by ``z`` in ``[0, 1]`` (0: largest); inactive and lone ones 0."""
     values = z[active]
     n = values.numel()
     if n < 2:
@@ -349,8 +328,6 @@ def _rank_loss(z: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
     return loss
 
 
-# -- the KL projection the bandit renormalises with ------------------------------------
-
 # Largest |log-weight| used; beyond it the weights are clipped (still ordered, still finite).
 _LOG_CLAMP = 1e300
 #: Relative slack when comparing the budget with N * bound (float sums of equal parts).
@@ -360,8 +337,7 @@ REL_TOL = 1e-12
 def _trivial(
     x: torch.Tensor, total: float, budget: float, lower: float, upper: float, what: str
 ) -> torch.Tensor | None:
-    """Check a projection's input (``total``: the sum of the costs, ``N`` without costs); the
-    solution when the budget leaves no choice (everything at a bound), else ``None``."""
+    """Check a projection's input (``total``: sum of costs or ``N``); the solution if forced."""
     if not (math.isfinite(upper) and 0.0 < lower <= upper):
         raise ValueError(f"Need 0 < lower <= upper < inf, got lower={lower}, upper={upper}.")
     lo_sum, hi_sum = total * lower, total * upper
@@ -380,17 +356,15 @@ def _trivial(
 
 
 def _clamped(x: torch.Tensor) -> torch.Tensor:
-    """Finite log-weights clamped to +-1e300, and -inf (u == 0) sent strictly below all of
-    them, so a max-shift can neither overflow nor produce inf - inf."""
+    """Log-weights clamped to +-1e300, -inf below all: a max-shift never gives inf - inf."""
     return torch.where(x == -math.inf, -3 * _LOG_CLAMP, x.clamp(-_LOG_CLAMP, _LOG_CLAMP))
 
 
 def kl_projection(
     log_u: torch.Tensor, budget: float, lower: float, upper: float = 1.0
 ) -> torch.Tensor:
-    """Exact KL projection of ``u = exp(log_u)`` onto a capped simplex: the minimiser of
-    ``KL(q || u)`` over ``{q : sum(q) = budget, lower <= q_l <= upper}``, which is
-    ``q_l = clip(c * u_l, lower, upper)`` for the scalar ``c > 0`` meeting the budget.
+    """Exact KL projection of ``u = exp(log_u)`` onto ``{q : sum(q) = budget, lower <= q_l <=
+    upper}``: ``q_l = clip(c * u_l, lower, upper)`` for the ``c > 0`` meeting the budget.
 
     Args:
         log_u: ``[N]`` log-weights (``-inf``: zero weight; NaN and ``+inf`` raise).
@@ -398,9 +372,7 @@ def kl_projection(
         lower, upper: the bounds of every entry, ``0 < lower <= upper`` (default 1.0).
 
     Returns:
-        ``[N]`` float64 tensor on ``log_u``'s device. ``c`` is found exactly, in
-        O(N log N): the sum is evaluated at all ``2N`` breakpoints, and on the segment where
-        it crosses ``budget`` the free entries share what is left in proportion to ``u``.
+        ``[N]`` float64 tensor on ``log_u``'s device (``c`` exact, O(N log N)).
 
     Example:
         >>> import torch
@@ -420,9 +392,8 @@ def kl_projection(
     xs, order = torch.sort(x - x.max(), descending=True)
     log_a, width = math.log(lower), math.log(upper) - math.log(lower)
     idx = torch.arange(n, device=x.device)
-    # A gap wider than log(upper/lower) splits the sorted weights into clusters; only the one
-    # where the budget runs out is solved, relative to its own top, so that the breakpoint
-    # arithmetic stays exact whatever the spread of log_u.
+    # Solve only the cluster (gaps > log(upper/lower) split them) where the budget runs out,
+    # relative to its own top, so the breakpoint arithmetic stays exact for any spread.
     starts = torch.cat([torch.ones(1, dtype=torch.bool, device=x.device), xs[:-1] - xs[1:] > width])
     fill = upper * idx.double() + lower * (n - idx).double()  # entries before idx at `upper`
     first = torch.where(starts & (fill <= budget), idx, 0).max()
@@ -435,9 +406,7 @@ def kl_projection(
     # Suffix log-sums: the free entries at any t are a contiguous run of the sorted order.
     lse = torch.cat([torch.logcumsumexp(xs.flip(0), 0).flip(0), xs.new_full((1,), -math.inf)])
 
-    # The entries capped / above `lower` at every breakpoint, from one sort of both lists (not
-    # torch.searchsorted, which spawns intra-op threads); of equal breakpoints the last, with
-    # the full counts, is picked below.
+    # Counts capped / above `lower` at each breakpoint from one sort (not searchsorted).
     t, perm = torch.sort(torch.cat([ta, tb]))
     n_hi = torch.cat([torch.zeros_like(xs), torch.ones_like(xs)])[perm].cumsum(0)  # capped
     pos = torch.arange(2 * n, device=x.device)
@@ -466,11 +435,8 @@ def kl_projection(
 
 def weighted_kl_projection(log_u: torch.Tensor, costs: torch.Tensor, budget: float, lower: float,
                            upper: float = 1.0) -> torch.Tensor:  # fmt: skip
-    """Exact projection of ``u = exp(log_u)`` onto a cost-weighted capped simplex: the
-    minimiser of ``sum(costs * KL(q_l || u_l))`` over ``{q : sum(costs * q) = budget,
-    lower <= q_l <= upper}`` (a compute budget), which is ``q_l = clip(t * u_l, lower,
-    upper)`` for one scalar ``t > 0``; :func:`kl_projection` with equal costs. Why the
-    divergence is weighted: docs/methods.md, "the compute budget".
+    """Exact minimiser of ``sum(costs * KL(q_l || u_l))`` over ``{q : sum(costs * q) = budget,
+    lower <= q_l <= upper}``: ``q_l = clip(t * u_l, lower, upper)`` for one ``t > 0``.
 
     Args:
         log_u: ``[N]`` log-weights (as :func:`kl_projection`).
@@ -479,9 +445,7 @@ def weighted_kl_projection(log_u: torch.Tensor, costs: torch.Tensor, budget: flo
         lower, upper: the bounds of every entry, ``0 < lower <= upper`` (default 1.0).
 
     Returns:
-        ``[N]`` float64 tensor on ``log_u``'s device. ``t`` is exact: a binary search over
-        the ``2N`` breakpoints finds the segment where the weighted sum crosses ``budget``,
-        where ``t`` has a closed form.
+        ``[N]`` float64 tensor on ``log_u``'s device (``t`` exact).
 
     Example:
         >>> import torch
@@ -517,8 +481,7 @@ def weighted_kl_projection(log_u: torch.Tensor, costs: torch.Tensor, budget: flo
         z = x + s
         return torch.where(z <= log_lo, lower, torch.where(z >= log_hi, upper, torch.exp(z)))
 
-    # Breakpoints in s: entry l leaves `lower` at log(lower) - x_l, reaches `upper` at
-    # log(upper) - x_l. h(first) = lower * sum(c) < budget < upper * sum(c) = h(last).
+    # Breakpoints: entry l leaves `lower` at log(lower) - x_l, reaches `upper` at log(upper) - x_l.
     t = torch.sort(torch.cat([log_lo - x, log_hi - x])).values
     left, right = 0, 2 * n - 1
     while right - left > 1:  # keep h(t[left]) <= budget <= h(t[right])

@@ -1,8 +1,5 @@
-"""The full updates each sampled layer can expect over a run, and the fit-start warning when
-they are few (see docs/methods.md#too-short-a-run-the-coverage-check).
-
-A layer drawn with probability ``q``, its update scaled by ``min(1 / q, cap)`` (``cap=1``:
-no scaling), receives ``min(1, q * cap)`` of a full update per step in expectation.
+"""The full updates each sampled layer can expect over a run (``min(1, q * cap)`` per step),
+and the fit-start warning when they are few (docs/methods.md).
 
 >>> import torch
 >>> round(expected_updates(torch.full((10,), 0.2), steps=92, update_scale=None), 1)  # paper
@@ -30,9 +27,7 @@ DOCS = "docs/methods.md#too-short-a-run-the-coverage-check"
 
 
 def expected_updates(inclusion: Tensor, steps: float, update_scale: float | None) -> float | None:
-    """Median over the sampled layers of ``steps * min(1, q * cap)``, with ``q`` each layer's
-    ``inclusion`` probability and ``cap`` the ``update_scale`` (``None``: 1). ``None`` when no
-    layer is sampled or ``steps`` is infinite."""
+    """Median of ``steps * min(1, inclusion * update_scale)``; ``None`` if unknown."""
     if inclusion.numel() == 0 or not math.isfinite(steps):
         return None
     cap = 1.0 if update_scale is None else float(update_scale)
@@ -43,9 +38,7 @@ def expected_updates(inclusion: Tensor, steps: float, update_scale: float | None
 def coverage_message(
     name: str, figure: float | None, steps: float, layer_ratio: float, update_scale: float | None
 ) -> str | None:
-    """The warning for a run whose sampled layers expect ``figure`` full updates over
-    ``steps`` steps, with the fix; ``None`` when ``figure`` is unknown or at least
-    :data:`FLOOR`."""
+    """The warning for ``figure`` expected updates (``None``: unknown or >= :data:`FLOOR`)."""
     if figure is None or figure >= FLOOR:
         return None
     cap = 1.0 if update_scale is None else float(update_scale)

@@ -1,11 +1,8 @@
 """Layer-selection rules: which layers compute gradients, are perturbed and are updated.
 
-Each step :meth:`LayerSelection.sample` draws the first pass's layers,
-:meth:`LayerSelection.refine` may change them for the second pass and the update, and
-:meth:`LayerSelection.update` learns from the first pass's per-layer norms, weighted by the
-true inclusion probabilities (:meth:`LayerSelection.inclusion`) that a wrapper passes down.
-SL-SAM's bandit is in :mod:`.bandit`, a method's own rule in its module. Every draw comes
-from the rule's own seeded ``torch.Generator``, never the global stream.
+Each step :meth:`LayerSelection.sample` draws the layers, :meth:`LayerSelection.refine` may
+change them for the second pass and :meth:`LayerSelection.update` learns from the norms. Draws
+come from the rule's own seeded ``torch.Generator``, never the global stream.
 """
 
 from __future__ import annotations
@@ -28,8 +25,7 @@ def seeded_generator(generator: torch.Generator | None, offset: int = 0) -> torc
 
 
 class Seeded:
-    """A part that draws from its own generator ``_gen`` and saves it with its state, so
-    a resumed run draws what the uninterrupted one would have.
+    """A part drawing from its own generator ``_gen``, saved with its state for exact resume.
 
     >>> part = Seeded()
     >>> part._gen = seeded_generator(None)
@@ -56,9 +52,7 @@ class LayerSelection:
     Attributes:
         num_layers: number of layers ``N`` the rule chooses among.
 
-    Example:
-        A rule of one's own: even layers on even steps, odd layers on odd steps.
-
+    Example (even layers on even steps, odd layers on odd steps):
         >>> import torch
         >>> class Alternate(LayerSelection):
         ...     def __init__(self, num_layers):
@@ -75,8 +69,7 @@ class LayerSelection:
     """
 
     num_layers: int
-    #: Whether :meth:`refine` is called after the first pass, and whether it reads the norms
-    #: (copied to the host mid-step).
+    #: Whether :meth:`refine` is called after the first pass, and whether it reads the norms.
     refines: bool = False
     refine_uses_norms: bool = False
 
@@ -95,18 +88,15 @@ class LayerSelection:
         return torch.ones(self.num_layers, dtype=torch.bool)
 
     def refine(self, active: Tensor, norms: Tensor | None) -> Tensor:
-        """Layers of the second pass and of the update, given the first pass's norms
-        (float64 ``[N]``; ``None`` unless :attr:`refine_uses_norms`). Default: unchanged."""
+        """Layers of the second pass and the update, given first-pass norms (default: same)."""
         return active
 
     def inclusion(self) -> Tensor:
-        """Probability that the last :meth:`sample` drew each layer (float64 ``[N]``).
-        Default: :attr:`probs`."""
+        """Probability that the last :meth:`sample` drew each layer (default :attr:`probs`)."""
         return self.probs
 
     def update(self, active: Tensor, norms: Tensor, inclusion: Tensor | None = None) -> bool:
-        """Learn from the active layers' norms (``inclusion``: the true probability that each
-        layer was drawn, default :meth:`inclusion`); returns whether anything changed."""
+        """Learn from the active layers' norms and ``inclusion``; whether anything changed."""
         return False
 
     def state_dict(self) -> dict[str, Any]:
@@ -116,8 +106,7 @@ class LayerSelection:
         pass
 
     def carry_state(self, state: dict[str, Any], index: list[int]) -> dict[str, Any]:
-        """:meth:`state_dict`'s output over other layers, for these (``index[i]``: layer
-        ``i``'s position there, -1: new). Default: kept as it is."""
+        """Another state mapped onto these layers (``index[i]``: position there, -1: new)."""
         return state
 
 
@@ -181,8 +170,7 @@ class UniformSelection(LayerSelection, Seeded):
     Args:
         num_layers: number of layers.
         ratio: probability of each layer, in (0, 1] (not checked here).
-        generator: the rule's own CPU generator (default: seeded with
-            ``torch.initial_seed()``).
+        generator: the rule's own CPU generator (default: seeded by ``torch.initial_seed()``).
 
     Example:
         >>> import torch
