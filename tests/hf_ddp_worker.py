@@ -25,6 +25,7 @@ from hf_helpers import (
 )
 
 from lightning_slsam.hf import SAMTrainer
+from lightning_slsam.parallel.ddp import release_process_group
 
 
 class _Recording(SAMTrainer):
@@ -73,3 +74,4 @@ def train(args, method: str) -> None:
 
 if __name__ == "__main__":
     main()
+    release_process_group()  # a gloo group alive at exit can abort a finished run

@@ -24,6 +24,7 @@ from fsdp2_worker import STEPS, _loss, _mlp, spawn_two
 from helpers import linear_sgd
 
 from lightning_slsam import make_engine
+from lightning_slsam.parallel.ddp import release_process_group
 
 #: name -> (method, options): the FSDP2 test's methods, and the local first pass, which
 #: FSDP2 refuses and DDP runs (each process perturbs with its own gradient).
@@ -101,3 +102,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    release_process_group()  # a gloo group alive at exit can abort a finished run

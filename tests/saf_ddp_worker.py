@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
 from lightning_slsam import make_engine
+from lightning_slsam.parallel.ddp import release_process_group
 
 EPOCHS, PER_RANK = 4, 4
 OPTIONS = {"weight": 0.5, "tau": 2.0, "delay": 1, "start_epoch": 1}
@@ -71,3 +72,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    release_process_group()  # a gloo group alive at exit can abort a finished run

@@ -5,7 +5,8 @@ accuracy? A table and a plot from the radius sweep of the language-model task.
     python examples/scripts/lm_radius.py docs/results/lm_radius --with docs/results/lm_forgetting
 
 Each sub-folder of the sweep is one point: ``sam_rho<R>`` (SAM at radius R), ``adamw_lr<LR>``
-(AdamW at learning rate LR) or ``mesa_w<W>`` (MESA at weight W, the task's learning rate), read
+(AdamW at learning rate LR), ``mesa_w<W>`` (MESA at weight W, the task's learning rate) or
+``smooth<S>`` (AdamW at the task's learning rate with label smoothing S), read
 as ``learning_forgetting.py`` reads a ``compare`` folder: the last held-out next-token accuracy
 on the Rotten Tomatoes sentences (in-domain) and the rise of the loss on the Brontës' novels
 (forgetting). ``--with`` adds a comparison folder's ``sam`` and ``adamw`` runs as SAM at
@@ -34,10 +35,11 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from learning_forgetting import collect
 
-POINT = re.compile(r"^(sam_rho|adamw_lr|mesa_w)(.+)$")
+POINT = re.compile(r"^(sam_rho|adamw_lr|mesa_w|smooth)(.+)$")
 #: A folder's prefix -> the method its runs are, and how a row names its point.
-METHODS = {"sam_rho": "sam", "adamw_lr": "adamw", "mesa_w": "mesa"}
-NAMES = {"sam": "SAM rho {:g}", "adamw": "AdamW lr {:g}", "mesa": "MESA weight {:g}"}
+METHODS = {"sam_rho": "sam", "adamw_lr": "adamw", "mesa_w": "mesa", "smooth": "smooth"}
+NAMES = {"sam": "SAM rho {:g}", "adamw": "AdamW lr {:g}", "mesa": "MESA weight {:g}",
+         "smooth": "AdamW, label smoothing {:g}"}  # fmt: skip
 
 
 def _mean_se(values: list[float]) -> tuple[float, float]:
@@ -52,7 +54,8 @@ Points = dict[tuple[str, float], dict[str, dict[str, Any]]]
 def gather(folder: str, extra: str | None = None, extra_rho: float = 0.01,
            extra_lr: float = 3e-3) -> Points:  # fmt: skip
     """``(method, setting) -> seed -> run``: method ``"sam"`` (setting: the radius),
-    ``"adamw"`` (setting: the learning rate) or ``"mesa"`` (setting: its weight)."""
+    ``"adamw"`` (setting: the learning rate), ``"mesa"`` (setting: its weight) or
+    ``"smooth"`` (setting: the label smoothing)."""
     points: Points = {}
     for name in sorted(os.listdir(folder)):
         match = POINT.match(name)
@@ -152,6 +155,12 @@ def render(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: Each method's curve in the plot: marker and legend.
+CURVES = [("adamw", "o", "AdamW, by learning rate"), ("sam", "s", "SAM, by radius (lr 3e-3)"),
+          ("mesa", "^", "MESA, by weight (lr 3e-3)"),
+          ("smooth", "v", "AdamW, by label smoothing (lr 3e-3)")]  # fmt: skip
+
+
 def plot(rows: list[dict[str, Any]], path: str) -> None:
     """Accuracy against the loss rise: every point (left) and the points near AdamW's
     frontier (right), each curve by its setting."""
@@ -164,9 +173,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     adamw = [r for r in rows if r["method"] == "adamw"]
     near = [r for r in rows if adamw and r["final"] >= min(a["final"] for a in adamw) - 0.005]
     for ax, shown in zip(axes, (rows, near)):
-        for method, marker, label in (("adamw", "o", "AdamW, by learning rate"),
-                                      ("sam", "s", "SAM, by radius (lr 3e-3)"),
-                                      ("mesa", "^", "MESA, by weight (lr 3e-3)")):  # fmt: skip
+        for method, marker, label in CURVES:
             points = sorted((r for r in shown if r["method"] == method), key=lambda r: r["setting"])
             if not points:
                 continue
@@ -192,7 +199,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("folder", help="the sweep's folder (sam_rho*/, adamw_lr*/, mesa_w*/)")
+    parser.add_argument("folder", help="the sweep's folder: sam_rho*/, adamw_lr*/, mesa_w*/, ...")
     parser.add_argument("--with", dest="extra", help="a compare folder with sam and adamw runs")
     parser.add_argument("--with-rho", type=float, default=0.01)
     parser.add_argument("--with-lr", type=float, default=3e-3)

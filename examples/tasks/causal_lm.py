@@ -238,12 +238,18 @@ class RottenTomatoesLMDataModule(RottenTomatoesDataModule):
         self.val_dataset = sorted(encode(val_idx), key=lambda ex: len(ex["input_ids"]))
 
 
-def token_losses(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+def token_losses(
+    logits: Tensor, labels: Tensor, label_smoothing: float = 0.0
+) -> tuple[Tensor, Tensor]:
     """Next-token cross-entropy at each position (``[batch, length - 1]``, 0 where the
     target is ``-100``) and the mask of the counted targets."""
     targets = labels[:, 1:]
     losses = F.cross_entropy(
-        logits[:, :-1].float().transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none"
+        logits[:, :-1].float().transpose(1, 2),
+        targets,
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+        label_smoothing=label_smoothing,
     )
     return losses, targets != IGNORE_INDEX
 
@@ -266,6 +272,8 @@ class CausalLMFineTuner(SAMMixin, L.LightningModule):
             ``0`` (default): constant rate.
         pretrained: start from glassllm's weights (default); ``False``: the same
             architecture with random weights (tests, benchmarks).
+        label_smoothing: the training loss's label smoothing over the vocabulary, in
+            [0, 1); default 0. Validation's loss and accuracy are never smoothed.
     """
 
     def __init__(
@@ -275,6 +283,7 @@ class CausalLMFineTuner(SAMMixin, L.LightningModule):
         weight_decay: float = 0.01,
         warmup_ratio: float = 0.0,
         pretrained: bool = True,
+        label_smoothing: float = 0.0,
     ) -> None:
         super().__init__()
         require("transformers", "CausalLMFineTuner")
@@ -282,6 +291,7 @@ class CausalLMFineTuner(SAMMixin, L.LightningModule):
         check_number("learning_rate", learning_rate, "> 0", lambda v: v > 0)
         check_training(learning_rate, weight_decay, warmup_ratio)
         check_flag("pretrained", pretrained)
+        check_number("label_smoothing", label_smoothing, "in [0, 1)", lambda v: 0 <= v < 1)
         self.save_hyperparameters()
         self.model, _ = load_glassllm(language, pretrained=pretrained)
         self.val_loss = MeanMetric()
@@ -299,7 +309,7 @@ class CausalLMFineTuner(SAMMixin, L.LightningModule):
         """Returns the per-sequence losses (SAMMixin averages them for the update, ESAM's
         data selection ranks sequences by them) and the next-token logits (MESA's)."""
         logits = self(batch)
-        losses, counted = token_losses(logits, batch["labels"])
+        losses, counted = token_losses(logits, batch["labels"], self.hparams.label_smoothing)
         per_sequence = losses.sum(1) / counted.sum(1).clamp(min=1)
         self.log("train_loss", per_sequence.mean(), prog_bar=True, batch_size=len(losses))
         return {"loss": per_sequence, "logits": logits}

@@ -135,6 +135,21 @@ def test_per_sample_loss_ignores_padding(glass):
     assert not torch.isclose(batched[1], alone[0])
 
 
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log")  # no Trainer here
+def test_label_smoothing_smooths_only_the_training_loss(glass):
+    plain, smooth = CausalLMFineTuner(), CausalLMFineTuner(label_smoothing=0.2)
+    smooth.load_state_dict(plain.state_dict())
+    batch = CausalLMCollator(PAD)([{"input_ids": [BOS, *range(40, 60), EOS]}])
+    with torch.no_grad():
+        logits = plain(batch)
+        got = smooth.training_step(batch, 0)["loss"]
+        expected = torch.nn.functional.cross_entropy(
+            logits[0, :-1], batch["labels"][0, 1:], label_smoothing=0.2
+        )
+        assert float(plain.training_step(batch, 0)["loss"]) < float(got)
+    torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-6)
+
+
 # -- training ----------------------------------------------------------------------------
 def trainer(**kwargs):
     defaults = {
@@ -193,6 +208,8 @@ def test_validation_metrics_count_every_target_token():
         ({"weight_decay": -1.0}, "weight_decay"),
         ({"warmup_ratio": 1.0}, "warmup_ratio"),
         ({"pretrained": 1}, "pretrained"),
+        ({"label_smoothing": 1.0}, "label_smoothing"),
+        ({"label_smoothing": True}, "label_smoothing"),
     ],
 )
 def test_bad_model_arguments(kwargs, name):

@@ -47,6 +47,8 @@ def sweep(tmp_path):
         write(folder, "sam_rho1", "sam", seed, final=0.28, loss_rise=0.35 + j)
         # MESA at weight 2 a quarter of the way, forgetting 0.05 more than AdamW there (0.35).
         write(folder, "mesa_w2", "mesa", seed, final=0.305, loss_rise=0.40 + j)
+        # Label smoothing 0.1 three quarters of the way, forgetting as AdamW there (0.45).
+        write(folder, "smooth0.1", "adamw", seed, final=0.315, loss_rise=0.45 + j)
     write(extra, "", "sam", 42, final=0.319, loss_rise=0.49)  # rho 0.01, one seed
     # A folder that is not a point is ignored.
     os.makedirs(os.path.join(folder, "notes"))
@@ -58,7 +60,7 @@ def test_the_sweep_reads_each_point_and_joins_the_other_folders_runs(sweep):
     points = lm_radius.gather(folder, extra)
     assert sorted(points) == [("adamw", 1e-3), ("adamw", 3e-3), ("adamw", 1e-2),
                               ("mesa", 2.0), ("sam", 0.01), ("sam", 0.1), ("sam", 0.3),
-                              ("sam", 1.0)]  # fmt: skip
+                              ("sam", 1.0), ("smooth", 0.1)]  # fmt: skip
     assert sorted(points[("adamw", 3e-3)]) == ["42", "43", "44"]
     rows = {(r["method"], r["setting"]): r for r in lm_radius.summarise(points)}
     row = rows[("sam", 0.3)]
@@ -87,6 +89,8 @@ def test_sam_is_read_against_adamws_frontier_at_its_accuracy(sweep):
     more = lm_radius.at_equal_accuracy(by[("mesa", 2.0)], adamw)
     assert more["adamw_rise"] == pytest.approx(0.35) and more["diff"] == pytest.approx(0.05)
     assert more["verdict"] == "forgets more"
+    smooth = lm_radius.at_equal_accuracy(by[("smooth", 0.1)], adamw)
+    assert smooth["adamw_rise"] == pytest.approx(0.45) and smooth["diff"] == pytest.approx(0.0)
 
 
 def test_main_writes_the_table_and_the_plot(sweep):
@@ -95,6 +99,7 @@ def test_main_writes_the_table_and_the_plot(sweep):
     assert "| SAM rho 0.3 | 3 | 0.3100 ± 0.0000 | 0.300 ± 0.006 |" in text
     assert "forgets less (AdamW between lr 0.001 and 0.003)" in text
     assert "| MESA weight 2 | 3 | 0.3050 ± 0.0000 | 0.400 ± 0.006 |" in text
+    assert "| AdamW, label smoothing 0.1 | 3 | 0.3150 ± 0.0000 | 0.450 ± 0.006 |" in text
     assert os.path.getsize(os.path.join(folder, "radius.png")) > 1000
     with open(os.path.join(folder, "radius.md")) as handle:
         assert handle.read() == text
