@@ -1,9 +1,8 @@
 """SAM methods inside the Hugging Face ``Trainer``: :class:`SAMTrainer` and its mixin.
 
-The mixin runs the method's whole step at an optimizer step's last micro-batch, each pass
-over all of the step's micro-batches with the Trainer's own loss and
-``accelerator.backward``; the Trainer then clips, steps and zeroes as always
-(docs/huggingface.md).
+The mixin runs the method's whole step at an optimizer step's last micro-batch, each pass over
+all of the step's micro-batches with the Trainer's own loss and ``accelerator.backward``; the
+Trainer then clips, steps and zeroes as always (docs/huggingface.md).
 """
 
 from __future__ import annotations
@@ -115,7 +114,6 @@ class SAMTrainerMixin:
         passes = getattr(self, "_sam_passes", None)
         return passes.number if passes is not None else 0
 
-    # -- the step ----------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, *args: Any,
                           **kwargs: Any) -> Any:  # fmt: skip
         """The Trainer's fetch of one optimizer step's micro-batches, kept for the step."""
@@ -187,9 +185,8 @@ class SAMTrainerMixin:
         return rebuilt
 
     def _sam_loss(self, batch: Any) -> LossOutput:
-        """One micro-batch's loss from the Trainer's own ``training_step`` (its backward
-        taken over), with per-sample losses if needed; a later pass's changes to
-        :attr:`sam_first_pass_attributes` are undone."""
+        """One micro-batch's loss from the Trainer's own ``training_step`` (backward taken over),
+        per-sample losses if needed; a later pass's :attr:`sam_first_pass_attributes` undone."""
         trainer: Any = self
         accelerator = trainer.accelerator
         taken: list[Tensor] = []
@@ -271,7 +268,6 @@ class SAMTrainerMixin:
         counted = (labels != -100).sum(1).clamp(min=1)
         return tokens.sum(1) / counted
 
-    # -- the update, made by the Trainer after the step ---------------------------------
     def _sam_optimizer_step(self, skip: bool, scaler: Any) -> None:
         """A skipped step makes a gradient scaler back off (the Trainer steps after
         ``training_step``, and every gradient is ``None``)."""
@@ -293,7 +289,6 @@ class SAMTrainerMixin:
         for work in pending:
             work()
 
-    # -- logs and checkpoints -------------------------------------------------------------
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """The Trainer's log, with the last step's ``slsam/*`` metrics beside each loss."""
         engine = self.sam_engine

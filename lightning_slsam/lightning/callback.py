@@ -1,7 +1,6 @@
 """``SAMCallback``, the Lightning side every SAM method shares: the setup checks, the engine
-built at fit start (seeded alike on every process), per-step logging, the end-of-fit record
-and the checkpointed state. The step itself is run by the module's
-:class:`~lightning_slsam.lightning.driver.StepDriver`, which reads the callback's options.
+(seeded alike on every process), per-step logging, the end-of-fit record and the checkpointed
+state. The module's :class:`~lightning_slsam.lightning.driver.StepDriver` runs the step.
 
 Example:
 
@@ -93,8 +92,7 @@ PROGRESS_BAR_COUNTS = frozenset({"sl_layers"})
 
 
 class _Count(int):
-    """A count on the progress bar: an ``int`` that stays one where the bar formats every
-    number with decimals (the Rich bar's ``.3f``; the tqdm bar's ``.3g`` shows ints as is)."""
+    """A progress-bar count: an ``int`` even where the bar shows decimals (Rich's ``.3f``)."""
 
     def __format__(self, spec: str) -> str:
         if spec[-1:] in tuple("eEfFgG%"):
@@ -106,11 +104,10 @@ class _Count(int):
 class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions):
     """Base of the plugin's SAM methods; use a method class such as ``SparseLayerSAM``.
 
-    A keyword-only dataclass (:func:`~lightning_slsam.lightning.signatures.options_class`)
-    over the method's pure-PyTorch specification (:attr:`spec_class`): its fields are those
-    of the method's option dataclass (``SLSAMOptions`` for ``SparseLayerSAM``, ...) and of
+    A keyword-only dataclass (:func:`~lightning_slsam.lightning.signatures.options_class`) of
+    the method's options (``SLSAMOptions`` for ``SparseLayerSAM``, ...) and
     :class:`~lightning_slsam.lightning.driver.LightningOptions`, checked by building
-    :attr:`spec`. A subclass that adds options is decorated with ``@options_class`` too.
+    :attr:`spec` from :attr:`spec_class`. A subclass that adds options is an ``@options_class``.
 
     Attributes:
         frequency_csv_path, frequency_plot_path: where the end-of-fit record went.
@@ -160,15 +157,13 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions):
 
     @property
     def update_scale(self) -> float | None:
-        """The cap on a drawn layer's update factor ``1 / q`` (``None``: no scaling), the
-        spec's (:attr:`~lightning_slsam.methods.spec.MethodSpec.update_scale`)."""
+        """The cap on a drawn layer's update factor ``1 / q`` (``None``: no scaling)."""
         return self.spec.update_scale
 
     def selection_metrics(self) -> dict[str, float]:
         """Extra per-step metrics of the method's selection (the bandit's floor counts)."""
         return {}
 
-    # -- public views -------------------------------------------------------------------
     @property
     def layer_names(self) -> list[str]:
         """Names of the layers, in model order (empty before setup)."""
@@ -198,7 +193,6 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions):
         the passes (the paper's measure: AdamW 1.0, SAM 2.0)."""
         return self.engine.mean_active_ratio if self.engine is not None else math.nan
 
-    # -- setup --------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_fit_setup(self, trainer, pl_module)
         self._warnings.add()  # for this fit only: removed at teardown
@@ -294,7 +288,6 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions):
         self.engine, self.partition = engine, engine.partition
         rank_zero_info(line)
 
-    # -- logging ------------------------------------------------------------------------
     def on_train_batch_end(
         self,
         trainer: pl.Trainer,
@@ -340,14 +333,12 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions):
             rank_zero_info(fit_message(type(self).__name__, self.engine, self.frequency_plot_path))
 
     def summary(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """After ``fit``: the run's mean active ratio, per-layer chart and the tensors out of
-        sampling (``out_of_sampling``), in the process that called ``fit`` under ``ddp_spawn``
-        too (the ratio from ``trainer.callback_metrics``, the newest chart of the run)."""
+        """After ``fit``: the run's mean active ratio, per-layer chart and ``out_of_sampling``
+        tensors, in the process that called ``fit`` under ``ddp_spawn`` too."""
         partition = self.partition or self.spec.partition(trainer.lightning_module, warn=_quiet)
         summary = fit_summary(trainer, self.mean_active_ratio, self.frequency_plot_path)
         return {**summary, "out_of_sampling": out_of_sampling(partition)}
 
-    # -- checkpoint state ---------------------------------------------------------------
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:

@@ -1,35 +1,9 @@
 """Every method of the SL-SAM paper's comparison, as a Lightning callback.
 
-Each class is a configuration of the same parts -- a layer selection, a perturbation and
-a schedule -- run by the same engine and the same :class:`~lightning_slsam.SAMMixin`
-training step, so their metrics are directly comparable. Options common to all (``rho``,
-``adaptive``, ``perturbation_norm``, ``layers``, clipping, accumulation, ...) are those of
-:class:`~lightning_slsam.lightning.callback.SAMCallback`. Plain AdamW is the mixin without any
-callback.
-
-========================  ==========================  ====================================
-name (``make_callback``)  class                       defaults
-========================  ==========================  ====================================
-``adamw``                 (no callback)               --
-``sam``                   :class:`SAM`                rho 0.01
-``slsam``                 :class:`SparseLayerSAM`     layer_ratio 0.2, preset "default"
-``slsam_paper``           :class:`SparseLayerSAM`     preset "paper": the paper's method
-``random_slsam``          :class:`RandomSLSAM`        layer_ratio 0.2
-``top_slsam``             :class:`TopSLSAM`           layer_ratio 0.2
-``s2sam``                 :class:`S2SAM`              --
-``sl_s2sam``              :class:`SLS2SAM`            layer_ratio 0.2, preset "paper"
-``rst``                   :class:`RST`                probability 0.5
-``esam``                  :class:`ESAM`               weight_ratio 0.5, data_ratio 0.5
-``ssamf``                 :class:`SSAMF`              sparsity 0.5
-``looksam``               :class:`LookSAM`            interval 5, alpha 0.7
-``slsam_rst``             :class:`SLSAMRST`           SL-SAM on RST's coin
-``slsam_looksam``         :class:`SLSAMLookSAM`       SL-SAM on LookSAM's interval
-``slsam_depth``           :class:`CostAwareSLSAM`     depth 0.5 (beyond the paper)
-``momentum_sam``          :class:`MomentumSAM`        rho 1 (against the momentum)
-``arwp``                  :class:`ARWP`               rho 0.001 growing 11x, eta 0.1
-``mesa``                  :class:`MESA`               weight 0.8, tau 5, start 0.05
-``saf``                   :class:`SAF`                weight 0.3, tau 5, delay 3, start 5
-========================  ==========================  ====================================
+Each class configures the same engine and :class:`~lightning_slsam.SAMMixin` training step, so
+their metrics are comparable; the options all share (``rho``, ``adaptive``, ``layers``, clipping,
+accumulation, ...) are :class:`~lightning_slsam.lightning.callback.SAMCallback`'s. Plain AdamW is
+the mixin without a callback. Each method's name, defaults and cost: docs/methods.md.
 """
 
 from __future__ import annotations
@@ -66,9 +40,8 @@ from lightning_slsam.selection.rules import WrappedSelection
 
 @options_class
 class SAM(SAMCallback):
-    """Vanilla SAM on every layer (Foret et al., 2021, "Sharpness-Aware Minimization for
-    Efficiently Improving Generalization"); with AdamW as the module's optimizer this is
-    the SL-SAM paper's "AdaSAM" baseline. Two passes on every layer: Active Ratio 2.0x.
+    """Vanilla SAM on every layer (Foret et al., 2021): two passes, Active Ratio 2.0x; with
+    AdamW as the module's optimizer, the SL-SAM paper's "AdaSAM" baseline.
 
     Example:
         >>> SAM().rho, SAM(adaptive=True, rho=0.5).adaptive  # ASAM at its reference radius
@@ -86,13 +59,11 @@ class SAM(SAMCallback):
 class SparseLayerSAM(SAMCallback, slsam.SLSAMOptions):
     """Sparse Layer SAM (SL-SAM): SAM on a bandit-sampled subset of layers each step.
 
-    Each step the EXP3 bandit draws the active layers and the rest are frozen; SAM's two
-    passes run on the active layers, whose first-pass gradient norms the bandit learns from
-    (the SL-SAM paper's Algorithms 1 and 2; docs/algorithm.md). ``preset="default"`` goes
-    beyond the paper: a parameter budget, a scale-free bandit loss, the fresh task head
-    trained every step, updates scaled by ``1 / q`` up to 3 (docs/methods.md#the-presets);
-    ``preset="paper"`` is the paper's exact method. Variants: :class:`SLSAMRST`,
-    :class:`SLSAMLookSAM`, :class:`CostAwareSLSAM`.
+    The other layers are frozen; SAM's two passes run on the drawn ones, whose first-pass
+    gradient norms the EXP3 bandit learns from (the paper's Algorithms 1-2; docs/algorithm.md).
+    ``preset="paper"`` is the paper's exact method; ``"default"`` adds a parameter budget, a
+    scale-free bandit loss, the fresh task head trained every step and updates scaled by
+    ``1 / q`` up to 3 (docs/methods.md#the-presets).
 
     Example:
         ``trainer = L.Trainer(callbacks=[SparseLayerSAM(rho=0.01, layer_ratio=0.2)])``
@@ -131,11 +102,9 @@ class SparseLayerSAM(SAMCallback, slsam.SLSAMOptions):
 
 @options_class
 class RandomSLSAM(SAMCallback, random_slsam.RandomSLSAMOptions):
-    """Random-SL-SAM, the SL-SAM paper's ablation: layers sampled uniformly, each with
-    probability ``layer_ratio`` every step, no bandit (then SAM on them, as SL-SAM).
-
-    ``preset="default"`` adds what ``SparseLayerSAM()`` does beyond the bandit: the fresh
-    task head trained every step and each drawn layer's update scaled up to 3x.
+    """Random-SL-SAM, the SL-SAM paper's ablation: SL-SAM with each layer drawn uniformly with
+    probability ``layer_ratio`` every step, no bandit. ``preset="default"`` adds the fresh task
+    head trained every step and each drawn layer's update scaled up to 3x.
 
     Example:
         >>> RandomSLSAM().layer_ratio, RandomSLSAM().method, RandomSLSAM().preset
@@ -147,10 +116,9 @@ class RandomSLSAM(SAMCallback, random_slsam.RandomSLSAMOptions):
 
 @options_class
 class TopSLSAM(SAMCallback, top_slsam.TopSLSAMOptions):
-    """Top-SL-SAM, the SL-SAM paper's greedy ablation: the first pass computes every
-    layer's gradient, then SAM's ascent, second pass and update run on the ``k =
-    round(layer_ratio * N)`` (at least 1) layers of largest norm. No exploration:
-    ``slsam/never_selected`` logs how many layers were never selected.
+    """Top-SL-SAM, the SL-SAM paper's greedy ablation: after a full first pass, SAM's ascent,
+    second pass and update on the ``k = max(1, round(layer_ratio * N))`` layers of largest
+    gradient norm. No exploration: ``slsam/never_selected`` logs the layers never selected.
 
     Example:
         >>> TopSLSAM(layer_ratio=0.3).layer_ratio
@@ -162,10 +130,9 @@ class TopSLSAM(SAMCallback, top_slsam.TopSLSAMOptions):
 
 @options_class
 class S2SAM(SAM):
-    """S2-SAM (Ji et al., 2024, "Single-step SAM"; Algorithm 3 of the SL-SAM paper): each
-    step perturbs every layer along the gradient of the previous step and runs one
-    forward/backward there; that gradient updates the weights and is kept for the next
-    step. One pass per step (Active Ratio 1.0x); the first step is a plain step.
+    """S2-SAM (Ji et al., 2024, "Single-step SAM"; the SL-SAM paper's Algorithm 3): one pass per
+    step (Active Ratio 1.0x) at every layer perturbed along the previous step's gradient, whose
+    gradient updates the weights and is kept for the next step; the first step is plain.
 
     Example:
         >>> S2SAM(rhoo=0.05)
@@ -180,9 +147,8 @@ class S2SAM(SAM):
 @options_class
 class MomentumSAM(SAM, momentum_sam.MomentumSAMOptions):
     """Momentum-SAM (Becker, Altrock and Risse, 2024): one pass per step (Active Ratio 1.0x,
-    the first step plain) at the weights moved by ``rho`` against the optimizer's normalised
-    momentum (AdamW's ``exp_avg``, SGD's ``momentum_buffer``). The move is undone before the
-    optimizer updates the true weights, which validation and checkpoints see.
+    the first plain) at the weights moved by ``rho`` against the optimizer's normalised
+    momentum, undone before the update (:mod:`~lightning_slsam.methods.momentum_sam`).
 
     Example:
         >>> MomentumSAM().rho, MomentumSAM(rho=3.0).rho
@@ -199,11 +165,10 @@ class MomentumSAM(SAM, momentum_sam.MomentumSAMOptions):
 
 @options_class
 class ARWP(SAM, arwp.ARWPOptions):
-    """ARWP (Li et al., 2024, "Revisiting Random Weight Perturbation"): one pass per step
-    (Active Ratio 1.0x) at the weights moved by Gaussian noise, each row's scaled by its norm
-    and shrunk where the running squared gradients are large, growing from ``rho`` to ``rho *
-    (1 + growth)`` over the trainer's planned steps. The move is undone before the optimizer
-    updates the true weights, which validation and checkpoints see.
+    """ARWP (Li et al., 2024): one pass per step (Active Ratio 1.0x) at the weights moved by
+    Gaussian noise, each row's scaled by its norm and shrunk where the running squared gradients
+    are large, from ``rho`` to ``rho * (1 + growth)`` over the trainer's planned steps; undone
+    before the update (:mod:`~lightning_slsam.methods.arwp`).
 
     Example:
         >>> ARWP().rho, ARWP().growth, ARWP(rho=0.01, growth=0).rho
@@ -216,12 +181,10 @@ class ARWP(SAM, arwp.ARWPOptions):
 
 @options_class
 class MESA(SAM, mesa.MESAOptions):
-    """MESA (Du et al., 2022, "Sharpness-Aware Training for Free"): one training pass per
-    step, its loss plus ``weight * tau^2 * KL`` between the logits of an exponential moving
-    average of the weights (one forward without gradients, the model in evaluation mode)
-    and the model's own; the average moves after each update. ``training_step`` returns
-    ``{"loss": loss, "logits": logits}``. The term starts after ``start`` of the run (the
-    trainer's planned steps).
+    """MESA (Du et al., 2022): one training pass per step, its loss plus ``weight * tau^2 * KL``
+    between the logits of the weights' moving average (one forward without gradients, in
+    evaluation mode) and the model's own, from ``start`` of the trainer's planned steps on.
+    ``training_step`` returns ``{"loss": loss, "logits": logits}``.
 
     Example:
         >>> MESA().weight, MESA().tau, MESA(weight=0.3).weight
@@ -233,12 +196,10 @@ class MESA(SAM, mesa.MESAOptions):
 
 @options_class
 class SAF(SAM, saf.SAFOptions):
-    """SAF (Du et al., 2022, "Sharpness-Aware Training for Free"): one training pass per
-    step, its loss plus ``weight * tau^2 * KL`` between each sample's logits ``delay``
-    epochs ago (a store of every training sample's recent logits) and its logits now.
-    ``training_step`` returns ``{"loss": loss, "logits": logits, "index": index}``,
-    ``index`` each sample's position in the training set. A sample gets the term after
-    ``start_epoch`` visits.
+    """SAF (Du et al., 2022): one training pass per step, its loss plus ``weight * tau^2 * KL``
+    between each sample's logits now and ``delay`` epochs ago, after ``start_epoch`` visits.
+    ``training_step`` returns ``{"loss": loss, "logits": logits, "index": index}``, ``index``
+    each sample's position in the training set.
 
     Example:
         >>> SAF().weight, SAF().delay, SAF(start_epoch=2).start_epoch
@@ -250,12 +211,9 @@ class SAF(SAM, saf.SAFOptions):
 
 @options_class
 class SLS2SAM(SparseLayerSAM, sl_s2sam.SLS2SAMOptions):
-    """SL-S2-SAM (Algorithm 4 of the SL-SAM paper): single-step SAM on bandit-sampled
-    layers. Each active layer perturbs along its own last computed gradient; the bandit
-    learns from the norms of the step's (perturbed) gradients. The first step is a plain
-    step on every layer, which records every layer's first gradient.
-
-    It keeps the paper's configuration by default (``preset="paper"``).
+    """SL-S2-SAM (the SL-SAM paper's Algorithm 4; ``preset="paper"`` by default): single-step
+    SAM on bandit-sampled layers, each perturbed along its own last computed gradient, the bandit
+    learning from the step's (perturbed) gradient norms; the first step is plain, on every layer.
 
     Example:
         >>> SLS2SAM(layer_ratio=0.3).preset, SLS2SAM(layer_ratio=0.3).layer_ratio
@@ -268,9 +226,8 @@ class SLS2SAM(SparseLayerSAM, sl_s2sam.SLS2SAMOptions):
 
 @options_class
 class RST(SAM, rst.RSTOptions):
-    """RST (Zhao et al., 2022, "Randomized Sharpness-Aware Training"): each step is a SAM
-    step with probability ``probability``, otherwise a plain step, drawn from a seeded
-    generator (Active Ratio ``1 + probability``: 1.5x at the paper's 0.5).
+    """RST (Zhao et al., 2022): each step is a SAM step with probability ``probability``, else
+    a plain step, drawn from a seeded generator (Active Ratio ``1 + probability``).
 
     Example:
         >>> RST().probability
@@ -282,11 +239,9 @@ class RST(SAM, rst.RSTOptions):
 
 @options_class
 class LookSAM(SAM, looksam.LookSAMOptions):
-    """LookSAM (Liu et al., 2022, "Towards Efficient and Scalable Sharpness-Aware
-    Minimization"): a full SAM step every ``interval`` steps, which stores ``g_v``, the
-    part of the SAM gradient orthogonal to the plain gradient; the steps in between run
-    one pass and add ``alpha * ||g|| / ||g_v|| * g_v`` to their gradient (Active Ratio
-    ``1 + 1/interval``: 1.2x at 5).
+    """LookSAM (Liu et al., 2022): a SAM step every ``interval`` steps stores ``g_v``, the part
+    of the SAM gradient orthogonal to the plain one; the one-pass steps between add ``alpha *
+    ||g|| / ||g_v|| * g_v`` to their gradient (Active Ratio ``1 + 1/interval``).
 
     Example:
         >>> LookSAM().interval, LookSAM().alpha  # LookSAM's own values
@@ -298,11 +253,9 @@ class LookSAM(SAM, looksam.LookSAMOptions):
 
 @options_class
 class ESAM(SAMCallback, esam.ESAMOptions):
-    """ESAM (Du et al., 2022, "Efficient Sharpness-aware Minimization for Improved
-    Training of Neural Networks"): the first pass computes and perturbs a random
-    ``weight_ratio`` of the layers; a forward at the perturbed point ranks the samples by
-    loss increase, and the second pass runs on the ``data_ratio`` of the batch whose loss
-    rose most, updating every layer (Active Ratio ``weight_ratio + 1``: 1.5x at 0.5).
+    """ESAM (Du et al., 2022): SAM perturbing a random ``weight_ratio`` of the layers, its second
+    pass, which updates every layer, on the ``data_ratio`` of the batch whose loss the
+    perturbation raised most (Active Ratio ``weight_ratio + 1``).
 
     ``training_step`` returns per-sample losses: a 1-D tensor (averaged for the update) or
     ``{"loss": ..., "per_sample_loss": ...}``; ``SAMMixin.sam_subset_batch`` cuts the batch
@@ -318,14 +271,10 @@ class ESAM(SAMCallback, esam.ESAMOptions):
 
 @options_class
 class SSAMF(SAMCallback, ssamf.SSAMFOptions):
-    """SSAM-F (Mi et al., 2022, "Make Sharpness-Aware Minimization Stronger: A Sparsified
-    Perturbation Approach"): SAM whose ascent is zeroed outside a mask of the coordinates
-    with the largest empirical Fisher information (squared per-sample gradients), keeping
-    ``1 - sparsity`` of all coordinates. The mask is recomputed every ``mask_interval``
-    steps from ``fisher_samples`` samples of the current batch (one backward each,
-    counted in ``slsam/backward_passes``). Both passes are dense: Active Ratio 2.0x. The
-    defaults refresh the mask more often, from fewer samples, than the reference code, for
-    fine-tuning runs of a few epochs (docs/paper-and-code.md#ssam-f-and-its-official-code).
+    """SSAM-F (Mi et al., 2022): SAM (both passes dense, Active Ratio 2.0x) whose ascent is zeroed
+    outside the ``1 - sparsity`` of the coordinates of largest empirical Fisher information
+    (squared per-sample gradients), recomputed every ``mask_interval`` steps from
+    ``fisher_samples`` samples of the batch (one backward each, in ``slsam/backward_passes``).
 
     Example:
         >>> SSAMF().sparsity, SSAMF().mask_interval
@@ -354,9 +303,8 @@ class SLSAMRST(SparseLayerSAM, rst.RSTOptions):
 
 @options_class
 class SLSAMLookSAM(SparseLayerSAM, looksam.LookSAMOptions):
-    """SL-SAM on LookSAM's interval: sparse along both axes. A SAM step on the drawn layers
-    every ``interval`` steps; in between, one pass that reuses the stored orthogonal
-    component of the SAM gradient with weight ``alpha``.
+    """SL-SAM on LookSAM's interval: a SAM step on the drawn layers every ``interval`` steps; in
+    between, one pass reusing the stored orthogonal part of the SAM gradient, weight ``alpha``.
 
     Example:
         >>> SLSAMLookSAM().interval, SLSAMLookSAM().alpha
@@ -380,14 +328,12 @@ class CostAwareSLSAM(SparseLayerSAM, slsam_depth.CostAwareSLSAMOptions):
     spec_class = slsam_depth.CostAwareSLSAMSpec
 
 
-#: The method classes declared above.
 _CLASSES: tuple[type[SAMCallback], ...] = (
     SAM, SparseLayerSAM, RandomSLSAM, TopSLSAM, S2SAM, SLS2SAM, RST, LookSAM, ESAM, SSAMF,
     SLSAMRST, SLSAMLookSAM, CostAwareSLSAM, MomentumSAM, ARWP, MESA, SAF,
 )  # fmt: skip
 
-#: Specification class -> its callback class: the package's, then those of
-#: :func:`register_callback` and those :func:`callback_for` builds.
+#: Specification class -> its callback class (the package's, registered or built).
 _CALLBACKS: dict[type[MethodSpec], type[SAMCallback]] = {cls.spec_class: cls for cls in _CLASSES}
 
 _Callback = TypeVar("_Callback", bound=type[SAMCallback])
@@ -395,8 +341,7 @@ _Callback = TypeVar("_Callback", bound=type[SAMCallback])
 
 def register_callback(cls: _Callback) -> _Callback:
     """Make ``cls`` the callback class of its ``spec_class`` for :func:`make_callback` and
-    :data:`METHODS` (a method registered with ``register_method``); returns ``cls``, so it
-    works as a decorator.
+    :data:`METHODS`; returns ``cls``, so it works as a decorator.
 
     Example:
         >>> from lightning_slsam.methods.sam import SAMSpec

@@ -18,39 +18,30 @@ __all__ = [
 
 
 def attached_trainer(module: Any) -> Any:
-    """The Trainer ``module`` is attached to, or ``None``.
-
-    Lightning 2.6.6: ``LightningModule._trainer`` (the ``trainer`` property raises without one).
-    """
+    """The Trainer ``module`` is attached to, or ``None``. Lightning 2.6.6:
+    ``LightningModule._trainer`` (the ``trainer`` property raises without one)."""
     return getattr(module, "_trainer", None) if module is not None else None
 
 
 def epoch_ends_with_this_batch(trainer: Any) -> bool:
-    """Whether the batch being trained is the epoch's last one.
-
-    Lightning 2.6.6: ``fit_loop.epoch_loop._num_ready_batches_reached()``, the test its own
-    gradient accumulation uses to close a partial group at the end of an epoch.
-    """
+    """Whether the batch being trained is the epoch's last one. Lightning 2.6.6:
+    ``fit_loop.epoch_loop._num_ready_batches_reached()``, the test its own gradient
+    accumulation uses to close a partial group at the end of an epoch."""
     return bool(trainer.fit_loop.epoch_loop._num_ready_batches_reached())
 
 
 def gradient_scaler(trainer: Any) -> Any:
-    """The mixed-precision gradient scaler of ``trainer`` (``None`` without one).
-
-    Lightning 2.6.6: the ``scaler`` attribute of ``MixedPrecision`` (16-bit AMP) and
-    ``FSDPPrecision``; other precision plugins have none.
-    """
+    """The mixed-precision gradient scaler of ``trainer`` (``None`` without one). Lightning
+    2.6.6: the ``scaler`` of ``MixedPrecision`` (16-bit AMP) and ``FSDPPrecision``."""
     return getattr(trainer.precision_plugin, "scaler", None)
 
 
 def automatic_scheduler_configs(raw: Any, current: list[Any]) -> list[Any]:
-    """The LR scheduler configs automatic optimization would build from
-    ``configure_optimizers``'s output ``raw``: ``current``'s schedulers (the Trainer's, under
-    manual optimization) with ``monitor``, ``strict`` and ``reduce_on_plateau`` kept.
-
-    Lightning 2.6.6: ``lightning.pytorch.core.optimizer._configure_optimizers`` and
-    ``_configure_schedulers_automatic_opt`` (without them: ``current``).
-    """
+    """The LR scheduler configs automatic optimization would build from ``configure_optimizers``'s
+    output ``raw``: ``current``'s (the Trainer's, under manual optimization) with ``monitor``,
+    ``strict`` and ``reduce_on_plateau`` kept. Lightning 2.6.6:
+    ``lightning.pytorch.core.optimizer._configure_optimizers`` and
+    ``_configure_schedulers_automatic_opt`` (without them: ``current``)."""
     if raw is None or not current:
         return current
     try:
@@ -70,10 +61,8 @@ def automatic_scheduler_configs(raw: Any, current: list[Any]) -> list[Any]:
 
 
 def spawns_processes(strategy: Any) -> bool:
-    """Whether ``strategy`` trains in spawned child processes (``ddp_spawn``).
-
-    Lightning 2.6.6: its launcher is a ``_MultiProcessingLauncher``.
-    """
+    """Whether ``strategy`` trains in spawned child processes (``ddp_spawn``). Lightning 2.6.6:
+    its launcher is a ``_MultiProcessingLauncher``."""
     from lightning.pytorch.strategies.launchers.multiprocessing import (
         _MultiProcessingLauncher,
     )
@@ -85,10 +74,8 @@ def with_subcommand_help(
     add_lightning_subcommands: Callable[[], None], parser: Any, helps: dict[str, str]
 ) -> None:
     """Run ``LightningCLI._add_subcommands`` (``add_lightning_subcommands``) with ``helps``
-    (by name) as the ``--help`` line of Lightning's subcommands.
-
-    Lightning 2.6.6: it adds them to the action ``parser.add_subcommands()`` returns, captured here.
-    """
+    (by name) as the ``--help`` line of Lightning's subcommands. Lightning 2.6.6: it adds them
+    to the action ``parser.add_subcommands()`` returns, captured here."""
     added: list[Any] = []
     original = parser.add_subcommands
 
@@ -116,11 +103,9 @@ def with_subcommand_help(
 
 def carry_step_progress(checkpoint: dict[str, Any], automatic: bool) -> None:
     """Copy, in a checkpoint being loaded, the optimizer-step count of the optimization mode
-    that ran last into the mode that resumes (``automatic``).
-
-    Lightning 2.6.6 counts them apart: ``epoch_loop.automatic_optimization.optim_progress``
-    and ``epoch_loop.manual_optimization.optim_step_progress``.
-    """
+    that ran last into the mode that resumes (``automatic``). Lightning 2.6.6 counts them apart:
+    ``epoch_loop.automatic_optimization.optim_progress`` and
+    ``epoch_loop.manual_optimization.optim_step_progress``."""
     loop = checkpoint.get("loops", {}).get("fit_loop", {})
     auto = loop.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer")
     manual = loop.get("epoch_loop.manual_optimization.optim_step_progress")

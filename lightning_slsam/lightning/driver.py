@@ -1,10 +1,9 @@
 """The Lightning step driver: one SAM training step of a :class:`~lightning_slsam.SAMMixin`
 module, from the Trainer's batch to the stepped optimizer and LR schedulers.
 
-A :class:`StepDriver` (made by the mixin at a fit's first SAM step) does what automatic
-optimization would (accumulation, the gradient scaler, clipping after unscaling, DDP's
-``no_sync``, LR schedulers with ``monitor`` and ``strict``), reading only the callback's
-public options (:class:`LightningOptions`) and its ``engine``. See docs/training.md.
+A :class:`StepDriver` does what automatic optimization would (accumulation, the gradient scaler,
+clipping after unscaling, DDP's ``no_sync``, LR schedulers with ``monitor`` and ``strict``), reading
+only the callback's :class:`LightningOptions` and ``engine`` (docs/training.md).
 """
 
 from __future__ import annotations
@@ -44,9 +43,8 @@ Call = tuple[tuple[Any, ...], dict[str, Any]]
 
 @dataclass(kw_only=True, eq=False)
 class LightningOptions:
-    """The options of the Lightning layer (a method's own are its spec's fields), which the
-    driver reads; the base of :class:`~lightning_slsam.SAMCallback`, by which the mixin
-    finds it on a Trainer.
+    """The options of the Lightning layer, which the driver reads; the base of
+    :class:`~lightning_slsam.SAMCallback`, by which the mixin finds it on a Trainer.
 
     Args:
         gradient_clip_val: clip the update gradient at this value after unscaling, instead
@@ -64,8 +62,7 @@ class LightningOptions:
 
 
 def find_sam_callback(trainer: Any) -> Any:
-    """The SAM callback attached to ``trainer`` (``None``: no Trainer, or no SAM callback;
-    the setup checks refuse more than one)."""
+    """The SAM callback attached to ``trainer`` (``None``: no Trainer, or no SAM callback)."""
     if trainer is not None:
         for callback in trainer.callbacks:
             if isinstance(callback, LightningOptions):
@@ -108,7 +105,6 @@ class StepDriver:
         self._user_step: Callable[..., Any] | None = None
         self._first_output: Any = None
 
-    # -- the step ----------------------------------------------------------------------
     def training_step(self, user_step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Buffer the batch, and once a group is complete run the SAM step over it; return
         what ``training_step`` returns to Lightning (the first pass's output, detached)."""
@@ -188,7 +184,6 @@ class StepDriver:
                 gradient_clip_algorithm=self.controller.gradient_clip_algorithm,
             )
 
-    # -- LR schedulers (Lightning steps them only under automatic optimization) ----------
     def step_schedulers(self, batch_idx: int) -> None:
         """Step the schedulers due after batch ``batch_idx``; queue the plateau ones for the
         next training step (they read validation metrics logged after this batch)."""

@@ -154,7 +154,6 @@ class FabricSAM:
                 " See docs/fabric.md."
             )
 
-    # -- the step --------------------------------------------------------------------------
     def step(self, loss_fn: Callable[[Any], Tensor], *batches: Any) -> StepResult:
         """One optimizer step of the method over ``batches`` (several: accumulated).
 
@@ -210,7 +209,6 @@ class FabricSAM:
                 self.fabric.clip_gradients(self.model, self.optimizer, clip_val=clip)
         self.optimizer.step()
 
-    # -- state, for fabric.save / fabric.load --------------------------------------------
     @property
     def name(self) -> str:
         return f"FabricSAM({self.spec.label})"

@@ -119,7 +119,6 @@ class SAMMixin:
             if inspect.isfunction(hook) and not getattr(hook, "_slsam_wrapped", False):
                 setattr(cls, name, wrap(hook))
 
-    # -- optimization mode ---------------------------------------------------------
     @property
     def automatic_optimization(self) -> bool:
         """``False`` while a SAM callback is attached (the mixin steps), else ``True``."""

@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 
-#: The same, name -> (annotation, default).
+#: The fields of :class:`LightningOptions`, name -> (annotation, default).
 LIGHTNING_OPTIONS: dict[str, tuple[Any, Any]] = {
     f.name: (f.type, f.default) for f in fields(LightningOptions)
 }

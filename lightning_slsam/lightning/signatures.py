@@ -95,13 +95,9 @@ def options_class(cls: _C) -> _C:
 
 
 class ChecksOptions:
-    """A base whose ``__new__`` refuses an unknown option with the closest valid one, and
-    whose ``repr`` shows the options given that differ from the defaults. Example:
-    :func:`options_class`.
-
-    The check lives in a base's ``__new__`` because jsonargparse reads a class's own
-    ``__new__`` as its signature.
-    """
+    """A base whose ``__new__`` refuses an unknown option with the closest valid one (in a base:
+    jsonargparse reads a class's own ``__new__`` as its signature), and whose ``repr`` shows the
+    options given that differ from the defaults. Example: :func:`options_class`."""
 
     def __new__(cls: type[_T], *args: Any, **kwargs: Any) -> _T:
         if kwargs:
