@@ -9,6 +9,7 @@ from typing import Any
 from torch import Tensor
 from transformers import TrainerCallback
 
+from lightning_slsam.methods.options import check_int
 from lightning_slsam.monitor.forgetting import ForgettingProbe, Forward
 
 __all__ = ["ForgettingCallback"]
@@ -38,12 +39,7 @@ class ForgettingCallback(TrainerCallback):
     def __init__(self, trainer: Any, reference: list[Tensor] | list[Mapping[str, Tensor]],
                  every_n_steps: int = 50, top_k: int = 64,
                  forward: Forward | None = None) -> None:  # fmt: skip
-        if (
-            not isinstance(every_n_steps, int)
-            or isinstance(every_n_steps, bool)
-            or (every_n_steps < 1)
-        ):
-            raise ValueError(f"`every_n_steps` must be an integer >= 1, got {every_n_steps!r}.")
+        check_int("every_n_steps", every_n_steps, 1)
         self.trainer = trainer
         self.probe = ForgettingProbe(trainer.model, reference, top_k=top_k, forward=forward)
         self.every_n_steps = every_n_steps

@@ -7,8 +7,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
-from torch import Tensor
+from torch import Tensor, nn
 
+from lightning_slsam.methods.options import check_int
 from lightning_slsam.monitor.forgetting import ForgettingProbe, Forward
 
 __all__ = ["ForgettingMonitor"]
@@ -62,14 +63,9 @@ class ForgettingMonitor(pl.Callback):
                  every_n_steps: int = 50, top_k: int = 64,
                  forward: Forward | None = None) -> None:  # fmt: skip
         super().__init__()
-        if (
-            not isinstance(every_n_steps, int)
-            or isinstance(every_n_steps, bool)
-            or (every_n_steps < 1)
-        ):
-            raise ValueError(f"`every_n_steps` must be an integer >= 1, got {every_n_steps!r}.")
+        check_int("every_n_steps", every_n_steps, 1)
         # Checks the arguments now; the probe is bound to the model at fit start.
-        ForgettingProbe(_Unbound(), reference, top_k=top_k, forward=forward)  # type: ignore[arg-type]
+        ForgettingProbe(nn.Module(), reference, top_k=top_k, forward=forward)
         self.reference, self.every_n_steps, self.top_k = reference, every_n_steps, top_k
         self.forward = forward
         self.probe: ForgettingProbe | None = None
@@ -131,9 +127,3 @@ class ForgettingMonitor(pl.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = list(state_dict.get("history", []))
         self._saved_start = state_dict.get("start")
-
-
-class _Unbound:
-    """Stands for the model while the arguments are checked at construction."""
-
-    training = False
