@@ -31,8 +31,8 @@ import sys
 
 import torch
 
+from examples.report import rank_correlation
 from lightning_slsam.core.engine import normalized_entropy
-from lightning_slsam.core.record import rank_correlation
 from lightning_slsam.selection.bandit import LayerBandit, kl_projection
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -46,10 +46,9 @@ import yaml
 from lightning.pytorch.callbacks import Callback
 
 from examples.methods import registered
-from examples.report import plot, plot_selection, render, summarize
+from examples.report import plot, plot_selection, rank_correlation, render, summarize
 from lightning_slsam.cli.checks import callback_entry, command_line_value, resolve_callback
 from lightning_slsam.core.engine import normalized_entropy
-from lightning_slsam.core.record import rank_correlation
 from lightning_slsam.lightning.callback import SAMCallback
 from lightning_slsam.lightning.callbacks import METHODS, class_path, make_callbacks
 from lightning_slsam.lightning.driver import find_sam_callback

@@ -3,13 +3,37 @@ the metric-against-active-ratio plot and the selection plots, from the runs' rec
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["mean_std", "plot", "plot_selection", "render", "selection_figure", "summarize"]
+__all__ = ["mean_std", "plot", "plot_selection", "rank_correlation", "render", "selection_figure",
+           "summarize"]  # fmt: skip
+
+
+def rank_correlation(x: Tensor, y: Tensor) -> float:
+    """Spearman's rank correlation, NaNs left out; NaN if under two remain or one is constant."""
+    x, y = x.double().flatten(), y.double().flatten()
+    keep = ~(torch.isnan(x) | torch.isnan(y))
+    x, y = x[keep], y[keep]
+    if x.numel() < 2:
+        return math.nan
+    rx, ry = _ranks(x), _ranks(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    denom = math.sqrt(float((rx * rx).sum()) * float((ry * ry).sum()))
+    return float((rx * ry).sum()) / denom if denom > 0 else math.nan
+
+
+def _ranks(values: Tensor) -> Tensor:
+    _, inverse, counts = torch.unique(values, return_inverse=True, return_counts=True)
+    below = (torch.cumsum(counts, 0) - counts).double()
+    return below[inverse] + (counts[inverse].double() - 1.0) / 2.0
 
 
 def _stats(values: list[float]) -> tuple[float, float | None]:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RATIO_METRIC", "RECORD_STEM", "ROLES", "FixedTensor", "common_affixes", "fit_message",
            "fit_summary", "fixed_tensors", "fresh_stem", "layer_frequency_figure", "layers_line",
-           "newest_chart", "out_of_sampling", "plot_layer_frequency", "rank_correlation",
+           "newest_chart", "out_of_sampling", "plot_layer_frequency",
            "ratio_label", "record_dir", "short_labels", "write_layer_frequency_csv",
            "write_record"]  # fmt: skip
 
@@ -33,25 +33,6 @@ ROLES = ("sampled", "always_active", "always_frozen")
 
 #: A tensor taken out of sampling: (name, parameter count, role), role one of ``ROLES[1:]``.
 FixedTensor = tuple[str, int, str]
-
-
-def rank_correlation(x: Tensor, y: Tensor) -> float:
-    """Spearman's rank correlation, NaNs left out; NaN if under two remain or one is constant."""
-    x, y = x.double().flatten(), y.double().flatten()
-    keep = ~(torch.isnan(x) | torch.isnan(y))
-    x, y = x[keep], y[keep]
-    if x.numel() < 2:
-        return math.nan
-    rx, ry = _ranks(x), _ranks(y)
-    rx, ry = rx - rx.mean(), ry - ry.mean()
-    denom = math.sqrt(float((rx * rx).sum()) * float((ry * ry).sum()))
-    return float((rx * ry).sum()) / denom if denom > 0 else math.nan
-
-
-def _ranks(values: Tensor) -> Tensor:
-    _, inverse, counts = torch.unique(values, return_inverse=True, return_counts=True)
-    below = (torch.cumsum(counts, 0) - counts).double()
-    return below[inverse] + (counts[inverse].double() - 1.0) / 2.0
 
 
 def write_layer_frequency_csv(path: str, names: Sequence[str], numel: Sequence[int],

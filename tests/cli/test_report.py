@@ -1,14 +1,18 @@
-"""The plots of `python -m examples.compare`'s report (:mod:`examples.report`)."""
+"""The plots and statistics of `python -m examples.compare`'s report (:mod:`examples.report`)."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
+import numpy as np
 import pytest
+import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from scipy.stats import spearmanr
 
-from examples.report import plot_selection
+from examples.report import plot_selection, rank_correlation
 
 
 @pytest.fixture
@@ -58,3 +62,17 @@ def test_selection_plot_has_whole_steps_and_counts_from_zero(tmp_path, saved_fig
 def test_selection_plot_needs_a_learning_selection(tmp_path):
     assert not plot_selection({"adamw": [{"floor_layers": []}]}, str(tmp_path / "none.png"))
     assert not (tmp_path / "none.png").exists()
+
+
+def test_rank_correlation_matches_scipy_with_ties_and_skips_nan():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n = int(rng.integers(3, 40))
+        x = rng.integers(0, 6, size=n).astype(float)  # many ties
+        y = x + rng.normal(size=n)
+        want = spearmanr(x, y).statistic
+        assert rank_correlation(torch.tensor(x), torch.tensor(y)) == pytest.approx(want, abs=1e-12)
+    x = torch.tensor([1.0, 2.0, math.nan, 4.0])
+    y = torch.tensor([10.0, 30.0, 5.0, 20.0])
+    assert rank_correlation(x, y) == pytest.approx(spearmanr([1, 2, 4], [10, 30, 20]).statistic)
+    assert math.isnan(rank_correlation(torch.ones(5), torch.arange(5.0)))

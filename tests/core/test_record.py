@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import csv
 import itertools
-import math
 import os
 import warnings
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import LitModel, loader, make_data, make_mlp, trainer
 from lightning.pytorch.loggers import CSVLogger
 from matplotlib.backends.backend_agg import FigureCanvasAgg
-from scipy.stats import spearmanr
 
 from lightning_slsam import ESAM, RST, SAM, SparseLayerSAM
 from lightning_slsam.core.engine import normalized_entropy
@@ -26,7 +23,6 @@ from lightning_slsam.core.record import (
     common_affixes,
     layer_frequency_figure,
     plot_layer_frequency,
-    rank_correlation,
     ratio_label,
     short_labels,
     write_layer_frequency_csv,
@@ -85,20 +81,6 @@ def test_metrics_logged_every_step_and_frequency_record(tmp_path):
         float(r["slsam/active_layers"]) for r in rows
     )
     assert os.path.getsize(cb.frequency_plot_path) > 10_000  # a real PNG chart
-
-
-def test_rank_correlation_matches_scipy_with_ties_and_skips_nan():
-    rng = np.random.default_rng(0)
-    for _ in range(50):
-        n = int(rng.integers(3, 40))
-        x = rng.integers(0, 6, size=n).astype(float)  # many ties
-        y = x + rng.normal(size=n)
-        want = spearmanr(x, y).statistic
-        assert rank_correlation(torch.tensor(x), torch.tensor(y)) == pytest.approx(want, abs=1e-12)
-    x = torch.tensor([1.0, 2.0, math.nan, 4.0])
-    y = torch.tensor([10.0, 30.0, 5.0, 20.0])
-    assert rank_correlation(x, y) == pytest.approx(spearmanr([1, 2, 4], [10, 30, 20]).statistic)
-    assert math.isnan(rank_correlation(torch.ones(5), torch.arange(5.0)))
 
 
 def test_normalized_entropy_bounds():

@@ -454,7 +454,7 @@ def test_shifted_loss_is_not_scale_free():
 def test_rank_loss_tracks_the_gradient_norms():
     """Sampling from the bandit, frequencies end up ordered like the layers' norms (the
     fixed point is p proportional to the norms), within a few hundred steps."""
-    from lightning_slsam.core.record import rank_correlation
+    from examples.report import rank_correlation
 
     n = 40
     rng = np.random.default_rng(3)
