@@ -1,17 +1,14 @@
 """lightning-slsam: Sparse Layer Sharpness-Aware Minimization for PyTorch Lightning.
 
 Add :class:`SAMMixin` to a LightningModule's bases and a method callback to the Trainer:
-:class:`SparseLayerSAM` (SL-SAM), or any method of the SL-SAM paper's comparison
-(:class:`SAM`, :class:`RandomSLSAM`, :class:`TopSLSAM`, :class:`S2SAM`, :class:`SLS2SAM`,
-:class:`RST`, :class:`ESAM`, :class:`SSAMF`, :class:`LookSAM`), Momentum-SAM
-(:class:`MomentumSAM`, SAM at one gradient per step), ARWP (:class:`ARWP`, random weight
-perturbation at one gradient per step), MESA (:class:`MESA`, a consistency term with the
-weights' moving average), SAF (:class:`SAF`, a consistency term with each sample's past
-logits) and the combinations beyond it
-(:class:`SLSAMRST`, :class:`SLSAMLookSAM`, :class:`CostAwareSLSAM`); :func:`make_callback`
-by name. In a Lightning Fabric loop, :class:`FabricSAM` runs any of them over the model and
-optimizer that ``fabric.setup`` returned; in a plain PyTorch loop, :func:`make_engine`.
-:class:`ForgettingMonitor` logs how much a language model forgets while it is fine-tuned.
+:class:`SparseLayerSAM` (SL-SAM), or any method of the SL-SAM paper's comparison (:class:`SAM`,
+:class:`RandomSLSAM`, :class:`TopSLSAM`, :class:`S2SAM`, :class:`SLS2SAM`, :class:`RST`,
+:class:`ESAM`, :class:`SSAMF`, :class:`LookSAM`), the one-gradient methods (:class:`MomentumSAM`,
+:class:`ARWP`, :class:`MESA`, :class:`SAF`) and the combinations beyond the paper
+(:class:`SLSAMRST`, :class:`SLSAMLookSAM`, :class:`CostAwareSLSAM`); :func:`make_callback` by name.
+In a Lightning Fabric loop, :class:`FabricSAM` runs any of them over the model and optimizer that
+``fabric.setup`` returned; in a plain PyTorch loop, :func:`make_engine`. :class:`ForgettingMonitor`
+logs how much a language model forgets while it is fine-tuned.
 
 A method of one's own is a :class:`MethodSpec` (or :class:`LayerSubsetSpec`) subclass,
 often with a :class:`LayerSelection` rule, added by :func:`register_method` and shelled by a
@@ -28,10 +25,8 @@ from lightning_slsam.methods.registry import make_engine, register_method
 from lightning_slsam.methods.spec import LayerSubsetSpec, MethodSpec
 from lightning_slsam.selection.rules import LayerSelection
 
-# The Lightning layer, imported on first use: importing Lightning pulls in torchmetrics, and
-# with it transformers and matplotlib when they are installed. ``import lightning_slsam``
-# stays light for plain-PyTorch users; ``from lightning_slsam import SparseLayerSAM`` (or a
-# CLI class path) loads it.
+# The Lightning layer, imported on first use: Lightning pulls in torchmetrics, and with it
+# transformers and matplotlib when they are installed.
 _LIGHTNING_MODULES = (
     "lightning_slsam.lightning.callbacks",
     "lightning_slsam.lightning.callback",

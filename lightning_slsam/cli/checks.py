@@ -143,7 +143,6 @@ Listed = list[tuple[str, dict[str, Any]]]  # (where, {class_path, init_args}) pe
 def stacked(earlier: Listed, later: Listed) -> Listed:
     """The callbacks of two stacked ``--config`` files: the later file's follow the
     earlier's, each replacing one of its class, a SAM callback any earlier SAM callback.
-    Items are ``(where, {class_path, init_args})``.
 
     Example:
         >>> task = [("task.yaml", callback_entry("my.Monitor"))]

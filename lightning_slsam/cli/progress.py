@@ -39,8 +39,7 @@ class LineProgress(ProgressBar):
     progress bar's metrics; after each validation, its metrics.
 
     Args:
-        every: a line each time the run passes another ``every`` of its planned steps
-            (default 0.1).
+        every: a line each time the run passes another ``every`` of its planned steps (default 0.1).
         seconds: and a line ``seconds`` after the last one, if that comes first (default 30).
     """
 

@@ -130,8 +130,7 @@ class RottenTomatoesDataModule(L.LightningDataModule):
         batch_size: sentences per training batch (>= 1; validation: twice); default 32.
         max_length: truncation length in tokens (>= 2, with [CLS]/[SEP]); default 64.
         val_fraction: fraction held out for validation, in (0, 1); default 0.15.
-        num_train: keep only the first this many training sentences (>= 1); ``None``
-            (default) keeps all.
+        num_train: keep only the first this many training sentences (>= 1); ``None`` (default): all.
         num_val: the same cap for the validation sentences (and the test sentences).
         test_fraction: fraction held out as a test split, logged as ``test_acc`` at every
             validation, in [0, 1) (with ``val_fraction`` under 1); default 0: none.

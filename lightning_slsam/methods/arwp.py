@@ -2,9 +2,8 @@
 Generalization", TMLR): one pass per step, at the weights moved by Gaussian noise. Each row
 ``f`` of a weight (a filter, a linear layer's output unit; a vector is one row, with ``F``
 per element) draws ``eps_f ~ N(0, (sigma_t ||w_f||)^2 / (1 + eta F_f))``, ``F <- beta F + g^2``
-the running squared gradients and ``sigma_t`` :func:`noise_radius`. The noise comes from the
-method's own generator, alike on every process, and the true weights are restored bit for
-bit before the update. The defaults are the authors' CIFAR ones (``nblt/mARWP``).
+the running squared gradients and ``sigma_t`` :func:`noise_radius`. The defaults are the
+authors' CIFAR ones (``nblt/mARWP``).
 
 >>> import torch
 >>> net = torch.nn.Linear(4, 2)
@@ -150,9 +149,8 @@ class ARWPOptions(MethodOptions):
     Args:
         rho: the noise's standard deviation at the start, relative to each row's norm
             (> 0; default 0.001). It grows to ``rho * (1 + growth)``.
-        growth: how far the noise grows over the run (>= 0; default 10; 0: constant). Needs
-            the run's length (Lightning and ``SAMTrainer`` give it; else
-            ``engine.planned_steps``).
+        growth: how far the noise grows over the run (>= 0; default 10; 0: constant); needs
+            the run's length (set ``engine.planned_steps`` outside Lightning and ``SAMTrainer``).
         eta: how much ``F`` shrinks a row's noise (>= 0; default 0.1; 0: plain random weight
             perturbation).
         beta: ``F``'s decay, in [0, 1) (default 0.99).

@@ -1,9 +1,8 @@
 """MESA (Du et al., 2022, "Sharpness-Aware Training for Free", NeurIPS): SAM's flatness at
 one gradient per step, the loss plus :func:`consistency` (times ``weight``) between the
 logits the training step returns (``{"loss": loss, "logits": logits}``) and those of the
-weights' moving average ``avg <- decay * avg + (1 - decay) * w``, from one forward without
-gradients in evaluation mode, the true weights restored bit for bit before the training
-pass; from ``start`` of the run on (docs/methods.md#what-each-method-does-in-one-step).
+weights' moving average ``avg <- decay * avg + (1 - decay) * w`` (a forward in evaluation
+mode), from ``start`` of the run on (docs/methods.md#what-each-method-does-in-one-step).
 
 >>> import torch
 >>> net = torch.nn.Linear(4, 3)

@@ -1,9 +1,8 @@
 """Momentum-SAM (Becker, Altrock and Risse, 2024, "Momentum-SAM: Sharpness Aware
 Minimization without Computational Overhead"): one pass per step, at the weights moved
 against the optimizer's momentum, ``w - rho * m / ||m||`` (one norm over every tensor; ``m``
-AdamW's ``exp_avg`` as stored, or SGD's ``momentum_buffer``), undone bit for bit before the
-update; the first step, with no momentum yet, is plain. Where it departs from the authors'
-code: docs/methods.md#what-each-method-does-in-one-step.
+AdamW's ``exp_avg`` as stored, or SGD's ``momentum_buffer``); the first step is plain (no
+momentum yet). Departures from the authors' code: docs/methods.md#what-each-method-does-in-one-step.
 
 >>> import torch
 >>> net = torch.nn.Linear(4, 2)

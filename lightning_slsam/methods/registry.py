@@ -1,6 +1,5 @@
 """Every method by name: its specification class and the options the name implies.
 
-A method is one module of :mod:`lightning_slsam.methods` and one line of :data:`SPECS`;
 ``"slsam"`` is ``SparseLayerSAM()``, ``"slsam_paper"`` the SL-SAM paper's exact method.
 
 >>> spec = method_spec("slsam", layer_ratio=0.3)
@@ -46,8 +45,7 @@ __all__ = [
     "spec_from",
 ]
 
-#: Method name -> (specification class or ``None`` for plain AdamW, the options the name
-#: implies). One name per configuration: ``"slsam"`` is ``SparseLayerSAM()``.
+#: Method name -> (specification class or ``None`` for plain AdamW, the options the name implies).
 SPECS: dict[str, tuple[type[MethodSpec] | None, dict[str, Any]]] = {
     "adamw": (None, {}),
     "sam": (SAMSpec, {}),
@@ -145,10 +143,9 @@ def make_engine(name: str, module: torch.nn.Module, **options: Any) -> SAMEngine
 
 def register_method(spec_class: type[MethodSpec], **implied: Any) -> type[MethodSpec]:
     """Add a :class:`~lightning_slsam.methods.spec.MethodSpec` subclass under
-    ``spec_class.name``, known then to :func:`make_engine`,
-    :func:`~lightning_slsam.make_callback` and :data:`~lightning_slsam.METHODS` (docs:
-    "Write your own method"). ``implied``: options the name sets. Returns ``spec_class``
-    (usable as a decorator).
+    ``spec_class.name`` for :func:`make_engine`, :func:`~lightning_slsam.make_callback` and
+    :data:`~lightning_slsam.METHODS` (docs/extending.md); ``implied``: options the name sets.
+    Returns ``spec_class`` (usable as a decorator).
 
     Example:
         SAM on a uniformly drawn half of the layers, by name:

@@ -1,9 +1,7 @@
 """SAF (Du et al., 2022, "Sharpness-Aware Training for Free", NeurIPS): SAM's flatness at
 one gradient per step, the loss plus ``weight`` times the consistency term between each
-sample's logits and its logits ``delay`` visits (epochs) earlier (0 without them), kept in a
-CPU store of every training sample's last ``delay + 1`` (found by ``index``: the training
-step returns ``{"loss": loss, "logits": logits, "index": index}``; every process records
-every batch).
+sample's logits and its logits ``delay`` visits (epochs) earlier (0 without them), stored on
+the CPU by ``index`` (the training step returns ``{"loss": ..., "logits": ..., "index": ...}``).
 
 >>> import torch
 >>> net = torch.nn.Linear(4, 3)
@@ -148,8 +146,7 @@ class SAFOptions(MethodOptions):
     Args:
         weight: the consistency term's weight (>= 0; default 0.3; 0: plain training).
         tau: the softmax temperature (> 0; default 5).
-        delay: how many visits (epochs) back a sample's reference logits are, >= 1
-            (default 3).
+        delay: how many visits (epochs) back a sample's reference logits are, >= 1 (default 3).
         start_epoch: the visits (epochs) after which a sample gets the term, >= 0 (default
             5: the term from visit 6 on).
     """

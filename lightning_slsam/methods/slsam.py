@@ -104,7 +104,6 @@ class SLSAMSpec(SLSAMOptions, LayerSubsetSpec):
 
     def check_combined(self) -> None:
         super().check_combined()
-        # The floors alone must fit the budget: p_min * N <= layer_ratio * N for every N.
         if self.p_min > self.layer_ratio * (1.0 + REL_TOL):
             raise invalid("p_min", self.p_min, f"at most layer_ratio={self.layer_ratio:g} (the"
                           " floors alone would exceed the layer budget)")  # fmt: skip

@@ -36,8 +36,7 @@ class DepthCut(WrappedSelection, Seeded):
 
     Args:
         inner: the rule sampling above the cut (the bandit, for cost-aware SL-SAM).
-        depth: mean fraction of the layers back-propagation reaches, in (0, 1]; 1 disables
-            the cut.
+        depth: mean fraction of the layers back-propagation reaches, in (0, 1]; 1 disables the cut.
         generator: the cut's own CPU generator.
 
     Example:

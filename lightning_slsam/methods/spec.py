@@ -1,16 +1,13 @@
 """A method as a pure-PyTorch specification: a name plus validated options.
 
-A :class:`MethodSpec` holds one method's options, checked once, and builds its
-:class:`~lightning_slsam.core.engine.SAMEngine` (partition, selection, perturbation and
-:class:`~lightning_slsam.core.step.MethodParts`). The Lightning callbacks are thin shells
-over it; a plain PyTorch loop uses it directly::
+A :class:`MethodSpec` builds its :class:`~lightning_slsam.core.engine.SAMEngine`; the
+Lightning callbacks are thin shells over it, and a plain PyTorch loop uses it directly::
 
     engine = make_engine("slsam", model, layer_ratio=0.2)
     for batch in loader:
         engine.train_step(lambda: loss_fn(model, batch), optimizer)
 
-Each option is a field of its spec class with its check (:func:`option`); each method is a
-module of :mod:`lightning_slsam.methods`, known by name through
+Each option is a field with its check (:func:`option`); methods are known by name through
 :mod:`lightning_slsam.methods.registry`.
 """
 
@@ -108,15 +105,13 @@ LAYERS = Rule(
 
 @dataclass(kw_only=True, eq=False)
 class MethodOptions:
-    """The options every method takes: fields only, shared by :class:`MethodSpec` (which
-    checks them) and the Lightning callbacks (whose ``__init__`` is the dataclass one).
+    """The options every method takes (checked by :class:`MethodSpec`).
 
     Args:
         rho: SAM perturbation radius (> 0; default 0.01, the SL-SAM paper's). With
             ``adaptive=True`` it is relative to the weights (ASAM's reference: 0.5).
         adaptive: ASAM's weight-scaled perturbation ``rho * T_w^2 g / ||T_w g||``,
-            ``T_w = |w| + 0.01`` on weight tensors and 1 on biases (Kwon et al., 2021);
-            default ``False``.
+            ``T_w = |w| + 0.01`` (1 on biases; Kwon et al., 2021); default ``False``.
         perturbation_norm: ``"global"`` (default; one norm over all perturbed tensors,
             as SAM) or ``"layer"`` (one norm per layer, as SL-SAM's Algorithm 1 reads).
         layers: what a layer is: ``"tensor"`` (default, paper), ``"module"``, a list of
@@ -125,8 +120,7 @@ class MethodOptions:
         always_active: regular expressions of parameter names trained every step.
         always_frozen: regular expressions of parameter names never trained.
         seed: seed of the method's own generators (layer sampling, RST's coin); ``None``
-            (default) uses the seed given to ``seed_everything`` (``PL_GLOBAL_SEED``), else
-            ``torch.initial_seed()``.
+            (default): ``seed_everything``'s seed, else ``torch.initial_seed()``.
         bn_stats: which pass's BatchNorm running statistics a SAM step keeps:
             ``"first"`` (default; the unperturbed pass, as official SAM code),
             ``"second"`` or ``"both"`` (updated twice, as the SL-SAM reference code).
@@ -158,9 +152,7 @@ class MethodOptions:
 
 @dataclass(kw_only=True, eq=False)
 class MethodSpec(MethodOptions):
-    """A method: its options (:class:`MethodOptions`), each checked by its :func:`option`
-    rule (a bad value's message names :attr:`label`), and how it builds its engine (SAM on
-    every layer when used as is).
+    """A method: its checked options and how it builds its engine (as is: SAM on every layer).
 
     Example:
         >>> import torch
@@ -180,9 +172,8 @@ class MethodSpec(MethodOptions):
     label: ClassVar[str] = "SAM"
     #: Whether the layers a step trains vary (each compiled region is then one layer).
     samples_layers: ClassVar[bool] = False
-    #: How a method that does not ascend along the gradient moves the weights (a clause for
-    #: the message, e.g. ``"ARWP draws its move, scaled by each row's norm"``); such a method
-    #: refuses ``adaptive`` and ``perturbation_norm``, and ``rho`` too unless ``rho`` sizes it.
+    #: How a method that does not ascend along the gradient moves the weights (a clause for its
+    #: message); it refuses ``adaptive``, ``perturbation_norm`` and (unless sized by it) ``rho``.
     own_move: ClassVar[str | None] = None
     #: Whether ``rho`` sizes the method (``False``: it perturbs nothing).
     sized_by_rho: ClassVar[bool] = True
@@ -200,7 +191,6 @@ class MethodSpec(MethodOptions):
         return [f.name for f in fields(cls) if f.init]  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
-        # Each option's rule, then the rules between options; then the options are fixed.
         try:
             for f in fields(self):
                 if f.init and "rule" in f.metadata:
@@ -265,9 +255,8 @@ class MethodSpec(MethodOptions):
     def coverage_warning(
         self, engine: SAMEngine, steps: float, name: str | None = None
     ) -> str | None:
-        """The warning for a run with ``steps`` steps left whose sampled layers can expect
-        too few updates (:mod:`lightning_slsam.selection.coverage`), said by ``name``
-        (default: :attr:`label`); ``None`` here, as every layer trains."""
+        """The warning, said by ``name`` (default :attr:`label`), for a run of ``steps`` more
+        steps whose sampled layers expect too few updates; ``None`` here (every layer trains)."""
         return None
 
     def options(self) -> dict[str, Any]:
@@ -297,11 +286,9 @@ class MethodSpec(MethodOptions):
     def follow_trainable(
         self, engine: SAMEngine, module: torch.nn.Module, warn: Warn = warnings.warn
     ) -> tuple[SAMEngine, str]:
-        """``engine`` carried over to ``module``'s current trainable set (after, say,
-        ``BackboneFinetuning`` switched ``requires_grad``), and a sentence saying what
-        changed. New tensors join the layers, frozen ones leave, the rest keep their state
-        (:meth:`~lightning_slsam.core.engine.SAMEngine.carry_state`) and the generators
-        continue."""
+        """``engine`` carried over to ``module``'s current trainable set (e.g. after
+        ``BackboneFinetuning``), the kept tensors with their state, and a sentence saying what
+        changed."""
         old, partition = engine.partition, self.partition(module, warn)
         new = self.build_engine(module, seed=0, partition=partition, warn=warn)
         state = new.carry_state(engine.state_dict(), old.names, old.tensor_names())
@@ -370,8 +357,7 @@ class LayerSubsetSpec(LayerSubsetOptions, MethodSpec):
     :meth:`~MethodSpec.setting`) and a ``preset`` option choosing one.
 
     Example:
-        SAM on a uniformly drawn ``layer_ratio`` of the layers, as a method of one's own
-        (the ``Args:`` of its docstring document its options for ``help`` and the CLI):
+        SAM on a uniformly drawn ``layer_ratio`` of the layers, as a method of one's own:
 
         >>> import torch
         >>> from typing import ClassVar

@@ -28,8 +28,7 @@ __all__ = ["FisherMask", "SSAMFOptions", "SSAMFSpec"]
 class FisherMask(MethodParts):
     """SSAM-F's mask: the top ``1 - sparsity`` of all coordinates by the sum of squared
     per-sample gradients over ``fisher_samples`` samples of the batch, recomputed every
-    ``mask_interval`` optimizer steps (the first included). Under FSDP2, which averages every
-    backward, each process's samples are taken in turn, the others scaling their loss by 0.
+    ``mask_interval`` optimizer steps (the first included).
 
     Example:
         >>> import torch
@@ -129,8 +128,8 @@ class FisherMask(MethodParts):
 def _sample_sources(
     fb: PassRunner, group: Any, count: int, device: torch.device
 ) -> tuple[int, list[float | None]]:
-    """FSDP2: the per-sample count every process can serve, and this process's loss scale
-    for each source process (1 for itself, 0 for the others)."""
+    """FSDP2, which averages every backward: the per-sample count every process can serve,
+    and this process's loss scale for each source process (1 for itself, 0 for the others)."""
     if "loss_scale" not in inspect.signature(fb).parameters:
         raise ValueError(
             "SSAM-F under FSDP2 needs a forward_backward callable with a `loss_scale`"

@@ -1,11 +1,10 @@
 """How far a causal language model has moved from itself on reference text:
 :class:`ForgettingProbe`.
 
-It measures ``loss`` and ``accuracy`` (next-token cross-entropy and top-1 accuracy on the
-reference tokens) and ``kl``, the mean ``KL(p_start || p_now)`` from the distributions kept
-at :meth:`~ForgettingProbe.start`: per token, the ``top_k`` most likely next tokens and the
-mass of the rest, so the KL is exact when ``top_k`` covers the vocabulary and a lower bound
-otherwise. See docs/forgetting.md.
+It measures ``loss`` and ``accuracy`` (next-token cross-entropy and top-1 accuracy) and ``kl``,
+the mean ``KL(p_start || p_now)`` over the ``top_k`` most likely next tokens kept at
+:meth:`~ForgettingProbe.start` and the mass of the rest: exact when ``top_k`` covers the
+vocabulary, else a lower bound. See docs/forgetting.md.
 
 >>> import torch
 >>> torch.manual_seed(0)
@@ -52,8 +51,7 @@ def _default_forward(model: nn.Module, batch: dict[str, Tensor]) -> Any:
 def reference_windows(token_ids: Iterable[int], length: int, batch_size: int,
                       max_windows: int | None = None) -> list[Tensor]:  # fmt: skip
     """Cut a token stream into batches of non-overlapping windows of ``length`` tokens
-    (``[batch_size, length]`` each; the last batch may be smaller), at most
-    ``max_windows`` windows.
+    (``[batch_size, length]`` each; the last batch may be smaller), at most ``max_windows`` windows.
 
     >>> [b.shape for b in reference_windows(range(100), 10, 4, max_windows=6)]
     [torch.Size([4, 10]), torch.Size([2, 10])]
