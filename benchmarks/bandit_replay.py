@@ -63,7 +63,7 @@ def record(task: str, path: str) -> None:
     import yaml
 
     from lightning_slsam import SAM
-    from lightning_slsam.methods.sam import SAMSpec
+    from lightning_slsam.methods.spec import MethodSpec
     from lightning_slsam.selection.rules import AllLayers
 
     config_path, epochs, _ = TASKS[task]
@@ -76,7 +76,7 @@ def record(task: str, path: str) -> None:
             trace.append(norms.clone())
             return False
 
-    class RecordingSpec(SAMSpec):
+    class RecordingSpec(MethodSpec):
         def selection(self, layers, generator):
             return Recorder(layers.num_layers)
 

@@ -32,8 +32,7 @@ from lightning_slsam.lightning.callbacks import callback_for, register_callback
 from lightning_slsam.lightning.signatures import options_class
 from lightning_slsam.methods.options import number
 from lightning_slsam.methods.registry import SPECS, register_method
-from lightning_slsam.methods.sam import SAMSpec
-from lightning_slsam.methods.spec import LayerSubsetOptions, option
+from lightning_slsam.methods.spec import LayerSubsetOptions, MethodSpec, option
 
 
 # -- the user's method: train the even-numbered layers, then the odd ones, and so on --------
@@ -230,7 +229,7 @@ class EveryOtherSAM(MethodParts):
         self.steps_run = state["every_other_steps_run"]
 
 
-class EveryOtherSpec(SAMSpec):
+class EveryOtherSpec(MethodSpec):
     name: ClassVar[str] = "every_other_sam"
     label: ClassVar[str] = "EveryOtherSAM"
 

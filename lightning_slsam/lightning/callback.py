@@ -63,7 +63,6 @@ from lightning_slsam.lightning.setup_checks import (
     prepare_compiled,
 )
 from lightning_slsam.lightning.signatures import ChecksOptions, options_class
-from lightning_slsam.methods.sam import SAMSpec
 from lightning_slsam.methods.spec import MethodOptions, MethodSpec, default_seed
 from lightning_slsam.selection.rules import LayerSelection
 
@@ -117,7 +116,7 @@ class SAMCallback(Callback, ChecksOptions, LightningOptions, MethodOptions):
     # The end-of-fit line; off where the lightning-slsam command prints its run summary.
     _fit_message: ClassVar[bool] = True
     #: The method's specification class (its options and how it builds its engine).
-    spec_class: ClassVar[type[MethodSpec]] = SAMSpec
+    spec_class: ClassVar[type[MethodSpec]] = MethodSpec
 
     @property
     def method(self) -> str:

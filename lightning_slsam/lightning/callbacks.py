@@ -24,7 +24,6 @@ from lightning_slsam.methods import (
     rst,
     s2sam,
     saf,
-    sam,
     sl_s2sam,
     slsam,
     slsam_depth,
@@ -34,7 +33,7 @@ from lightning_slsam.methods import (
     top_slsam,
 )
 from lightning_slsam.methods.registry import SPECS, lookup
-from lightning_slsam.methods.spec import MethodSpec, Preset
+from lightning_slsam.methods.spec import LayerSubsetOptions, MethodSpec, Preset
 from lightning_slsam.selection.rules import WrappedSelection
 
 
@@ -52,7 +51,7 @@ class SAM(SAMCallback):
         ValueError: SAM: `rho` must be a finite number > 0 (the SAM radius; ...), got -1.
     """
 
-    spec_class = sam.SAMSpec
+    spec_class = MethodSpec
 
 
 @options_class
@@ -115,7 +114,7 @@ class RandomSLSAM(SAMCallback, random_slsam.RandomSLSAMOptions):
 
 
 @options_class
-class TopSLSAM(SAMCallback, top_slsam.TopSLSAMOptions):
+class TopSLSAM(SAMCallback, LayerSubsetOptions):
     """Top-SL-SAM, the SL-SAM paper's greedy ablation: after a full first pass, SAM's ascent,
     second pass and update on the ``k = max(1, round(layer_ratio * N))`` layers of largest
     gradient norm. No exploration: ``slsam/never_selected`` logs the layers never selected.
@@ -344,8 +343,7 @@ def register_callback(cls: _Callback) -> _Callback:
     :data:`METHODS`; returns ``cls``, so it works as a decorator.
 
     Example:
-        >>> from lightning_slsam.methods.sam import SAMSpec
-        >>> class EchoSpec(SAMSpec):
+        >>> class EchoSpec(MethodSpec):
         ...     pass
         >>> @register_callback
         ... @options_class

@@ -21,7 +21,6 @@ from lightning_slsam.methods.random_slsam import RandomSLSAMSpec
 from lightning_slsam.methods.rst import RSTSpec
 from lightning_slsam.methods.s2sam import S2SAMSpec
 from lightning_slsam.methods.saf import SAFSpec
-from lightning_slsam.methods.sam import SAMSpec
 from lightning_slsam.methods.sl_s2sam import SLS2SAMSpec
 from lightning_slsam.methods.slsam import SLSAMSpec
 from lightning_slsam.methods.slsam_depth import CostAwareSLSAMSpec
@@ -48,7 +47,7 @@ __all__ = [
 #: Method name -> (specification class or ``None`` for plain AdamW, the options the name implies).
 SPECS: dict[str, tuple[type[MethodSpec] | None, dict[str, Any]]] = {
     "adamw": (None, {}),
-    "sam": (SAMSpec, {}),
+    "sam": (MethodSpec, {}),
     "slsam": (SLSAMSpec, {}),
     "slsam_paper": (SLSAMSpec, {"preset": "paper"}),
     "random_slsam": (RandomSLSAMSpec, {}),

@@ -11,10 +11,10 @@ import torch
 from torch import Tensor
 
 from lightning_slsam.core.partition import LayerPartition
-from lightning_slsam.methods.spec import LayerSubsetOptions, LayerSubsetSpec
+from lightning_slsam.methods.spec import LayerSubsetSpec
 from lightning_slsam.selection.rules import LayerSelection
 
-__all__ = ["TopKSelection", "TopSLSAMOptions", "TopSLSAMSpec"]
+__all__ = ["TopKSelection", "TopSLSAMSpec"]
 
 
 class TopKSelection(LayerSelection):
@@ -55,16 +55,7 @@ class TopKSelection(LayerSelection):
 
 
 @dataclass(kw_only=True, eq=False)
-class TopSLSAMOptions(LayerSubsetOptions):
-    """Top-SL-SAM's options.
-
-    Args:
-        layer_ratio: fraction of layers kept, in (0, 1]. Paper: 0.2.
-    """
-
-
-@dataclass(kw_only=True, eq=False)
-class TopSLSAMSpec(TopSLSAMOptions, LayerSubsetSpec):
+class TopSLSAMSpec(LayerSubsetSpec):
     """Top-SL-SAM: SAM on the ``k`` layers with the largest first-pass gradient norms."""
 
     name: ClassVar[str] = "top_slsam"

@@ -18,11 +18,11 @@ from lightning_slsam.methods.registry import (
 )
 from lightning_slsam.methods.rst import Coin
 from lightning_slsam.methods.s2sam import SingleStepParts
-from lightning_slsam.methods.sam import SAMSpec
 from lightning_slsam.methods.slsam import SLSAMSpec
 from lightning_slsam.methods.slsam_depth import CostAwareSLSAMSpec, DepthCut
 from lightning_slsam.methods.slsam_looksam import SLSAMLookSAMSpec
 from lightning_slsam.methods.slsam_rst import SLSAMRSTSpec
+from lightning_slsam.methods.spec import MethodSpec
 from lightning_slsam.methods.ssamf import FisherMask
 from lightning_slsam.methods.top_slsam import TopKSelection, TopSLSAMSpec
 from lightning_slsam.selection.bandit import LayerBandit
@@ -34,7 +34,7 @@ def test_lookup_ignores_case_and_dashes_and_suggests_the_closest_name():
     assert lookup("SLSAM-Paper") == (SLSAMSpec, {"preset": "paper"})
     assert lookup("Top-SLSAM") == (TopSLSAMSpec, {})
     assert lookup("slsam-looksam") == (SLSAMLookSAMSpec, {})
-    assert lookup("sam") == (SAMSpec, {})
+    assert lookup("sam") == (MethodSpec, {})
     assert lookup("adamw") == (None, {})
     with pytest.raises(ValueError, match=r"Unknown method 'slsamm'\. Did you mean 'slsam'\?"):
         lookup("slsamm")

@@ -1,6 +1,6 @@
-"""SAM on every layer (:mod:`lightning_slsam.methods.sam`): its defaults, the steps it runs
-(the base :class:`~lightning_slsam.core.step.MethodParts`) and each step against an
-independent computation."""
+"""SAM on every layer (:class:`~lightning_slsam.methods.spec.MethodSpec` as is): its defaults,
+the steps it runs (the base :class:`~lightning_slsam.core.step.MethodParts`) and each step
+against an independent computation."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from probes import RHO, Recorder, gradients, setup_engine, shifted
 from lightning_slsam import SAM, SparseLayerSAM
 from lightning_slsam.core.perturbation import ASAM_ETA
 from lightning_slsam.core.step import STEP_KINDS, MethodParts
-from lightning_slsam.methods.sam import SAMSpec
+from lightning_slsam.methods.spec import MethodSpec
 
 
 def test_asam_radius_and_eta_defaults():
@@ -30,7 +30,7 @@ def test_asam_radius_and_eta_defaults():
 def test_sam_runs_a_sam_step_every_step():
     assert {MethodParts().kind(t) for t in range(10)} == {"sam"}
     assert set(STEP_KINDS) == {"sam", "plain", "reuse", "single"}
-    engine = SAMSpec().build_engine(torch.nn.Linear(4, 2), seed=0)
+    engine = MethodSpec().build_engine(torch.nn.Linear(4, 2), seed=0)
     assert type(engine.parts) is MethodParts and engine.selection.always_all
     assert engine.update_scale is None
 
