@@ -6,6 +6,8 @@ import json
 import os
 from typing import Any
 
+from lightning_slsam.methods.options import invalid
+
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
     """The rows of a JSON-lines file (one object per line), with a clear error if missing."""
@@ -25,3 +27,10 @@ def load_hub_dataset(*args: Any, **kwargs: Any) -> Any:
             ' "lightning-slsam[recipes]"`, or pass `data_dir` with local JSON-lines files.'
         ) from err
     return datasets.load_dataset(*args, **kwargs)
+
+
+def check_path(name: str, path: Any, folder: bool) -> Any:
+    """``None`` or an existing folder (``folder=True``) or file."""
+    if path is not None and not (os.path.isdir(path) if folder else os.path.isfile(path)):
+        raise invalid(name, path, f"None or an existing {'folder' if folder else 'file'}")
+    return path

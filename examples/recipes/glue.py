@@ -32,7 +32,7 @@ from torchmetrics import Metric
 from torchmetrics.classification import Accuracy, BinaryF1Score, BinaryMatthewsCorrCoef
 from torchmetrics.regression import PearsonCorrCoef
 
-from examples.recipes.common import load_hub_dataset, read_jsonl
+from examples.recipes.common import check_path, load_hub_dataset, read_jsonl
 from lightning_slsam.demo.common import (
     PaddingCollator,
     check_training,
@@ -40,7 +40,7 @@ from lightning_slsam.demo.common import (
     with_schedule,
 )
 from lightning_slsam.lightning.mixin import SAMMixin
-from lightning_slsam.methods.options import check_choice, check_int, check_number, check_path
+from lightning_slsam.methods.options import check_choice, check_int, check_number
 
 __all__ = ["GLUE_TASKS", "GLUEClassifier", "GLUEDataModule", "GLUETask"]
 

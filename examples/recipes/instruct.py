@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from examples.recipes.common import load_hub_dataset, read_jsonl
+from examples.recipes.common import check_path, load_hub_dataset, read_jsonl
 from examples.recipes.fsdp import full_state_dict, fully_shard_blocks
 from lightning_slsam.demo.common import (
     check_training,
@@ -34,7 +34,7 @@ from lightning_slsam.demo.common import (
     with_schedule,
 )
 from lightning_slsam.lightning.mixin import SAMMixin
-from lightning_slsam.methods.options import check_int, check_number, check_path
+from lightning_slsam.methods.options import check_int, check_number
 
 __all__ = ["CausalLMFineTuner", "InstructionDataModule", "encode_example"]
 

@@ -12,7 +12,7 @@ import functools
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
@@ -32,9 +32,6 @@ from lightning_slsam.lightning.compat import (
     gradient_scaler,
 )
 from lightning_slsam.parallel.ddp import GradientAverager
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["LightningOptions", "StepDriver", "driver_of", "find_sam_callback"]
 

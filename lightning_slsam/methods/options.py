@@ -20,7 +20,6 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
-import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,7 +33,6 @@ __all__ = [
     "check_flag",
     "check_int",
     "check_number",
-    "check_path",
     "invalid",
     "number",
     "one_of",
@@ -178,10 +176,3 @@ def check_number(
 def check_choice(name: str, value: Any, choices: Sequence[Any], hint: str = "") -> Any:
     """One of ``choices``; ``hint`` (e.g. what each choice means) ends the message."""
     return one_of(choices, hint)(name, value)
-
-
-def check_path(name: str, path: Any, folder: bool) -> Any:
-    """``None`` or an existing folder (``folder=True``) or file."""
-    if path is not None and not (os.path.isdir(path) if folder else os.path.isfile(path)):
-        raise invalid(name, path, f"None or an existing {'folder' if folder else 'file'}")
-    return path
