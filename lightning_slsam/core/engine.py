@@ -175,11 +175,12 @@ class SAMEngine:
                                      fresh=parts.fresh_directions)  # fmt: skip
             else:
                 passed = plain_step(ctx, mask, parts=parts, reuse=kind == "reuse", keep=keep)
-            outcome = commit(ctx, passed, inclusion, update_scale=self.update_scale,
-                             pool=self.perturbation.pool)  # fmt: skip
-            if outcome.norms is not None:  # the update was made
+            skip_reason, sent, norms = commit(
+                ctx, passed, inclusion, update_scale=self.update_scale, pool=self.perturbation.pool
+            )
+            if norms is not None:  # the update was made
                 if drawn:
-                    self.selection.update(passed.update_mask, outcome.norms)
+                    self.selection.update(passed.update_mask, norms)
                 if passed.kept is not None:  # the gradients as the optimizer used them
                     params, grads = passed.kept
                     if parts.reads_update_grads:
@@ -194,12 +195,11 @@ class SAMEngine:
         result = StepResult(
             passed.first[0], passed.active_mask, self.trainable_numel, kind,
             pass_numel=passed.pass_numel, extra_backward=extra.backward,
-            allreduce_bytes=extra.allreduce_bytes + passed.allreduce_bytes
-            + outcome.allreduce_bytes,
-            skipped=outcome.skip_reason is not None, skip_reason=outcome.skip_reason,
+            allreduce_bytes=extra.allreduce_bytes + passed.allreduce_bytes + sent,
+            skipped=skip_reason is not None, skip_reason=skip_reason,
             drawn=drawn, active_ratio=sum(n / total for n in passed.pass_numel),
         )  # fmt: skip
-        self.count(result, passed.update_mask, outcome.norms)
+        self.count(result, passed.update_mask, norms)
         return result
 
     def train_step(self, compute_loss: Callable[..., Tensor], optimizer: torch.optim.Optimizer,

@@ -1,5 +1,5 @@
 """What one pass of a SAM step may leave behind besides gradients (:class:`PassIsolation`):
-running statistics (:class:`RunningStats`) and dropout masks (:class:`RandomState`).
+running statistics (:class:`RunningStats`) and dropout masks (:func:`random_state`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
-__all__ = ["BN_STATS", "PassIsolation", "RandomState", "RunningStats", "StepIsolation",
-           "evaluating"]  # fmt: skip
+__all__ = ["BN_STATS", "PassIsolation", "RunningStats", "StepIsolation", "evaluating",
+           "random_state", "restore_random_state"]  # fmt: skip
 
 #: Which pass's running statistics a SAM step keeps.
 BN_STATS = ("first", "second", "both")
@@ -72,22 +72,19 @@ def evaluating(module: nn.Module) -> Iterator[None]:
             m.train(mode)
 
 
-class RandomState:
-    """The CPU random stream and, when CUDA is in use, the current device's."""
+def random_state() -> tuple[Tensor, Tensor | None]:
+    """The CPU random stream's state and, when CUDA is in use, the current device's."""
+    cpu = torch.get_rng_state()
+    in_use = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return cpu, torch.cuda.get_rng_state() if in_use else None
 
-    def __init__(self) -> None:
-        self.cpu = torch.get_rng_state()
-        self.cuda = (
-            torch.cuda.get_rng_state()
-            if torch.cuda.is_available() and torch.cuda.is_initialized()
-            else None
-        )
 
-    def restore(self) -> None:
-        """Rewind the streams to where they were at construction."""
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda)
+def restore_random_state(state: tuple[Tensor, Tensor | None]) -> None:
+    """Rewind the streams to ``state`` (from :func:`random_state`)."""
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
 
 
 class PassIsolation:
@@ -110,7 +107,7 @@ class PassIsolation:
         return StepIsolation(
             stats,
             before=stats.snapshot() if stats and self.bn_stats == "second" else None,
-            rng=RandomState() if self.replay_dropout else None,
+            rng=random_state() if self.replay_dropout else None,
             keep_first=self.bn_stats == "first",
         )
 
@@ -127,7 +124,7 @@ class StepIsolation:
 
     stats: RunningStats | None
     before: list[Tensor] | None
-    rng: RandomState | None
+    rng: tuple[Tensor, Tensor | None] | None  # random_state()
     keep_first: bool
     after_first: list[Tensor] | None = None
 
@@ -139,7 +136,7 @@ class StepIsolation:
     def extra_forward(self) -> Iterator[None]:
         """A forward that must leave neither statistics nor random streams changed."""
         if self.rng is not None:
-            self.rng.restore()
+            restore_random_state(self.rng)
         snapshot = self.stats.snapshot() if self.stats else None
         try:
             yield
@@ -151,7 +148,7 @@ class StepIsolation:
         if self.before is not None:
             self.stats.restore(self.before)  # type: ignore[union-attr]  # only the second counts
         if self.rng is not None:
-            self.rng.restore()  # the second pass draws the first pass's dropout masks
+            restore_random_state(self.rng)  # the second pass draws the first pass's dropout masks
 
     def step_done(self) -> None:
         if self.after_first is not None:

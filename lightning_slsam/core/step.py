@@ -25,9 +25,9 @@ from lightning_slsam.parallel.ddp import GradientAverager, average_grads
 from lightning_slsam.parallel.shards import Shards
 from lightning_slsam.selection.rules import LayerSelection
 
-__all__ = ["STEP_KINDS", "ExtraWork", "LoopHooks", "MethodParts", "Outcome", "Passed",
-           "StepContext", "StepKind", "StepResult", "commit", "gradient_pass", "plain_step",
-           "sam_step", "scale_update", "single_step"]  # fmt: skip
+__all__ = ["STEP_KINDS", "ExtraWork", "LoopHooks", "MethodParts", "Passed", "StepContext",
+           "StepKind", "StepResult", "commit", "gradient_pass", "plain_step", "sam_step",
+           "scale_update", "single_step"]  # fmt: skip
 
 #: The kinds a step can be: SAM's two passes, one plain pass, LookSAM's reuse, single-step SAM.
 StepKind = Literal["sam", "plain", "reuse", "single"]
@@ -243,20 +243,6 @@ class Passed:
     kept: tuple[list[Tensor], list[Tensor]] | None = None
 
 
-class Outcome(NamedTuple):
-    """How :func:`commit` ended a step.
-
-    Attributes:
-        skip_reason: why the update was skipped (``None``: it was made).
-        allreduce_bytes: bytes all-reduced doing so.
-        norms: if updated, the first pass's per-layer norms (float64, CPU, unscaled).
-    """
-
-    skip_reason: str | None
-    allreduce_bytes: int
-    norms: Tensor | None = None
-
-
 def gradient_pass(ctx: StepContext, active: list[Tensor], mask: Tensor,
                   subsets: list[Tensor] | None = None, sync: bool = True) -> _Pass:  # fmt: skip
     """One forward/backward on ``active``; under DDP averages gradients (``sync``) or norms."""
@@ -374,9 +360,15 @@ def _one_pass(out: _Pass, mask: Tensor, keep: bool) -> Passed:
 
 
 def commit(ctx: StepContext, passed: Passed, inclusion: Tensor | None, *,
-           update_scale: float | None, pool: BackupPool) -> Outcome:  # fmt: skip
+           update_scale: float | None,
+           pool: BackupPool) -> tuple[str | None, int, Tensor | None]:  # fmt: skip
     """End the step with one host transfer: the update, scaled by ``inclusion`` (``None``: no
-    scaling), or a skip. Scalars are averaged first, so every process decides alike."""
+    scaling), or a skip. Scalars are averaged first, so every process decides alike.
+
+    Returns:
+        why the update was skipped (``None``: it was made), the bytes all-reduced doing so,
+        and, if updated, the first pass's per-layer norms (float64, CPU, unscaled).
+    """
     loop, layers = ctx.loop, ctx.layers
     first, second, layer_norms = passed.first, passed.second, passed.layer_norms
     device = layer_norms.device
@@ -412,7 +404,7 @@ def commit(ctx: StepContext, passed: Passed, inclusion: Tensor | None, *,
         if scaled:
             update = functools.partial(scale_update, scaled, before, extra)
             loop.after_update(update) if loop.after_update is not None else update()
-        return Outcome(None, sent, host[k:].double())
+        return None, sent, host[k:].double()
     loop.zero_grad()
     warnings.warn(
         f"SL-SAM skipped step {ctx.step}: {reason}. Weights, optimizer state and"
@@ -421,7 +413,7 @@ def commit(ctx: StepContext, passed: Passed, inclusion: Tensor | None, *,
         stacklevel=3,
     )
     loop.optimizer_step(True)
-    return Outcome(reason, sent)
+    return reason, sent, None
 
 
 def scale_update(params: list[Tensor], before: list[Tensor], factors: list[float]) -> None:

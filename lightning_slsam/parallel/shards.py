@@ -107,18 +107,8 @@ class Shards:
 WHOLE = Shards()
 
 
-class _Layout:
-    """Which of a list of tensors are sharded, and the process group of their shards."""
-
-    def __init__(self, flags: list[bool], group: Any) -> None:
-        self.flags = flags
-        self.group = group
-        self._mask: dict[torch.device, Tensor] = {}
-
-    def mask(self, device: torch.device) -> Tensor:
-        if device not in self._mask:
-            self._mask[device] = torch.tensor(self.flags, dtype=torch.bool, device=device)
-        return self._mask[device]
+#: Which of a list of tensors are sharded, and the process group of their shards.
+_Layout = tuple[list[bool], Any]
 
 
 def _layout(tensors: Sequence[Tensor]) -> _Layout | None:
@@ -139,15 +129,17 @@ def _layout(tensors: Sequence[Tensor]) -> _Layout | None:
                 )
             group = mesh.get_group()
         flags.append(sharded)
-    return _Layout(flags, group) if group is not None else None
+    return (flags, group) if group is not None else None
 
 
 def _sum_over_shards(values: Tensor, layout: _Layout | None) -> Tensor:
     if layout is None or values.numel() == 0:
         return values
-    mask = layout.mask(values.device).view(-1, *[1] * (values.dim() - 1))
+    flags, group = layout
+    mask = torch.tensor(flags, dtype=torch.bool, device=values.device)
+    mask = mask.view(-1, *[1] * (values.dim() - 1))
     partial = torch.where(mask, values, torch.zeros_like(values))
-    dist.all_reduce(partial, group=layout.group)
+    dist.all_reduce(partial, group=group)
     return torch.where(mask, partial, values)
 
 
@@ -193,7 +185,7 @@ class FSDP2Shards(Shards):
 
     def group(self, tensors: Sequence[Tensor]) -> Any:
         layout = _layout(tensors)
-        return layout.group if layout is not None else None
+        return layout[1] if layout is not None else None
 
     def full(self, value: Tensor, param: Tensor) -> Tensor:
         dtensor = _dtensor_type()
@@ -252,9 +244,9 @@ def top_coordinates(values: Sequence[Tensor], keep: int, layout: _Layout | None)
         [[False, True, True], [True, False]]
     """
     device = values[0].device if values else torch.device("cpu")
-    world = dist.get_world_size(layout.group) if layout is not None else 1
-    rank = dist.get_rank(layout.group) if layout is not None else 0
-    flags = layout.flags if layout is not None else [False] * len(values)
+    flags, group = layout if layout is not None else ([False] * len(values), None)
+    world = dist.get_world_size(group) if layout is not None else 1
+    rank = dist.get_rank(group) if layout is not None else 0
     # Non-negative float32 compare like their int32 bit patterns (NaN counts as largest).
     bits = [v.detach().float().abs().nan_to_num(nan=float("inf")).reshape(-1).view(torch.int32)
             for v in values]  # fmt: skip
@@ -264,7 +256,7 @@ def top_coordinates(values: Sequence[Tensor], keep: int, layout: _Layout | None)
 
     def reduce(counts: Tensor) -> Tensor:
         if layout is not None:
-            dist.all_reduce(counts, group=layout.group)
+            dist.all_reduce(counts, group=group)
         return counts
 
     # The largest threshold t with at least `keep` coordinates >= t, 4 bits at a time.
@@ -283,7 +275,7 @@ def top_coordinates(values: Sequence[Tensor], keep: int, layout: _Layout | None)
                          + [int((flat > low).sum())], dtype=torch.int64, device=device)  # fmt: skip
     if layout is not None:
         gathered = [torch.zeros_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine, group=layout.group)
+        dist.all_gather(gathered, mine, group=group)
         table = torch.stack(gathered)  # [process, tensor + 1]
     else:
         table = mine[None]

@@ -15,7 +15,13 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_slsam import ESAM, SAM, SSAMF, make_engine
-from lightning_slsam.core.isolation import BN_STATS, PassIsolation, RandomState, RunningStats
+from lightning_slsam.core.isolation import (
+    BN_STATS,
+    PassIsolation,
+    RunningStats,
+    random_state,
+    restore_random_state,
+)
 
 
 class BNRecorder(L.Callback):
@@ -125,9 +131,9 @@ def test_running_stats_snapshot_restore_and_evaluate_without_changing_them():
 
 
 def test_random_state_rewinds_the_stream_and_the_engine_isolates_only_what_it_must():
-    state = RandomState()
+    state = random_state()
     first = torch.rand(3)
-    state.restore()
+    restore_random_state(state)
     assert torch.equal(torch.rand(3), first)
     # Nothing to isolate without running statistics or dropout replay.
     assert make_engine("sam", nn.Linear(4, 2)).isolation is None
