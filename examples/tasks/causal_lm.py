@@ -225,7 +225,7 @@ class RottenTomatoesLMDataModule(RottenTomatoesDataModule):
         if self.train_dataset is not None:
             return  # tokenised already (setup runs once per stage)
         texts, _ = load_rotten_tomatoes(self.csv_path or default_csv_path())
-        train_idx, val_idx, _ = self.split_indices(len(texts))
+        train_idx, val_idx = self.split_indices(len(texts))
         tokenizer = _tokenizer(_glassllm_files(self.language)[1])
         self.collate_fn = CausalLMCollator(tokenizer.pad_token_id)  # type: ignore[assignment]
         bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id

@@ -21,13 +21,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import Accuracy
 
-from lightning_slsam.demo.common import (
-    check_held_out,
-    log_held_out,
-    noisy_labels,
-    require,
-    split_rows,
-)
+from examples.tasks.held_out import check_held_out, log_held_out, noisy_labels
+from lightning_slsam.demo.common import require, split_rows
 from lightning_slsam.lightning.mixin import SAMMixin
 from lightning_slsam.methods.options import check_int
 

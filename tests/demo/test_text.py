@@ -122,8 +122,8 @@ def test_split_is_fixed_by_its_own_seed(stand_in_csv):
     other = datamodule(stand_in_csv, seed=4).split_indices(NUM_RT)
     assert first == again
     assert first != other
-    train, val, test = first
-    assert len(val) == 10 and not test and sorted(train + val) == list(range(NUM_RT))
+    train, val = first
+    assert len(val) == 10 and sorted(train + val) == list(range(NUM_RT))
 
 
 def test_length_grouped_sampler_keeps_batches_intact():

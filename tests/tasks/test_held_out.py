@@ -1,4 +1,4 @@
-"""The tasks' held-out splits and label noise (lightning_slsam.demo.common): a test split
+"""The tasks' held-out splits and label noise (examples.tasks.held_out): a test split
 beside validation, training labels replaced at a fixed rate by a generator of their own,
 the held-out labels untouched, every value checked at construction; the recorder reads the
 test metric where validation was best."""
@@ -14,10 +14,11 @@ import torch
 import yaml
 
 from examples.compare import RunRecorder
+from examples.tasks.held_out import noisy_labels
+from examples.tasks.text import RottenTomatoesDataModule
 from examples.tasks.vision import DigitsDataModule, MLPClassifier, ViTClassifier
 from lightning_slsam.cli.command import main
-from lightning_slsam.demo.common import noisy_labels, split_rows
-from lightning_slsam.demo.text import RottenTomatoesDataModule
+from lightning_slsam.demo.common import split_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
