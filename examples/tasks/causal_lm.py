@@ -27,6 +27,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 from torchmetrics.classification import Accuracy
 
+from examples.tasks.held_out import check_smoothing
 from lightning_slsam.demo.common import check_training, require, with_schedule
 from lightning_slsam.demo.text import (
     RottenTomatoesDataModule,
@@ -291,7 +292,7 @@ class CausalLMFineTuner(SAMMixin, L.LightningModule):
         check_number("learning_rate", learning_rate, "> 0", lambda v: v > 0)
         check_training(learning_rate, weight_decay, warmup_ratio)
         check_flag("pretrained", pretrained)
-        check_number("label_smoothing", label_smoothing, "in [0, 1)", lambda v: 0 <= v < 1)
+        check_smoothing(label_smoothing)
         self.save_hyperparameters()
         self.model, _ = load_glassllm(language, pretrained=pretrained)
         self.val_loss = MeanMetric()

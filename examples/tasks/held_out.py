@@ -10,7 +10,7 @@ from torch import Tensor
 
 from lightning_slsam.methods.options import check_number
 
-__all__ = ["HELD_OUT", "check_held_out", "log_held_out", "noisy_labels"]
+__all__ = ["HELD_OUT", "check_held_out", "check_smoothing", "log_held_out", "noisy_labels"]
 
 #: The held-out splits a task's validation loop runs, by dataloader index.
 HELD_OUT = ("val", "test")
@@ -53,3 +53,9 @@ def log_held_out(
     kw = {"on_epoch": True, "batch_size": size, "add_dataloader_idx": False}
     module.log(f"{split}_loss", loss, prog_bar=split == "val", **kw)
     module.log(f"{split}_acc", metric, prog_bar=True, **kw)
+
+
+def check_smoothing(value: float) -> None:
+    """``label_smoothing`` must be a number in [0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"`label_smoothing` must be a number in [0, 1), got {value!r}.")

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import Accuracy
 
-from examples.tasks.held_out import check_held_out, log_held_out, noisy_labels
+from examples.tasks.held_out import check_held_out, check_smoothing, log_held_out, noisy_labels
 from lightning_slsam.demo.common import require, split_rows
 from lightning_slsam.lightning.mixin import SAMMixin
 from lightning_slsam.methods.options import check_int
@@ -33,12 +33,6 @@ __all__ = [
     "ViTClassifier",
     "efficientnet_lite0",
 ]
-
-
-def check_smoothing(value: float) -> None:
-    """``label_smoothing`` must be a number in [0, 1)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-        raise ValueError(f"`label_smoothing` must be a number in [0, 1), got {value!r}.")
 
 
 _MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
